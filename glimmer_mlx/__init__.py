@@ -1,0 +1,10 @@
+"""glimmer-mlx: an MLX-native runtime for Muse Glimmer with lossless speculative decoding."""
+
+from .generate import GenerationResult, GenerationStats, generate, stream_generate
+from .loading import CheckpointError, load
+from .sampling import Sampler, SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = ["load", "generate", "stream_generate", "GenerationResult", "GenerationStats", "CheckpointError",
+           "SamplingParams", "Sampler", "__version__"]

@@ -1,0 +1,128 @@
+"""Key/value caches with one contract for every layer type: `offset`, `update(k, v)`, `rewind(n)`.
+
+`KVCache(window=None)` keeps every row (global layers). `KVCache(window=W)` is a sliding-window cache for local
+layers: it keeps only the rows the window can still see plus `max_rewind` spare rows, so memory stays bounded by
+the window *and* the cache can be rewound by up to `max_rewind` tokens at any length, also after the window has
+wrapped (unlike mlx-lm's `RotatingKVCache`, which silently refuses to trim once `offset >= max_size`).
+
+`update` returns the keys/values the new queries may attend to together with the boolean mask for them, built from
+absolute positions; callers never special-case a cache type.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+DEFAULT_MAX_REWIND = 64
+
+
+class CacheRewindError(RuntimeError):
+    pass
+
+
+class KVCache:
+    step = 256
+
+    def __init__(self, window: int | None = None, max_rewind: int = DEFAULT_MAX_REWIND):
+        self.window = window
+        self.max_rewind = max_rewind
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0  # absolute number of tokens seen
+        self.start = 0  # absolute position of buffer row 0
+
+    @property
+    def rows(self) -> int:
+        return self.offset - self.start
+
+    @property
+    def retained(self) -> int | None:
+        """Rows kept from the past when compacting (None: keep everything)."""
+        return None if self.window is None else self.window - 1 + self.max_rewind
+
+    def _reserve(self, L: int, like_k: mx.array, like_v: mx.array) -> None:
+        n = self.rows
+        cap = 0 if self.keys is None else self.keys.shape[2]
+        if n + L <= cap:
+            return
+        keep = n if self.retained is None else min(n, self.retained)
+        if keep + L <= cap:  # sliding window: drop rows the window can no longer see, in place
+            self.keys[..., :keep, :] = self.keys[..., n - keep : n, :]
+            self.values[..., :keep, :] = self.values[..., n - keep : n, :]
+        else:
+            new_cap = ((keep + L + self.step - 1) // self.step) * self.step
+            B, H, _, Dk = like_k.shape
+            nk = mx.zeros((B, H, new_cap, Dk), like_k.dtype)
+            nv = mx.zeros((B, H, new_cap, like_v.shape[3]), like_v.dtype)
+            if keep:
+                nk[..., :keep, :] = self.keys[..., n - keep : n, :]
+                nv[..., :keep, :] = self.values[..., n - keep : n, :]
+            self.keys, self.values = nk, nv
+        self.start += n - keep
+
+    def update(self, k: mx.array, v: mx.array):
+        """Append `k, v` ([B, Hkv, L, D]); return (keys, values, mask) for the L new queries.
+
+        mask is None (attend to everything returned) or a bool array [L, N] (True = attend).
+        """
+        L = k.shape[2]
+        self._reserve(L, k, v)
+        n = self.rows
+        self.keys[..., n : n + L, :] = k
+        self.values[..., n : n + L, :] = v
+        q0 = self.offset  # absolute position of the first new query
+        self.offset += L
+        lo = 0
+        if self.window is not None:
+            lo = max(0, q0 - self.window + 1 - self.start)
+        keys = self.keys[..., lo : n + L, :]
+        values = self.values[..., lo : n + L, :]
+        if L == 1:
+            return keys, values, None
+        kpos = mx.arange(self.start + lo, self.offset)
+        qpos = mx.arange(q0, self.offset)[:, None]
+        mask = kpos[None, :] <= qpos
+        if self.window is not None:
+            mask = mask & (kpos[None, :] > qpos - self.window)
+        return keys, values, mask
+
+    def rewind(self, n: int) -> None:
+        """Forget the last `n` tokens."""
+        if n < 0 or n > self.offset:
+            raise CacheRewindError(f"cannot rewind {n} tokens from a cache holding {self.offset}")
+        if n == 0:
+            return
+        new_offset = self.offset - n
+        if self.window is not None and self.start > 0 and self.start > new_offset - (self.window - 1):
+            raise CacheRewindError(
+                f"sliding-window cache (window {self.window}) cannot rewind {n} tokens: it keeps "
+                f"{self.max_rewind} spare rows (max_rewind)"
+            )
+        if new_offset < self.start:
+            raise CacheRewindError(f"cannot rewind {n} tokens: rows before position {self.start} were evicted")
+        self.offset = new_offset
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [] if self.keys is None else [self.keys, self.values]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.state)
+
+
+def make_cache(cfg, max_rewind: int = DEFAULT_MAX_REWIND) -> list[KVCache]:
+    """One cache per decoder layer of a `TextConfig`."""
+    return [
+        KVCache(window=cfg.sliding_window if cfg.is_sliding(i) else None, max_rewind=max_rewind)
+        for i in range(cfg.num_hidden_layers)
+    ]
+
+
+def rewind_cache(cache: list[KVCache], n: int) -> None:
+    for c in cache:
+        c.rewind(n)
+
+
+def cache_offset(cache: list[KVCache]) -> int:
+    return cache[0].offset if cache else 0

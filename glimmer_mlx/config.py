@@ -1,0 +1,264 @@
+"""Hugging Face `config.json` → dataclasses for the Muse Glimmer text tower.
+
+Defaults and derived fields follow transformers' `MuseGlimmerTextConfig` exactly (reference doc §1.1): the layer
+pattern is counted backward from the last layer, the NoPE pattern is computed independently of `layer_types`, and
+an omitted `rope_parameters` means the default rope with theta 10000.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+class ConfigError(ValueError):
+    """A config.json that cannot describe a model this runtime knows how to run."""
+
+
+TEXT_MODEL_TYPES = ("muse_glimmer_text",)
+MULTIMODAL_MODEL_TYPES = ("muse_glimmer",)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu")
+
+
+@dataclass
+class TextConfig:
+    vocab_size: int = 202_048
+    hidden_size: int = 6656
+    intermediate_size: int = 19968
+    num_hidden_layers: int = 52
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 2
+    head_dim: int = 128
+    hidden_activation: str = "silu"
+    max_position_embeddings: int = 131_072
+    rms_norm_eps: float = 1e-5
+    post_norm_eps: float = 1e-8
+    rope_parameters: dict = field(default_factory=dict)
+    attention_bias: bool = False
+    sliding_window: int | None = 2048
+    layer_types: list[str] = field(default_factory=list)
+    layer_rope_theta: list[float] = field(default_factory=list)
+    final_logit_softcapping: float | None = 20.0
+    qk_scale_factor: float = 3.87
+    output_multiplier: float = 0.19611613513818404
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 200_000
+    eos_token_id: int | list[int] | None = 200_001
+    pad_token_id: int | None = None
+
+    @property
+    def n_rep(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def is_sliding(self, i: int) -> bool:
+        return self.layer_types[i] == "sliding_attention"
+
+    def uses_rope(self, i: int) -> bool:
+        return bool(self.layer_rope_theta[i])
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        e = self.eos_token_id
+        if e is None:
+            return []
+        return [int(e)] if isinstance(e, int) else [int(x) for x in e]
+
+
+@dataclass
+class ModelConfig:
+    """What the runtime needs from a checkpoint's config.json."""
+
+    model_type: str
+    text: TextConfig
+    vision: dict | None = None  # kept verbatim; the vision tower is a later issue
+    image_token_id: int = 200092
+    video_token_id: int = 200091
+    raw: dict = field(default_factory=dict, repr=False)
+    quantization: dict | None = None
+
+    @property
+    def has_vision(self) -> bool:
+        return self.vision is not None
+
+
+_TEXT_FIELDS = {f.name for f in dataclasses.fields(TextConfig)}
+_REQUIRED_TEXT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def normalize_rope_parameters(cfg: dict) -> dict:
+    """transformers' `standardize_rope_params` for a single global rope dict."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    if params and all(isinstance(v, dict) or v is None for v in params.values()):
+        raise ConfigError("per-layer-type rope_parameters are not supported by Muse Glimmer")
+    params.setdefault("rope_type", params.get("type", "default"))
+    params.pop("type", None)
+    theta = params.get("rope_theta", cfg.get("rope_theta"))
+    # MuseGlimmerTextConfig has no `default_theta`: an omitted theta becomes 10000 (reference doc §1.1).
+    params["rope_theta"] = float(theta if theta is not None else 10000.0)
+    if params["rope_type"] in ("llama3", "yarn"):
+        params.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings", 131_072))
+    return params
+
+
+def parse_text_config(d: dict, *, where: str = "config.json") -> TextConfig:
+    missing = [k for k in _REQUIRED_TEXT_FIELDS if k not in d]
+    if missing:
+        raise ConfigError(f"{where}: text config is missing required field(s) {missing}")
+    kwargs = {k: v for k, v in d.items() if k in _TEXT_FIELDS}
+    kwargs["rope_parameters"] = normalize_rope_parameters(d)
+    if kwargs.get("head_dim") is None:
+        kwargs["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+    if kwargs.get("hidden_activation") is None:
+        kwargs["hidden_activation"] = d.get("hidden_act", "silu")
+    cfg = TextConfig(**kwargs)
+    L = cfg.num_hidden_layers
+    if not cfg.layer_types:
+        cfg.layer_types = [
+            "full_attention" if (L - 1 - i) % 4 == 0 else "sliding_attention" for i in range(L)
+        ]
+    if not cfg.layer_rope_theta:
+        theta = cfg.rope_parameters["rope_theta"]
+        cfg.layer_rope_theta = [0 if (L - 1 - i) % 4 == 0 else theta for i in range(L)]
+    _validate_text(cfg, where)
+    return cfg
+
+
+def _validate_text(cfg: TextConfig, where: str) -> None:
+    L = cfg.num_hidden_layers
+    if len(cfg.layer_types) != L:
+        raise ConfigError(f"{where}: layer_types has {len(cfg.layer_types)} entries, expected {L}")
+    if len(cfg.layer_rope_theta) != L:
+        raise ConfigError(f"{where}: layer_rope_theta has {len(cfg.layer_rope_theta)} entries, expected {L}")
+    bad = sorted(set(cfg.layer_types) - {"full_attention", "sliding_attention"})
+    if bad:
+        raise ConfigError(f"{where}: unsupported layer type(s) {bad}")
+    if "sliding_attention" in cfg.layer_types and not cfg.sliding_window:
+        raise ConfigError(f"{where}: sliding_attention layers need a positive sliding_window")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ConfigError(
+            f"{where}: num_attention_heads ({cfg.num_attention_heads}) is not a multiple of "
+            f"num_key_value_heads ({cfg.num_key_value_heads})"
+        )
+    rt = cfg.rope_parameters["rope_type"]
+    if rt not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(f"{where}: rope_type {rt!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    if cfg.rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"{where}: partial_rotary_factor != 1 is not supported")
+    if cfg.hidden_activation not in SUPPORTED_ACTIVATIONS:
+        raise ConfigError(
+            f"{where}: hidden_activation {cfg.hidden_activation!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})"
+        )
+
+
+def parse_config(d: dict, *, where: str = "config.json") -> ModelConfig:
+    """Parse a top-level `muse_glimmer` config (with `text_config`) or a bare `muse_glimmer_text` config."""
+    mt = d.get("model_type")
+    if mt is None:
+        raise ConfigError(f"{where}: missing 'model_type'")
+    quant = d.get("quantization") or d.get("quantization_config")
+    if quant is not None and "bits" not in quant:
+        quant = None  # a foreign quantization_config (bitsandbytes, fp8…) that we do not read
+    if mt in MULTIMODAL_MODEL_TYPES and "text_config" not in d and "hidden_size" in d:
+        mt = "muse_glimmer_text"  # a flat text-only config (as mlx-lm writes it)
+    if mt in MULTIMODAL_MODEL_TYPES:
+        if "text_config" not in d:
+            raise ConfigError(f"{where}: model_type {mt!r} needs a 'text_config'")
+        text = parse_text_config(d["text_config"], where=f"{where} (text_config)")
+        return ModelConfig(
+            model_type=mt,
+            text=text,
+            vision=d.get("vision_config"),
+            image_token_id=d.get("image_token_id", 200092),
+            video_token_id=d.get("video_token_id", 200091),
+            raw=d,
+            quantization=quant,
+        )
+    if mt in TEXT_MODEL_TYPES:
+        return ModelConfig(model_type=d["model_type"], text=parse_text_config(d, where=where), raw=d, quantization=quant)
+    known = ", ".join(MULTIMODAL_MODEL_TYPES + TEXT_MODEL_TYPES)
+    raise ConfigError(f"{where}: unsupported model_type {mt!r} (this runtime loads: {known})")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# RoPE frequencies, identical to transformers' ROPE_INIT_FUNCTIONS for the supported types.
+
+
+def rope_inv_freq(cfg: TextConfig) -> tuple[np.ndarray, float]:
+    """Returns (inv_freq [head_dim/2] float32, attention_scaling)."""
+    p = cfg.rope_parameters
+    base = p["rope_theta"]
+    dim = cfg.head_dim
+    inv = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+    inv = inv.astype(np.float32)
+    rt = p["rope_type"]
+    if rt == "default":
+        return inv, 1.0
+    if rt == "linear":
+        return (inv / np.float32(p["factor"])).astype(np.float32), 1.0
+    if rt == "llama3":
+        factor, lo, hi = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+        old = p["original_max_position_embeddings"]
+        lo_wl, hi_wl = old / lo, old / hi
+        wl = 2 * math.pi / inv
+        out = np.where(wl > lo_wl, inv / factor, inv)
+        smooth = (old / wl - lo) / (hi - lo)
+        smoothed = (1 - smooth) * out / factor + smooth * out
+        medium = ~(wl < hi_wl) & ~(wl > lo_wl)
+        return np.where(medium, smoothed, out).astype(np.float32), 1.0
+    if rt == "yarn":
+        factor = p.get("factor")
+        orig = p["original_max_position_embeddings"]
+        if factor is None:
+            factor = cfg.max_position_embeddings / orig
+        attn = p.get("attention_factor")
+        mscale, mscale_all = p.get("mscale"), p.get("mscale_all_dim")
+
+        def get_mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if attn is None:
+            attn = get_mscale(factor, mscale) / get_mscale(factor, mscale_all) if (mscale and mscale_all) else get_mscale(factor)
+        beta_fast = p.get("beta_fast") or 32
+        beta_slow = p.get("beta_slow") or 1
+
+        def corr_dim(rot):
+            return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+        low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+        if p.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+        extra = 1 - ramp
+        pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+        inv_ex, inv_in = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+        return (inv_in * (1 - extra) + inv_ex * extra).astype(np.float32), float(attn)
+    raise ConfigError(f"rope_type {rt!r} is not supported")
+
+
+def text_param_counts(cfg: TextConfig) -> dict[str, int]:
+    D, I, V, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    attn = D * q * 2 + D * kv * 2 + q * D  # q, gate, k, v, o
+    if cfg.attention_bias:
+        attn += q + 2 * kv + D
+    per_layer = attn + 3 * D * I + 4 * D
+    return {
+        "embedding": V * D,
+        "layers": L * per_layer,
+        "final_norm": D,
+        "lm_head": 0 if cfg.tie_word_embeddings else V * D,
+    }
+
+
+def as_dict(obj: Any) -> dict:
+    return dataclasses.asdict(obj)

@@ -1,0 +1,273 @@
+"""Local folder or Hub repo id → config + safetensors (lazy, sharded) → sanitize → model.
+
+Every failure names the file and tensor involved and says what was expected and what was found.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .config import ConfigError, ModelConfig, parse_config
+from .models.glimmer import Model, VisionWeights, expected_vision_shapes
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be loaded; the message names the file/tensor and expected vs actual."""
+
+
+DTYPES = {"bf16": mx.bfloat16, "bfloat16": mx.bfloat16, "fp16": mx.float16, "float16": mx.float16,
+          "fp32": mx.float32, "float32": mx.float32}
+
+_ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2,
+                "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U64": 8}
+
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken", "README.md"]
+
+
+def parse_dtype(dtype) -> mx.Dtype | None:
+    if dtype is None or isinstance(dtype, mx.Dtype):
+        return dtype
+    try:
+        return DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of bf16, fp16, fp32") from None
+
+
+def resolve_path(path_or_repo: str | os.PathLike) -> Path:
+    """A local folder, or a Hub repo id downloaded (or found in the local cache) with huggingface-hub."""
+    p = Path(path_or_repo).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise CheckpointError(f"{p}: expected a checkpoint folder, found a file")
+        return p
+    s = str(path_or_repo)
+    if s.startswith((".", "/", "~")) or s.count("/") != 1:
+        raise CheckpointError(f"{s}: no such folder (and not a Hub repo id of the form 'owner/name')")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("", "0", "false", "no")
+    try:
+        return Path(snapshot_download(s, allow_patterns=HUB_PATTERNS, local_files_only=offline))
+    except LocalEntryNotFoundError:
+        if offline:
+            raise CheckpointError(
+                f"{s}: HF_HUB_OFFLINE is set and this repo is not in the local Hugging Face cache; "
+                "download it first or pass a local folder"
+            ) from None
+        raise CheckpointError(f"{s}: could not download from the Hub (no network?) and it is not cached") from None
+    except Exception as e:  # repository not found, gated, HTTP errors…
+        raise CheckpointError(f"{s}: could not fetch from the Hub: {type(e).__name__}: {e}") from None
+
+
+def read_json(path: Path) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: invalid JSON ({e})") from None
+
+
+def load_config(path: Path) -> ModelConfig:
+    cfg_path = path / "config.json"
+    if not cfg_path.exists():
+        raise CheckpointError(f"{path}: no config.json in the checkpoint folder")
+    try:
+        return parse_config(read_json(cfg_path), where=str(cfg_path))
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def read_safetensors_header(path: Path) -> dict[str, dict]:
+    """Parse and validate a safetensors header without loading data: {name: {dtype, shape, data_offsets}}."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, header length missing)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise CheckpointError(
+                f"{path}: corrupt or truncated safetensors header (header claims {n} bytes, file has {size - 8} "
+                "after the length prefix)"
+            )
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: corrupt safetensors header (not valid JSON: {e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (expected a JSON object)")
+    header.pop("__metadata__", None)
+    data_size = size - 8 - n
+    for name, info in header.items():
+        try:
+            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor '{name}'") from None
+        if end > data_size:
+            raise CheckpointError(
+                f"{path}: truncated: tensor '{name}' ends at byte {end} of the data section but the file holds "
+                f"only {data_size} data bytes"
+            )
+        item = _ST_ITEMSIZE.get(dtype)
+        if item is not None and end - begin != math.prod(shape) * item:
+            raise CheckpointError(
+                f"{path}: corrupt: tensor '{name}' of dtype {dtype} and shape {shape} needs "
+                f"{math.prod(shape) * item} bytes, header gives {end - begin}"
+            )
+    return header
+
+
+def weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        wm = read_json(index).get("weight_map")
+        if not isinstance(wm, dict) or not wm:
+            raise CheckpointError(f"{index}: no 'weight_map'")
+        files = sorted(set(wm.values()))
+        missing = [f for f in files if not (path / f).exists()]
+        if missing:
+            raise CheckpointError(f"{index}: shard(s) listed in the index are missing from {path}: {missing}")
+        return [path / f for f in files]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors weight files (and no model.safetensors.index.json)")
+    return files
+
+
+def load_weights(path: Path) -> dict[str, mx.array]:
+    """All tensors of a checkpoint, lazily (mx.load maps the files; nothing is read until evaluated)."""
+    files = weight_files(path)
+    index = path / "model.safetensors.index.json"
+    wm = read_json(index)["weight_map"] if index.exists() else None
+    weights: dict[str, mx.array] = {}
+    for f in files:
+        header = read_safetensors_header(f)
+        if wm is not None:
+            absent = [k for k, v in wm.items() if v == f.name and k not in header]
+            if absent:
+                raise CheckpointError(f"{f}: tensor(s) listed for this shard in the index are absent: {absent[:5]}")
+        try:
+            loaded = mx.load(str(f))
+        except Exception as e:
+            raise CheckpointError(f"{f}: could not read safetensors file: {e}") from None
+        dup = set(loaded) & set(weights)
+        if dup:
+            raise CheckpointError(f"{f}: tensor(s) also present in another shard: {sorted(dup)[:5]}")
+        weights.update(loaded)
+    return weights
+
+
+def _quantize_model(model: nn.Module, quant: dict, weights: dict[str, mx.array]) -> None:
+    """Turn Linear/Embedding modules into their quantized versions wherever the checkpoint has `.scales`
+    (mlx-lm's layout: global `group_size/bits/mode`, optional per-module overrides keyed by module path)."""
+
+    def predicate(p, m):
+        if not hasattr(m, "to_quantized"):
+            return False
+        if f"{p}.scales" not in weights:
+            return False
+        override = quant.get(p)
+        if isinstance(override, dict):
+            return override
+        return True
+
+    nn.quantize(
+        model,
+        group_size=quant.get("group_size", 64),
+        bits=quant["bits"],
+        mode=quant.get("mode", "affine"),
+        class_predicate=predicate,
+    )
+
+
+def check_weights(model: nn.Module, weights: dict[str, mx.array], where: Path) -> None:
+    expected = dict(tree_flatten(model.parameters()))
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected))
+    if missing:
+        raise CheckpointError(
+            f"{where}: missing tensor(s) {missing[:8]}{' …' if len(missing) > 8 else ''} "
+            f"({len(missing)} missing; checkpoint names are shown after mapping 'model.language_model.' → 'model.')"
+        )
+    if extra:
+        raise CheckpointError(f"{where}: unexpected tensor(s) {extra[:8]}{' …' if len(extra) > 8 else ''} ({len(extra)} extra)")
+    for k, v in expected.items():
+        if tuple(weights[k].shape) != tuple(v.shape):
+            raise CheckpointError(
+                f"{where}: tensor '{k}' has shape {tuple(weights[k].shape)}, expected {tuple(v.shape)} from config.json"
+            )
+
+
+def check_vision(config: ModelConfig, vision: dict[str, mx.array], where: Path) -> None:
+    if not vision:
+        return
+    if not config.has_vision:
+        raise CheckpointError(f"{where}: vision tensors present but config.json has no vision_config")
+    if config.quantization is not None:
+        return  # quantized vision layouts are checked by the vision tower when it loads them
+    expected = expected_vision_shapes(config)
+    missing = sorted(set(expected) - set(vision))
+    extra = sorted(set(vision) - set(expected))
+    if missing:
+        raise CheckpointError(f"{where}: missing vision tensor(s) {['model.' + k for k in missing[:8]]}")
+    if extra:
+        raise CheckpointError(f"{where}: unexpected vision tensor(s) {['model.' + k for k in extra[:8]]}")
+    for k, shape in expected.items():
+        if tuple(vision[k].shape) != shape:
+            raise CheckpointError(
+                f"{where}: tensor 'model.{k}' has shape {tuple(vision[k].shape)}, expected {shape} from config.json"
+            )
+
+
+def load_model(path: Path, dtype=None, *, lazy: bool = False) -> Model:
+    config = load_config(path)
+    dtype = parse_dtype(dtype)
+    text, vision = Model.sanitize(load_weights(path))
+    model = Model(config)
+    if config.text.tie_word_embeddings:
+        text.pop("lm_head.weight", None)
+    if config.quantization is not None:
+        _quantize_model(model, config.quantization, text)
+    check_weights(model, text, path)
+    check_vision(config, vision, path)
+    if dtype is not None:
+        text = {k: (v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in text.items()}
+        vision = {k: (v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in vision.items()}
+    model.load_weights(list(text.items()), strict=True)
+    model.vision_weights = VisionWeights(vision)
+    model.path = path
+    eos = set(config.text.eos_token_ids)
+    if (path / "generation_config.json").exists():
+        e = read_json(path / "generation_config.json").get("eos_token_id")
+        eos.update([e] if isinstance(e, int) else (e or []))
+    model.eos_token_ids = eos
+    if not lazy:
+        mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def load(path_or_repo, dtype=None, *, lazy: bool = False):
+    """`model, tokenizer = glimmer_mlx.load(path_or_repo, dtype=None)`.
+
+    dtype: None keeps the checkpoint's dtype; "bf16" | "fp16" | "fp32" (or an mx.Dtype) casts floating weights.
+    tokenizer is None when the checkpoint has no tokenizer files (token ids still work).
+    """
+    from .tokenizer import load_tokenizer
+
+    path = resolve_path(path_or_repo)
+    model = load_model(path, dtype, lazy=lazy)
+    tokenizer = load_tokenizer(path, model.config)
+    return model, tokenizer

@@ -1,0 +1,305 @@
+"""The Muse Glimmer text tower in MLX, numerically equal to transformers' `MuseGlimmerForConditionalGeneration`
+text path (reference doc §3).
+
+Module names follow mlx-lm's `muse_glimmer` port (`model.layers.{i}…`, `lm_head`) so saved text-only
+checkpoints interoperate; `sanitize` maps the Hugging Face names (`model.language_model.*`) onto them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cache import KVCache, make_cache
+from ..config import ModelConfig, TextConfig, rope_inv_freq
+
+F32 = mx.float32
+
+
+def rms(x: mx.array, eps: float) -> mx.array:
+    """Weightless RMSNorm computed in fp32, cast back (transformers' `MuseGlimmerRMSNorm(with_scale=False)`)."""
+    return mx.fast.rms_norm(x.astype(F32), None, eps).astype(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """Standard RMSNorm (gain `w`, init 1); multiply in fp32, round once."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = mx.ones((dim,))
+        self.eps = eps
+
+    def __call__(self, x):
+        return mx.fast.rms_norm(x.astype(F32), self.weight.astype(F32), self.eps).astype(x.dtype)
+
+
+class CenteredRMSNorm(nn.Module):
+    """Gain `1 + w` (init 0), with `1 + w` formed in fp32 as transformers does."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = mx.zeros((dim,))
+        self.eps = eps
+
+    def __call__(self, x):
+        gain = 1.0 + self.weight.astype(F32)
+        return mx.fast.rms_norm(x.astype(F32), gain, self.eps).astype(x.dtype)
+
+
+def activation(name: str):
+    if name == "silu":
+        return nn.silu
+    if name == "gelu":
+        return nn.gelu
+    if name in ("gelu_pytorch_tanh", "gelu_new"):
+        return nn.gelu_approx
+    if name == "relu":
+        return nn.relu
+    raise ValueError(f"unsupported activation {name!r}")
+
+
+class Rope:
+    """rotate-half RoPE with transformers' inverse frequencies and attention scaling (not a Module: no weights)."""
+
+    def __init__(self, cfg: TextConfig):
+        inv_freq, self.scaling = rope_inv_freq(cfg)
+        self.freqs = mx.array(1.0 / inv_freq, dtype=F32)
+        self.dims = cfg.head_dim
+
+    def __call__(self, x: mx.array, offset: int) -> mx.array:
+        y = mx.fast.rope(x, self.dims, traditional=False, base=None, scale=1.0, offset=offset, freqs=self.freqs)
+        return y * self.scaling if self.scaling != 1.0 else y
+
+
+def causal_mask(L: int, window: int | None, offset: int = 0) -> mx.array | None:
+    """Mask for L queries at positions offset.. against keys 0..offset+L-1 (no cache)."""
+    if L == 1 and offset == 0:
+        return None
+    q = mx.arange(offset, offset + L)[:, None]
+    k = mx.arange(0, offset + L)[None, :]
+    m = k <= q
+    if window is not None:
+        m = m & (k > q - window)
+    return m
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TextConfig, layer_idx: int):
+        super().__init__()
+        D, hd = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(D, self.n_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(D, self.n_kv * hd, bias=bias)
+        self.v_proj = nn.Linear(D, self.n_kv * hd, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, D, bias=bias)
+        self.gate_proj = nn.Linear(D, self.n_heads * hd, bias=False)
+        self.eps = cfg.rms_norm_eps
+        self.qk_scale = cfg.qk_scale_factor
+        self.scale = hd**-0.5
+        self.window = cfg.sliding_window if cfg.is_sliding(layer_idx) else None
+        self.use_rope = cfg.uses_rope(layer_idx)
+
+    def __call__(self, x: mx.array, rope: Rope, cache: KVCache | None) -> mx.array:
+        B, L, _ = x.shape
+        q = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
+        k = self.k_proj(x).reshape(B, L, self.n_kv, self.head_dim)
+        v = self.v_proj(x).reshape(B, L, self.n_kv, self.head_dim)
+        q = (rms(q, self.eps) * self.qk_scale).transpose(0, 2, 1, 3)
+        k = rms(k, self.eps).transpose(0, 2, 1, 3)
+        v = v.transpose(0, 2, 1, 3)
+        offset = cache.offset if cache is not None else 0
+        if self.use_rope:
+            q, k = rope(q, offset), rope(k, offset)
+        if cache is not None:
+            k, v, mask = cache.update(k, v)
+        else:
+            mask = causal_mask(L, self.window)
+        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        o = o.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        o = o * mx.sigmoid(self.gate_proj(x))
+        return self.o_proj(o)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = activation(cfg.hidden_activation)
+
+    def __call__(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig, layer_idx: int):
+        super().__init__()
+        D = cfg.hidden_size
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = CenteredRMSNorm(D, cfg.rms_norm_eps)
+        self.post_attention_layernorm = CenteredRMSNorm(D, cfg.post_norm_eps)
+        self.pre_feedforward_layernorm = CenteredRMSNorm(D, cfg.rms_norm_eps)
+        self.post_feedforward_layernorm = CenteredRMSNorm(D, cfg.post_norm_eps)
+
+    def __call__(self, x, rope, cache=None):
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, cache))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class TextModel(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = [DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_eps = cfg.rms_norm_eps
+
+    def __call__(self, inputs, cache=None, *, input_embeddings=None, taps=(), rope=None):
+        h = self.embed(inputs) if input_embeddings is None else input_embeddings
+        cache = cache if cache is not None else [None] * len(self.layers)
+        tapped = []
+        for i, (layer, c) in enumerate(zip(self.layers, cache)):
+            h = layer(h, rope, c)
+            if i in taps:
+                tapped.append(h)
+        return self.norm(h), tapped
+
+    def embed(self, ids):
+        return rms(self.embed_tokens(ids), self.embed_eps)
+
+
+class VisionWeights:
+    """Vision tower / adapter / projection tensors carried through loading untouched (the tower itself is a later
+    issue). Deliberately not an `nn.Module`, so they are not part of the text model's parameters."""
+
+    def __init__(self, weights: dict[str, mx.array]):
+        self.weights = weights
+
+    def __len__(self):
+        return len(self.weights)
+
+
+VISION_PREFIXES = ("vision_tower.", "vision_adapter.", "vision_projection.")
+
+
+class Model(nn.Module):
+    """Muse Glimmer (text path). `model(ids, cache)` → logits [B, L, V] (fp32, after multiplier and softcap)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.args = config.text
+        self.model_type = config.model_type
+        self.model = TextModel(config.text)
+        if not config.text.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
+        self.rope = Rope(config.text)
+        self.vision_weights = VisionWeights({})
+
+    # -- the pieces speculative decoding needs ------------------------------------------------------------------
+    def embed_raw(self, ids: mx.array) -> mx.array:
+        """Token embeddings *without* the embedding norm (the DFlash drafter's input)."""
+        return self.model.embed_tokens(ids)
+
+    def lm_head_raw(self, h: mx.array) -> mx.array:
+        """The bare output projection: no multiplier, no softcap (transformers' draft logits)."""
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    def logits(self, h: mx.array) -> mx.array:
+        """lm_head, then `T·tanh(z·m/T)`; computed in fp32."""
+        z = self.lm_head_raw(h).astype(F32) * self.args.output_multiplier
+        cap = self.args.final_logit_softcapping
+        if cap:
+            z = mx.tanh(z / cap) * cap
+        return z
+
+    def __call__(self, inputs, cache=None, *, input_embeddings=None, taps=None, last: int | None = None):
+        """Run the text tower.
+
+        inputs: token ids [B, L]; input_embeddings: already-normed embeddings [B, L, D] instead of ids.
+        taps: layer indices whose residual-stream outputs (pre final norm) to return as well; when given the call
+        returns `(logits, [h_tap0, h_tap1, …])`. last: only compute logits for the last `last` positions.
+        """
+        h, tapped = self.model(inputs, cache, input_embeddings=input_embeddings, taps=taps or (), rope=self.rope)
+        if last is not None:
+            h = h[:, -last:]
+        logits = self.logits(h)
+        return logits if taps is None else (logits, tapped)
+
+    def make_cache(self, max_rewind: int = 64) -> list[KVCache]:
+        return make_cache(self.args, max_rewind=max_rewind)
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    # -- checkpoint names ---------------------------------------------------------------------------------------
+    @staticmethod
+    def sanitize(weights: dict[str, mx.array]) -> tuple[dict[str, mx.array], dict[str, mx.array]]:
+        """Map checkpoint names onto this module tree. Returns (text weights, vision weights)."""
+        text, vision = {}, {}
+        for k, v in weights.items():
+            if k.startswith("model.language_model."):
+                text["model." + k[len("model.language_model.") :]] = v
+            elif k.startswith("language_model.model."):
+                text["model." + k[len("language_model.model.") :]] = v
+            elif k.startswith("language_model.lm_head."):
+                text["lm_head." + k[len("language_model.lm_head.") :]] = v
+            elif k.startswith("model.") and k[len("model.") :].startswith(VISION_PREFIXES):
+                vision[k[len("model.") :]] = v
+            elif k.startswith(VISION_PREFIXES):
+                vision[k] = v
+            else:
+                text[k] = v
+        return text, vision
+
+
+def expected_vision_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of every vision tower / adapter / projection tensor (reference doc §2.2–2.3)."""
+    v = dict(config.vision or {})
+    Dv = v.get("hidden_size", 1536)
+    Iv = v.get("intermediate_size", 8960)
+    Lv = v.get("num_hidden_layers", 50)
+    P, Tp = v.get("patch_size", 14), v.get("patch_temporal", 2)
+    S = v.get("pos_emb_height", 32) * v.get("pos_emb_width", 32)
+    raw = config.raw
+    out_h = raw.get("out_hidden_size", 6144)
+    proj_h = raw.get("projector_hidden_size", 4096)
+    D = config.text.hidden_size
+    shapes = {
+        "vision_tower.patch_embedder.patch_embedding.weight": (Dv, Tp * 3 * P * P),
+        "vision_tower.patch_embedder.position_embedding_table.weight": (S, Dv),
+        "vision_tower.ln_pre.weight": (Dv,),
+        "vision_tower.ln_pre.bias": (Dv,),
+        "vision_tower.ln_post.weight": (Dv,),
+        "vision_tower.ln_post.bias": (Dv,),
+        "vision_adapter.fc1.weight": (proj_h, out_h),
+        "vision_adapter.fc2.weight": (proj_h, proj_h),
+        "vision_projection.weight": (D, proj_h),
+    }
+    for i in range(Lv):
+        p = f"vision_tower.layers.{i}."
+        for n in ("norm1", "norm2"):
+            shapes[p + n + ".weight"] = (Dv,)
+            shapes[p + n + ".bias"] = (Dv,)
+        for n in ("q_proj", "k_proj", "v_proj", "proj"):
+            shapes[p + f"attn.{n}.weight"] = (Dv, Dv)
+            shapes[p + f"attn.{n}.bias"] = (Dv,)
+        shapes[p + "mlp.fc1.weight"] = (Iv, Dv)
+        shapes[p + "mlp.fc1.bias"] = (Iv,)
+        shapes[p + "mlp.fc2.weight"] = (Dv, Iv)
+        shapes[p + "mlp.fc2.bias"] = (Dv,)
+    return shapes
+
+
+def param_count(module: nn.Module) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(math.prod(v.shape) for _, v in tree_flatten(module.parameters()))

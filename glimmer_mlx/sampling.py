@@ -1,0 +1,113 @@
+"""Logits processing and sampling, shared by plain decoding and by both sides (p and q) of speculative verification.
+
+Processing order is transformers' (`generate()`'s processor list): repetition penalty on the raw logits, then
+temperature, top-k, top-p, min-p. `process` returns normalised log-probabilities with `-inf` on removed tokens, so
+"the same processing for p and q" is one function call for both.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    repetition_context_size: int = 64
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables), got {self.top_k}")
+        if not 0.0 <= self.min_p < 1.0:
+            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.repetition_context_size < 1:
+            raise ValueError(f"repetition_context_size must be >= 1, got {self.repetition_context_size}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def apply_repetition_penalty(logits: mx.array, history: mx.array | None, penalty: float) -> mx.array:
+    """transformers' rule on the tokens in `history` ([N, H] ids, or [H] shared by all rows):
+    negative scores are multiplied by the penalty, positive ones divided."""
+    if penalty == 1.0 or history is None or history.size == 0:
+        return logits
+    if history.ndim == 1:
+        history = mx.broadcast_to(history[None], (logits.shape[0], history.shape[0]))
+    picked = mx.take_along_axis(logits, history, axis=-1)
+    picked = mx.where(picked < 0, picked * penalty, picked / penalty)
+    return mx.put_along_axis(logits, history, picked, axis=-1)
+
+
+def filter_logits(x: mx.array, params: SamplingParams) -> mx.array:
+    """top-k, top-p, min-p on temperature-scaled logits [N, V] (float32); removed entries become -inf."""
+    V = x.shape[-1]
+    if 0 < params.top_k < V:
+        kth = mx.sort(x, axis=-1)[..., V - params.top_k][..., None]
+        x = mx.where(x < kth, NEG_INF, x)
+    if params.top_p < 1.0:
+        s = mx.sort(x, axis=-1)  # ascending
+        cum = mx.cumsum(mx.softmax(s, axis=-1), axis=-1)
+        n_removed = mx.minimum(mx.sum(cum <= 1.0 - params.top_p, axis=-1, keepdims=True), V - 1)
+        threshold = mx.take_along_axis(s, n_removed, axis=-1)
+        x = mx.where(x < threshold, NEG_INF, x)
+    if params.min_p > 0.0:
+        probs = mx.softmax(x, axis=-1)
+        top = mx.max(probs, axis=-1, keepdims=True)
+        x = mx.where(probs < params.min_p * top, NEG_INF, x)
+    return x
+
+
+def process(logits: mx.array, params: SamplingParams, history: mx.array | None = None) -> mx.array:
+    """Raw logits [N, V] → log-probabilities [N, V] of the sampling distribution (temperature > 0)."""
+    x = apply_repetition_penalty(logits.astype(mx.float32), history, params.repetition_penalty)
+    x = filter_logits(x / params.temperature, params)
+    return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+
+def greedy_token(logits: mx.array, params: SamplingParams, history: mx.array | None = None) -> mx.array:
+    x = apply_repetition_penalty(logits.astype(mx.float32), history, params.repetition_penalty)
+    return mx.argmax(x, axis=-1)
+
+
+class Sampler:
+    """Seeded sampling: every random draw takes the next key of one chain, so a run is reproducible from `seed`."""
+
+    def __init__(self, params: SamplingParams, seed: int | None = None):
+        self.params = params
+        if seed is None:
+            seed = int.from_bytes(os.urandom(4), "little")
+        self.seed = seed
+        self._key = mx.random.key(seed)
+
+    def next_key(self) -> mx.array:
+        self._key, sub = mx.random.split(self._key)
+        return sub
+
+    def logprobs(self, logits: mx.array, history: mx.array | None = None) -> mx.array:
+        return process(logits, self.params, history)
+
+    def __call__(self, logits: mx.array, history: mx.array | None = None) -> mx.array:
+        """logits [N, V] → token ids [N]."""
+        if self.params.greedy:
+            return greedy_token(logits, self.params, history)
+        return mx.random.categorical(self.logprobs(logits, history), axis=-1, key=self.next_key())
+
+    def uniform(self, shape) -> mx.array:
+        return mx.random.uniform(shape=shape, key=self.next_key())

@@ -1,0 +1,76 @@
+"""Tiny random Muse Glimmer checkpoints built with transformers (the oracle) and saved in HF format."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+TINY_TEXT = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    sliding_window=8,
+    max_position_embeddings=4096,
+    bos_token_id=0,
+    eos_token_id=1,
+)
+TINY_VISION = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=14,
+    pos_emb_height=4, pos_emb_width=4,
+)
+
+
+def randomize_norms(model: torch.nn.Module, seed: int = 0) -> None:
+    """Give every (zero/one-initialised) norm weight random values so centered vs standard gains matter."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                p.add_(torch.randn(p.shape, generator=g) * 0.3)
+
+
+def build_hf_model(text_overrides: dict | None = None, *, seed: int = 0, with_vision: bool = True,
+                   dtype=torch.float32):
+    from transformers import MuseGlimmerConfig, MuseGlimmerForConditionalGeneration
+
+    torch.manual_seed(seed)
+    text = dict(TINY_TEXT, **(text_overrides or {}))
+    vision = dict(TINY_VISION)
+    cfg = MuseGlimmerConfig(text_config=text, vision_config=vision, out_hidden_size=vision["hidden_size"] * 4,
+                            projector_hidden_size=48)
+    model = MuseGlimmerForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # larger-than-init weights give logits with real spread (init std 0.02 is nearly flat)
+        for name, p in model.named_parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 0.08 if "embed" not in name else 1.0)
+    randomize_norms(model, seed)
+    return model.to(dtype)
+
+
+def save_hf_model(model, path: Path, *, drop_layer_lists: bool = False) -> Path:
+    model.save_pretrained(path, safe_serialization=True)
+    if drop_layer_lists:  # a hand-written config without layer_types / layer_rope_theta
+        cfg_path = path / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg["text_config"].pop("layer_types", None)
+        cfg["text_config"].pop("layer_rope_theta", None)
+        cfg_path.write_text(json.dumps(cfg, indent=2))
+    return path
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def hf_hidden(model, ids: list[int], layers: list[int]) -> list[torch.Tensor]:
+    """Residual-stream outputs of decoder layers `layers` (hidden_states[i+1])."""
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_hidden_states=True)
+    return [out.hidden_states[i + 1][0].float() for i in layers]

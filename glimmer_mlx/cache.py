@@ -60,38 +60,42 @@ class KVCache:
             self.keys, self.values = nk, nv
         self.start += n - keep
 
+    def append(self, k: mx.array, v: mx.array) -> None:
+        """Store `k, v` ([B, Hkv, L, D]) as the next L positions."""
+        L = k.shape[2]
+        self._reserve(L, k, v)
+        n = self.rows
+        self.keys[..., n : n + L, :] = k
+        self.values[..., n : n + L, :] = v
+        self.offset += L
+
+    def view(self, from_pos: int = 0):
+        """(keys, values, first_position) of the stored rows at absolute positions >= from_pos."""
+        lo = max(0, from_pos - self.start)
+        return self.keys[..., lo : self.rows, :], self.values[..., lo : self.rows, :], self.start + lo
+
     def update(self, k: mx.array, v: mx.array):
         """Append `k, v` ([B, Hkv, L, D]); return (keys, values, mask) for the L new queries.
 
         mask is None (attend to everything returned) or a bool array [L, N] (True = attend).
         """
         L = k.shape[2]
-        self._reserve(L, k, v)
-        n = self.rows
-        self.keys[..., n : n + L, :] = k
-        self.values[..., n : n + L, :] = v
         q0 = self.offset  # absolute position of the first new query
-        self.offset += L
-        lo = 0
-        if self.window is not None:
-            lo = max(0, q0 - self.window + 1 - self.start)
-        keys = self.keys[..., lo : n + L, :]
-        values = self.values[..., lo : n + L, :]
+        self.append(k, v)
+        keys, values, k0 = self.view(0 if self.window is None else q0 - self.window + 1)
         if L == 1:
             return keys, values, None
-        kpos = mx.arange(self.start + lo, self.offset)
+        kpos = mx.arange(k0, self.offset)[None, :]
         qpos = mx.arange(q0, self.offset)[:, None]
-        mask = kpos[None, :] <= qpos
+        mask = kpos <= qpos
         if self.window is not None:
-            mask = mask & (kpos[None, :] > qpos - self.window)
+            mask = mask & (kpos > qpos - self.window)
         return keys, values, mask
 
-    def rewind(self, n: int) -> None:
-        """Forget the last `n` tokens."""
+    def check_rewind(self, n: int) -> None:
+        """Raise `CacheRewindError` if `rewind(n)` is not possible; changes nothing."""
         if n < 0 or n > self.offset:
             raise CacheRewindError(f"cannot rewind {n} tokens from a cache holding {self.offset}")
-        if n == 0:
-            return
         new_offset = self.offset - n
         if self.window is not None and self.start > 0 and self.start > new_offset - (self.window - 1):
             raise CacheRewindError(
@@ -100,7 +104,11 @@ class KVCache:
             )
         if new_offset < self.start:
             raise CacheRewindError(f"cannot rewind {n} tokens: rows before position {self.start} were evicted")
-        self.offset = new_offset
+
+    def rewind(self, n: int) -> None:
+        """Forget the last `n` tokens."""
+        self.check_rewind(n)
+        self.offset -= n
 
     @property
     def state(self) -> list[mx.array]:
@@ -120,6 +128,8 @@ def make_cache(cfg, max_rewind: int = DEFAULT_MAX_REWIND) -> list[KVCache]:
 
 
 def rewind_cache(cache: list[KVCache], n: int) -> None:
+    """Rewind every layer by `n`, or none of them: a layer that cannot rewind raises before any layer changes
+    (otherwise a global layer 0 would be rewound while a later sliding layer refuses, leaving the cache split)."""
     for c in cache:
         c.rewind(n)
 

@@ -48,7 +48,7 @@ def build_hf_model(text_overrides: dict | None = None, *, seed: int = 0, with_vi
     with torch.no_grad():  # larger-than-init weights give logits with real spread (init std 0.02 is nearly flat)
         for name, p in model.named_parameters():
             if p.ndim == 2:
-                p.normal_(0.0, 0.08 if "embed" not in name else 1.0)
+                p.normal_(0.0, 1.0 if "embed" in name else 0.5 if name == "lm_head.weight" else 0.08)
     randomize_norms(model, seed)
     return model.to(dtype)
 
@@ -74,3 +74,35 @@ def hf_hidden(model, ids: list[int], layers: list[int]) -> list[torch.Tensor]:
     with torch.no_grad():
         out = model(torch.tensor([ids]), output_hidden_states=True)
     return [out.hidden_states[i + 1][0].float() for i in layers]
+
+
+TINY_DRAFTER = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    sliding_window=6,
+    block_size=4,
+    mask_token_id=8,
+    target_layer_ids=[1, 3],
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=1,
+)
+
+
+def build_hf_drafter(overrides: dict | None = None, *, seed: int = 0, dtype=torch.float32):
+    from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
+
+    torch.manual_seed(seed)
+    cfg = MuseGlimmerAssistantConfig(**dict(TINY_DRAFTER, **(overrides or {})))
+    model = MuseGlimmerAssistantModel(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 0.1)
+            elif name.endswith("norm.weight"):
+                p.add_(torch.randn(p.shape) * 0.3)
+    return model.to(dtype)

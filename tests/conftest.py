@@ -1,0 +1,67 @@
+"""Shared fixtures: tiny random Muse Glimmer checkpoints saved by transformers, and a tiny byte-level tokenizer."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot|>", "<|start|>", "<|message|>", "<|patch|>",
+                  "<|image_start|>", "<|image_end|>", "<|mask|>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|eot|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant<|message|>{% endif %}"
+)
+TRAIN_TEXT = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog. ",
+    "Hello, world! Speculative decoding is lossless. ",
+    "import os\nimport sys\nfor i in range(10):\n    print(i)\n",
+    "Ünïcödé — ✓ 你好 😀 ",
+] * 20
+
+
+def save_tiny_tokenizer(path: Path, vocab_size: int = 512) -> Path:
+    """Byte-level BPE with the special tokens the runtime relies on (ids 0..8: BOS=0, EOS=1, EOT=2, …)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(TRAIN_TEXT, trainer)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "chat_template": CHAT_TEMPLATE}))
+    return path
+
+
+_CACHE: dict = {}
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """Factory: tiny_checkpoint(seed=0, tokenizer=False, **text_overrides) -> (folder, hf_model). Cached per args."""
+    from hf_fixtures import build_hf_model, save_hf_model
+
+    def make(seed: int = 0, tokenizer: bool = False, drop_layer_lists: bool = False, **overrides):
+        key = (seed, tokenizer, drop_layer_lists, tuple(sorted((k, json.dumps(v)) for k, v in overrides.items())))
+        if key not in _CACHE:
+            path = tmp_path_factory.mktemp("ckpt")
+            hf = build_hf_model(overrides, seed=seed)
+            save_hf_model(hf, path, drop_layer_lists=drop_layer_lists)
+            if tokenizer:
+                save_tiny_tokenizer(path)
+            _CACHE[key] = (path, hf)
+        return _CACHE[key]
+
+    return make

@@ -131,6 +131,8 @@ def rewind_cache(cache: list[KVCache], n: int) -> None:
     """Rewind every layer by `n`, or none of them: a layer that cannot rewind raises before any layer changes
     (otherwise a global layer 0 would be rewound while a later sliding layer refuses, leaving the cache split)."""
     for c in cache:
+        c.check_rewind(n)
+    for c in cache:
         c.rewind(n)
 
 

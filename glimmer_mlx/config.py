@@ -88,6 +88,8 @@ class ModelConfig:
 
 _TEXT_FIELDS = {f.name for f in dataclasses.fields(TextConfig)}
 _REQUIRED_TEXT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+_POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                        "num_key_value_heads", "head_dim")
 
 
 def normalize_rope_parameters(cfg: dict) -> dict:
@@ -105,10 +107,22 @@ def normalize_rope_parameters(cfg: dict) -> dict:
     return params
 
 
+def _check_positive_ints(d: dict, where: str) -> None:
+    for k in _POSITIVE_INT_FIELDS:
+        v = d.get(k)
+        if v is None and k not in _REQUIRED_TEXT_FIELDS:
+            continue  # optional: the dataclass default (or a derived value) is used
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ConfigError(f"{where}: {k} must be a positive integer, got {v!r}")
+
+
 def parse_text_config(d: dict, *, where: str = "config.json") -> TextConfig:
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where}: the text config must be a JSON object, got {type(d).__name__}")
     missing = [k for k in _REQUIRED_TEXT_FIELDS if k not in d]
     if missing:
         raise ConfigError(f"{where}: text config is missing required field(s) {missing}")
+    _check_positive_ints(d, where)
     kwargs = {k: v for k, v in d.items() if k in _TEXT_FIELDS}
     kwargs["rope_parameters"] = normalize_rope_parameters(d)
     if kwargs.get("head_dim") is None:
@@ -158,18 +172,28 @@ def _validate_text(cfg: TextConfig, where: str) -> None:
 
 def parse_config(d: dict, *, where: str = "config.json") -> ModelConfig:
     """Parse a top-level `muse_glimmer` config (with `text_config`) or a bare `muse_glimmer_text` config."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where}: expected a JSON object, got {type(d).__name__}")
     mt = d.get("model_type")
     if mt is None:
         raise ConfigError(f"{where}: missing 'model_type'")
     quant = d.get("quantization") or d.get("quantization_config")
-    if quant is not None and "bits" not in quant:
+    if quant is not None and (not isinstance(quant, dict) or "bits" not in quant):
         quant = None  # a foreign quantization_config (bitsandbytes, fp8…) that we do not read
     if mt in MULTIMODAL_MODEL_TYPES and "text_config" not in d and "hidden_size" in d:
         mt = "muse_glimmer_text"  # a flat text-only config (as mlx-lm writes it)
     if mt in MULTIMODAL_MODEL_TYPES:
         if "text_config" not in d:
             raise ConfigError(f"{where}: model_type {mt!r} needs a 'text_config'")
+        if not isinstance(d["text_config"], dict):
+            raise ConfigError(
+                f"{where}: 'text_config' must be a JSON object, got {type(d['text_config']).__name__}"
+            )
         text = parse_text_config(d["text_config"], where=f"{where} (text_config)")
+        # transformers' MuseGlimmerForConditionalGeneration ties lm_head to the embeddings only when the *top-level*
+        # config says so (the composite config has no default, so absent means untied); `text_config`'s own flag
+        # is not consulted, and such checkpoints store a separate `lm_head.weight`.
+        text.tie_word_embeddings = bool(d.get("tie_word_embeddings", False))
         return ModelConfig(
             model_type=mt,
             text=text,

@@ -179,6 +179,7 @@ def stream_generate(model, prompt, *, tokenizer=None, max_tokens: int = 256, tem
     t0 = time.perf_counter()
     decoder.prefill(ids)
     n, released, finish, t1 = 0, 0, None, None  # released: chars of detok.text handed out so far
+    stop_hit = False  # a stop string matched: the text is cut there and nothing after it is released
     while finish is None:
         block = decoder.step(max_tokens - n)
         if t1 is None:
@@ -200,12 +201,12 @@ def stream_generate(model, prompt, *, tokenizer=None, max_tokens: int = 256, tem
                         cut = min(hits)
                         text += detok.text[released:cut]
                         released = len(detok.text)
-                        finish = "stop"
+                        finish, stop_hit = "stop", True
                         break
             if n >= max_tokens:
                 finish = "length"
                 break
-        if detok is not None and not (finish == "stop" and released == len(detok.text)):
+        if detok is not None and not stop_hit:
             if finish is not None:  # EOS or length: release everything
                 detok.finalize()
                 safe = len(detok.text)

@@ -33,7 +33,11 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tik
 
 
 def parse_dtype(dtype) -> mx.Dtype | None:
-    if dtype is None or isinstance(dtype, mx.Dtype):
+    if dtype is None:
+        return None
+    if isinstance(dtype, mx.Dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; use one of bf16, fp16, fp32")
         return dtype
     try:
         return DTYPES[str(dtype).lower()]
@@ -54,16 +58,20 @@ def resolve_path(path_or_repo: str | os.PathLike) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("", "0", "false", "no")
+    # the same spellings huggingface-hub accepts (read here, not at import, so a changed environment counts)
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
     try:
         return Path(snapshot_download(s, allow_patterns=HUB_PATTERNS, local_files_only=offline))
     except LocalEntryNotFoundError:
         if offline:
             raise CheckpointError(
-                f"{s}: HF_HUB_OFFLINE is set and this repo is not in the local Hugging Face cache; "
-                "download it first or pass a local folder"
+                f"{s}: no such local folder, and HF_HUB_OFFLINE is set and this Hub repo is not in the local "
+                "Hugging Face cache; download it first (unset HF_HUB_OFFLINE) or pass a local folder"
             ) from None
-        raise CheckpointError(f"{s}: could not download from the Hub (no network?) and it is not cached") from None
+        raise CheckpointError(
+            f"{s}: no such local folder, and it could not be downloaded from the Hub (no network?) nor found in "
+            "the local cache"
+        ) from None
     except Exception as e:  # repository not found, gated, HTTP errors…
         raise CheckpointError(f"{s}: could not fetch from the Hub: {type(e).__name__}: {e}") from None
 
@@ -113,8 +121,14 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
     for name, info in header.items():
         try:
             dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+            if not all(isinstance(x, int) and x >= 0 for x in (begin, end, *shape)):
+                raise ValueError
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor '{name}'") from None
+        if begin > end:
+            raise CheckpointError(
+                f"{path}: corrupt: tensor '{name}' has data offsets [{begin}, {end}] (begin after end)"
+            )
         if end > data_size:
             raise CheckpointError(
                 f"{path}: truncated: tensor '{name}' ends at byte {end} of the data section but the file holds "
@@ -192,7 +206,7 @@ def _quantize_model(model: nn.Module, quant: dict, weights: dict[str, mx.array])
     )
 
 
-def check_weights(model: nn.Module, weights: dict[str, mx.array], where: Path) -> None:
+def check_weights(model: nn.Module, weights: dict[str, mx.array], where: Path, quant_cfg: dict | None = None) -> None:
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(set(expected) - set(weights))
     extra = sorted(set(weights) - set(expected))
@@ -202,11 +216,21 @@ def check_weights(model: nn.Module, weights: dict[str, mx.array], where: Path) -
             f"({len(missing)} missing; checkpoint names are shown after mapping 'model.language_model.' → 'model.')"
         )
     if extra:
-        raise CheckpointError(f"{where}: unexpected tensor(s) {extra[:8]}{' …' if len(extra) > 8 else ''} ({len(extra)} extra)")
+        hint = ""
+        if quant_cfg is None and any(k.endswith((".scales", ".biases")) for k in extra):
+            hint = "; the checkpoint looks quantized (.scales/.biases) but config.json has no 'quantization' entry"
+        raise CheckpointError(
+            f"{where}: unexpected tensor(s) {extra[:8]}{' …' if len(extra) > 8 else ''} ({len(extra)} extra){hint}"
+        )
     for k, v in expected.items():
         if tuple(weights[k].shape) != tuple(v.shape):
+            quant = ""
+            if quant_cfg is not None:
+                quant = (f" (quantized with bits={quant_cfg.get('bits')}, group_size={quant_cfg.get('group_size', 64)} "
+                         "per config.json 'quantization')")
             raise CheckpointError(
-                f"{where}: tensor '{k}' has shape {tuple(weights[k].shape)}, expected {tuple(v.shape)} from config.json"
+                f"{where}: tensor '{k}' has shape {tuple(weights[k].shape)}, expected {tuple(v.shape)} from "
+                f"config.json{quant}"
             )
 
 
@@ -240,7 +264,7 @@ def load_model(path: Path, dtype=None, *, lazy: bool = False) -> Model:
         text.pop("lm_head.weight", None)
     if config.quantization is not None:
         _quantize_model(model, config.quantization, text)
-    check_weights(model, text, path)
+    check_weights(model, text, path, config.quantization)
     check_vision(config, vision, path)
     if dtype is not None:
         text = {k: (v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in text.items()}

@@ -7,6 +7,7 @@ temperature, top-k, top-p, min-p. `process` returns normalised log-probabilities
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -25,6 +26,9 @@ class SamplingParams:
     repetition_context_size: int = 64
 
     def __post_init__(self):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -75,8 +79,13 @@ def filter_logits(x: mx.array, params: SamplingParams) -> mx.array:
 
 
 def process(logits: mx.array, params: SamplingParams, history: mx.array | None = None) -> mx.array:
-    """Raw logits [N, V] → log-probabilities [N, V] of the sampling distribution (temperature > 0)."""
+    """Raw logits [N, V] → log-probabilities [N, V] of the sampling distribution.
+
+    With temperature 0 (greedy) this is the limit temperature → 0: log of a one-hot on the (penalised) argmax."""
     x = apply_repetition_penalty(logits.astype(mx.float32), history, params.repetition_penalty)
+    if params.greedy:
+        top = mx.argmax(x, axis=-1, keepdims=True)
+        return mx.where(mx.arange(x.shape[-1]) == top, 0.0, NEG_INF).astype(mx.float32)
     x = filter_logits(x / params.temperature, params)
     return x - mx.logsumexp(x, axis=-1, keepdims=True)
 

@@ -3,8 +3,9 @@
 from .generate import GenerationResult, GenerationStats, generate, stream_generate
 from .loading import CheckpointError, load
 from .sampling import Sampler, SamplingParams
+from .speculative import load_drafter, load_mtp
 
 __version__ = "0.1.0"
 
 __all__ = ["load", "generate", "stream_generate", "GenerationResult", "GenerationStats", "CheckpointError",
-           "SamplingParams", "Sampler", "__version__"]
+           "SamplingParams", "Sampler", "load_drafter", "load_mtp", "__version__"]

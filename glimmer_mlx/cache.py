@@ -23,13 +23,14 @@ class CacheRewindError(RuntimeError):
 class KVCache:
     step = 256
 
-    def __init__(self, window: int | None = None, max_rewind: int = DEFAULT_MAX_REWIND):
+    def __init__(self, window: int | None = None, max_rewind: int = DEFAULT_MAX_REWIND, first_position: int = 0):
         self.window = window
         self.max_rewind = max_rewind
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
-        self.offset = 0  # absolute number of tokens seen
-        self.start = 0  # absolute position of buffer row 0
+        self.origin = first_position  # absolute position of the first row this cache will ever hold
+        self.offset = first_position  # absolute position of the next row (= tokens seen, when origin is 0)
+        self.start = first_position  # absolute position of buffer row 0
 
     @property
     def rows(self) -> int:
@@ -97,13 +98,13 @@ class KVCache:
         if n < 0 or n > self.offset:
             raise CacheRewindError(f"cannot rewind {n} tokens from a cache holding {self.offset}")
         new_offset = self.offset - n
-        if self.window is not None and self.start > 0 and self.start > new_offset - (self.window - 1):
+        if self.window is not None and self.start > self.origin and self.start > new_offset - (self.window - 1):
             raise CacheRewindError(
                 f"sliding-window cache (window {self.window}) cannot rewind {n} tokens: it keeps "
                 f"{self.max_rewind} spare rows (max_rewind)"
             )
         if new_offset < self.start:
-            raise CacheRewindError(f"cannot rewind {n} tokens: rows before position {self.start} were evicted")
+            raise CacheRewindError(f"cannot rewind {n} tokens: the cache holds no rows before position {self.start}")
 
     def rewind(self, n: int) -> None:
         """Forget the last `n` tokens."""

@@ -45,6 +45,8 @@ class GenerationStats:
     def line(self) -> str:
         s = (f"prompt: {self.prompt_tokens} tok, {self.prompt_tps:.1f} tok/s | generation: {self.generation_tokens} "
              f"tok, {self.generation_tps:.1f} tok/s | peak memory {self.peak_memory_gb:.2f} GB")
+        if "image_tokens" in self.extra:
+            s += f" | images: {self.extra['image_tokens']} tok, encoded in {self.extra['image_encode_time']:.2f} s"
         if "tau" in self.extra:
             s += f" | τ {self.extra['tau']:.2f} over {self.extra['rounds']} rounds"
         return s
@@ -65,17 +67,21 @@ class GenerationChunk:
     finish_reason: str | None = None
 
 
-def prefill(model, cache, ids: list[int], step: int = DEFAULT_PREFILL_STEP, taps=None):
+def prefill(model, cache, ids: list[int], step: int = DEFAULT_PREFILL_STEP, taps=None, input_embeddings=None):
     """Run the prompt through the model in chunks; return the last position's logits [1, V] (and taps for all
-    positions when `taps` is given)."""
+    positions when `taps` is given). input_embeddings: the prompt's normed embeddings [1, len(ids), D] to feed
+    instead of the ids (images: placeholder rows replaced by image features); `ids` still give the length."""
     if not ids:
         raise ValueError("empty prompt: give at least one token")
+    if input_embeddings is not None and input_embeddings.shape[1] != len(ids):
+        raise ValueError(f"input_embeddings cover {input_embeddings.shape[1]} positions, the prompt has {len(ids)}")
     arr = mx.array(ids, dtype=mx.int32)[None]
     tapped_all = []
     for s in range(0, len(ids), step):
         chunk = arr[:, s : s + step]
         last = s + step >= len(ids)
-        out = model(chunk, cache, taps=taps, last=1 if (last and taps is None) else None)
+        kw = {} if input_embeddings is None else {"input_embeddings": input_embeddings[:, s : s + step]}
+        out = model(chunk, cache, taps=taps, last=1 if (last and taps is None) else None, **kw)
         if taps is not None:
             logits, tapped = out
             tapped_all.append(tapped)
@@ -109,9 +115,9 @@ class PlainDecoder:
             h = mx.concatenate([h, pending.reshape(-1).astype(mx.int32)])[-p.repetition_context_size :]
         return h
 
-    def prefill(self, ids: list[int]) -> None:
+    def prefill(self, ids: list[int], input_embeddings=None) -> None:
         self.history = list(ids)
-        logits = prefill(self.model, self.cache, ids, self.prefill_step)
+        logits = prefill(self.model, self.cache, ids, self.prefill_step, input_embeddings=input_embeddings)
         self._next = self.sampler(logits, self._hist())
         mx.async_eval(self._next)
 
@@ -141,8 +147,14 @@ def stream_generate(model, prompt, *, tokenizer=None, max_tokens: int = 256, tem
                     top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
                     repetition_context_size: int = 64, seed: int | None = None, stop: list[str] | None = None,
                     drafter=None, block_size=None, prefill_step_size: int = DEFAULT_PREFILL_STEP,
-                    stats: GenerationStats | None = None) -> Iterator[GenerationChunk]:
-    """Yield chunks of committed tokens and their text; `stats` (if given) is filled in as generation runs."""
+                    stats: GenerationStats | None = None, images=None,
+                    image_max_tokens: int | None = None) -> Iterator[GenerationChunk]:
+    """Yield chunks of committed tokens and their text; `stats` (if given) is filled in as generation runs.
+
+    images: paths / bytes / PIL images / uint8 arrays. The prompt holds one `<|patch|>` per image where it goes
+    (none: all images are put first, after a leading BOS); each becomes `<|image_start|> <|patch|>×N
+    <|image_end|>` and the prefill runs on embeddings with the image features in place (needs a tokenizer).
+    image_max_tokens: per-image token budget (default 4096, transformers' `max_image_tokens`)."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
@@ -159,6 +171,15 @@ def stream_generate(model, prompt, *, tokenizer=None, max_tokens: int = 256, tem
         raise ValueError(f"prompt token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
     if stop and tokenizer is None:
         raise ValueError("stop strings need a tokenizer")
+    embeddings = None
+    if images is not None:
+        from .image_processing import MAX_IMAGE_TOKENS
+        from .multimodal import prepare_prompt
+
+        t_img = time.perf_counter()
+        ids, embeddings = prepare_prompt(model, tokenizer, ids, images,
+                                         max_tokens=image_max_tokens or MAX_IMAGE_TOKENS)
+        image_time = time.perf_counter() - t_img
     sampler = Sampler(params, seed)
     if drafter is None:
         if block_size is not None:
@@ -177,7 +198,12 @@ def stream_generate(model, prompt, *, tokenizer=None, max_tokens: int = 256, tem
     mx.reset_peak_memory()
 
     t0 = time.perf_counter()
-    decoder.prefill(ids)
+    if embeddings is None:
+        decoder.prefill(ids)
+    else:
+        stats.extra.update(image_tokens=sum(1 for t in ids if t == model.config.image_token_id),
+                           image_encode_time=image_time)
+        decoder.prefill(ids, input_embeddings=embeddings)
     n, released, finish, t1 = 0, 0, None, None  # released: chars of detok.text handed out so far
     stop_hit = False  # a stop string matched: the text is cut there and nothing after it is released
     while finish is None:

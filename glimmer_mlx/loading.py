@@ -16,7 +16,18 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .config import ConfigError, ModelConfig, parse_config
-from .models.glimmer import Model, VisionWeights, expected_vision_shapes
+from .models.glimmer import Model, expected_vision_shapes
+
+
+class CarriedWeights:
+    """Tensors a checkpoint holds beyond the text tower (e.g. `mtp.*`), kept lazily for the component that owns them.
+    Not an nn.Module, so they are not parameters of the model."""
+
+    def __init__(self, weights: dict):
+        self.weights = weights
+
+    def __len__(self):
+        return len(self.weights)
 
 
 class CheckpointError(ValueError):
@@ -183,16 +194,17 @@ def load_weights(path: Path) -> dict[str, mx.array]:
     return weights
 
 
-def _quantize_model(model: nn.Module, quant: dict, weights: dict[str, mx.array]) -> None:
+def _quantize_model(model: nn.Module, quant: dict, weights: dict[str, mx.array], prefix: str = "") -> None:
     """Turn Linear/Embedding modules into their quantized versions wherever the checkpoint has `.scales`
-    (mlx-lm's layout: global `group_size/bits/mode`, optional per-module overrides keyed by module path)."""
+    (mlx-lm's layout: global `group_size/bits/mode`, optional per-module overrides keyed by module path).
+    prefix: the module's path in the checkpoint (e.g. "mtp.") when `weights` are named relative to it."""
 
     def predicate(p, m):
         if not hasattr(m, "to_quantized"):
             return False
         if f"{p}.scales" not in weights:
             return False
-        override = quant.get(p)
+        override = quant.get(prefix + p)
         if isinstance(override, dict):
             return override
         return True
@@ -255,10 +267,40 @@ def check_vision(config: ModelConfig, vision: dict[str, mx.array], where: Path) 
             )
 
 
+def _attach_vision(model: Model, config: ModelConfig, vision: dict[str, mx.array], dtype, lazy: bool) -> None:
+    """Build the vision encoder from the checkpoint's (already checked) vision tensors. Text-only checkpoints get
+    none; a vision tower this runtime cannot run yet leaves `model.vision` None with the reason in
+    `model.vision_unavailable` (raised when images are given), so the text path still loads."""
+    if not vision:
+        if config.has_vision:
+            model.vision_unavailable = "the checkpoint has a vision_config but no vision tensors"
+        return
+    if any(k.endswith((".scales", ".biases")) for k in vision):
+        model.vision_unavailable = ("quantized vision tower weights are not supported yet (quantize only the text "
+                                    "tower, or keep the vision tensors in bf16/fp16/fp32)")
+        return
+    from .models.vision import VisionConfig, VisionEncoder
+
+    try:
+        vcfg = VisionConfig.from_model_config(config)
+    except ValueError as e:
+        model.vision_unavailable = str(e)
+        return
+    enc = VisionEncoder(vcfg)
+    items = [(k, v.astype(dtype) if dtype is not None and mx.issubdtype(v.dtype, mx.floating) else v)
+             for k, v in vision.items()]
+    enc.load_weights(items, strict=True)
+    if not lazy:
+        mx.eval(enc.parameters())
+    enc.eval()
+    model.set_vision(enc)
+
+
 def load_model(path: Path, dtype=None, *, lazy: bool = False) -> Model:
     config = load_config(path)
     dtype = parse_dtype(dtype)
     text, vision = Model.sanitize(load_weights(path))
+    mtp = {k: text.pop(k) for k in [k for k in text if k.startswith(("mtp.", "model.mtp."))]}
     model = Model(config)
     if config.text.tie_word_embeddings:
         text.pop("lm_head.weight", None)
@@ -270,8 +312,9 @@ def load_model(path: Path, dtype=None, *, lazy: bool = False) -> Model:
         text = {k: (v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in text.items()}
         vision = {k: (v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in vision.items()}
     model.load_weights(list(text.items()), strict=True)
-    model.vision_weights = VisionWeights(vision)
+    _attach_vision(model, config, vision, dtype, lazy)
     model.path = path
+    model.mtp_weights = CarriedWeights(mtp)  # MTP layers, built on demand by speculative.load_drafter
     eos = set(config.text.eos_token_ids)
     if (path / "generation_config.json").exists():
         e = read_json(path / "generation_config.json").get("eos_token_id")

@@ -106,3 +106,30 @@ def build_hf_drafter(overrides: dict | None = None, *, seed: int = 0, dtype=torc
             elif name.endswith("norm.weight"):
                 p.add_(torch.randn(p.shape) * 0.3)
     return model.to(dtype)
+
+
+def build_hf_mtp(hf_model, num_layers: int = 2, *, seed: int = 0):
+    """transformers' generic `MtpModel` on a Muse Glimmer built with `num_mtp_layers`/`mtp_layer_types` in its text
+    config, with random weights. Returns the torch module (shares embedding / lm_head with `hf_model`)."""
+    from transformers.modeling_layers import MtpModel
+
+    torch.manual_seed(seed)
+    mtp = MtpModel(hf_model, num_layers).eval()
+    with torch.no_grad():
+        for name, p in mtp.named_parameters():
+            if name.startswith(("embed_tokens", "shared_head")):
+                continue
+            if p.ndim == 2:
+                p.normal_(0.0, 0.08)
+            elif "norm" in name:
+                p.add_(torch.randn(p.shape) * 0.3)
+    return mtp
+
+
+def save_mtp_weights(mtp, path: Path, filename: str = "mtp.safetensors") -> None:
+    """Write the MTP layers as `mtp.*` tensors (embedding / head are the target's and are not stored)."""
+    from safetensors.torch import save_file
+
+    sd = {f"mtp.{k}": v.contiguous() for k, v in mtp.state_dict().items()
+          if not k.startswith(("embed_tokens", "shared_head"))}
+    save_file(sd, str(path / filename))

@@ -11,7 +11,7 @@ import glimmer_mlx
 from glimmer_mlx.loading import CheckpointError
 from glimmer_mlx.sampling import Sampler, SamplingParams
 from glimmer_mlx.speculative import load_drafter
-from glimmer_mlx.speculative.engine import DFlashDecoder
+from glimmer_mlx.speculative.engine import make_decoder
 from hf_fixtures import build_hf_drafter
 
 DRAFTER_CACHE: dict = {}
@@ -120,7 +120,7 @@ def test_per_round_drafts_equal_transformers_dflash(pair, monkeypatch):
                           max_new_tokens=30, eos_token_id=None, pad_token_id=0)
     hf_tokens = out[0, len(ids):].tolist()
 
-    dec = DFlashDecoder(model, drafter, Sampler(SamplingParams()), prefill_step=512)
+    dec = make_decoder(model, drafter, Sampler(SamplingParams()))
     dec.prefill(ids)
     ours, drafts = [], []
     while len(ours) < len(hf_tokens):

@@ -320,16 +320,19 @@ def test_tapped_hidden_states(load_case, name):
     assert max_diff(np.array(logits[0]), hf_logits(hf, ids).numpy()) <= FP32_TOL
 
 
-def test_last_layer_tap_is_pre_norm(load_case):
-    """transformers' last hidden_states entry is AFTER the final norm; our tap of the last layer is before it."""
+def test_last_layer_tap_is_final_normed(load_case):
+    """Like transformers' hidden_states[L], the last layer's tap is the final-normed state (what MTP consumes and
+    what a DFlash drafter tapping the last layer would see); other taps are pre-norm residual outputs."""
     model, hf, _ = load_case("L6")
     ids = token_ids()
     L = model.args.num_hidden_layers
-    _, (tap,) = model(mx.array([ids]), taps=(L - 1,))
+    _, (mid, tap) = model(mx.array([ids]), taps=(L - 2, L - 1))
     ref_normed = hf_hidden(hf, ids, [L - 1])[0].numpy()
-    normed = np.array(model.model.norm(tap)[0])
-    assert max_diff(normed, ref_normed) <= 1e-5 * max(1.0, float(np.abs(ref_normed).max()))
-    assert max_diff(np.array(tap[0]), ref_normed) > 1e-1
+    scale = max(1.0, float(np.abs(ref_normed).max()))
+    assert max_diff(np.array(tap[0]), ref_normed) <= 1e-5 * scale
+    # and it is not the pre-norm output of the last layer
+    pre = np.array(model.model.layers[L - 1](mid, model.rope)[0])
+    assert max_diff(pre, ref_normed) > 1e-1
 
 
 def test_tapped_hidden_states_cached(load_case):

@@ -96,7 +96,7 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x).reshape(B, L, self.n_kv, self.head_dim).transpose(0, 2, 1, 3)
         return rope(k, offset), v
 
-    def __call__(self, x, ctx, pos: int, rope, cache: KVCache | None):
+    def __call__(self, x, ctx, pos: int, rope, cache: KVCache | None, ctx_mask: mx.array | None = None):
         """x: normed block [1, B, D] at positions pos..pos+B-1; ctx: new context rows [1, n, D] at positions
         pos-n..pos-1 (already appended to nothing: this call stores their K/V in `cache`)."""
         B_, L, _ = x.shape
@@ -120,6 +120,9 @@ class DraftAttention(nn.Module):
             kpos = mx.concatenate([mx.arange(k0, k0 + kc.shape[2]), mx.arange(pos, pos + L)])[None, :]
             qpos = mx.arange(pos, pos + L)[:, None]
             mask = mx.abs(qpos - kpos) <= self.window
+        if ctx_mask is not None:  # training: per-sample valid context rows [B, n] (left padding is masked out)
+            valid = mx.concatenate([ctx_mask, mx.ones((B_, L), dtype=mx.bool_)], axis=1)[:, None, None, :]
+            mask = valid if mask is None else (mask[None, None] & valid)
         o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B_, L, -1))
 
@@ -144,8 +147,8 @@ class DraftLayer(nn.Module):
         self.input_layernorm = AssistantRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = AssistantRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def __call__(self, h, ctx, pos, rope, cache):
-        h = h + self.self_attn(self.input_layernorm(h), ctx, pos, rope, cache)
+    def __call__(self, h, ctx, pos, rope, cache, ctx_mask=None):
+        h = h + self.self_attn(self.input_layernorm(h), ctx, pos, rope, cache, ctx_mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -179,15 +182,16 @@ class Assistant(nn.Module):
         self.norm = AssistantRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = DraftRope(cfg)
 
-    def __call__(self, noise_embeds, ctx_taps, pos: int, cache=None):
+    def __call__(self, noise_embeds, ctx_taps, pos: int, cache=None, ctx_mask=None):
         """noise_embeds [1, B, D]: raw target embeddings of [anchor, mask…] at positions pos..pos+B-1.
         ctx_taps [1, n, k·D]: concatenated target taps of the n context positions pos-n..pos-1 that the cache has
-        not seen yet (without a cache: the whole context)."""
+        not seen yet (without a cache: the whole context). ctx_mask [B, n] (training only, without a cache): which
+        context rows each sample may see."""
         c = self.encoder(ctx_taps)
         cache = cache if cache is not None else [None] * len(self.layers)
         h = noise_embeds
         for layer, lc in zip(self.layers, cache):
-            h = layer(h, c, pos, self.rope, lc)
+            h = layer(h, c, pos, self.rope, lc, ctx_mask)
         return self.norm(h)
 
     def make_cache(self) -> list[KVCache]:

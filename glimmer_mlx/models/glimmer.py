@@ -160,22 +160,30 @@ class TextModel(nn.Module):
         self.embed_eps = cfg.rms_norm_eps
 
     def __call__(self, inputs, cache=None, *, input_embeddings=None, taps=(), rope=None):
+        """Returns (final-normed hidden, [tapped outputs in the order of `taps`]).
+
+        Tap i is the residual-stream output of layer i, except that the last layer's tap is the final-normed
+        hidden state, exactly as transformers' `hidden_states[i + 1]` (its last entry is the normed output)."""
         h = self.embed(inputs) if input_embeddings is None else input_embeddings
         cache = cache if cache is not None else [None] * len(self.layers)
-        tapped = []
+        last = len(self.layers) - 1
+        tapped = {}
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
             h = layer(h, rope, c)
-            if i in taps:
-                tapped.append(h)
-        return self.norm(h), tapped
+            if i in taps and i != last:
+                tapped[i] = h
+        h = self.norm(h)
+        if last in taps:
+            tapped[last] = h
+        return h, [tapped[i] for i in taps]
 
     def embed(self, ids):
         return rms(self.embed_tokens(ids), self.embed_eps)
 
 
 class VisionWeights:
-    """Vision tower / adapter / projection tensors carried through loading untouched (the tower itself is a later
-    issue). Deliberately not an `nn.Module`, so they are not part of the text model's parameters."""
+    """A read-only view of the vision encoder's tensors by checkpoint name (`vision_tower.…`, `vision_adapter.…`,
+    `vision_projection.weight`); empty for text-only checkpoints."""
 
     def __init__(self, weights: dict[str, mx.array]):
         self.weights = weights
@@ -184,7 +192,47 @@ class VisionWeights:
         return len(self.weights)
 
 
+class _Aside:
+    """Holds a module outside its owner's parameter tree (an nn.Module attribute would become a child)."""
+
+    def __init__(self, module):
+        self.module = module
+
+
 VISION_PREFIXES = ("vision_tower.", "vision_adapter.", "vision_projection.")
+
+
+class FeatureCache:
+    """LRU of encoded image / video features keyed by content hash (decoded pixels + processing settings), so
+    the same image in a follow-up prompt is not encoded again."""
+
+    def __init__(self, max_items: int = 16):
+        from collections import OrderedDict
+
+        self.max_items = max_items
+        self._d: "OrderedDict[str, mx.array]" = OrderedDict()
+        self.hits = self.misses = 0
+
+    def get(self, key: str):
+        v = self._d.get(key)
+        if v is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._d.move_to_end(key)
+        return v
+
+    def put(self, key: str, value: mx.array) -> None:
+        self._d[key] = value
+        self._d.move_to_end(key)
+        while len(self._d) > self.max_items:
+            self._d.popitem(last=False)
+
+    def clear(self) -> None:
+        self._d.clear()
+
+    def __len__(self):
+        return len(self._d)
 
 
 class Model(nn.Module):
@@ -199,7 +247,46 @@ class Model(nn.Module):
         if not config.text.tie_word_embeddings:
             self.lm_head = nn.Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
         self.rope = Rope(config.text)
-        self.vision_weights = VisionWeights({})
+        # the vision encoder (models/vision.py) is kept aside: `model.parameters()` stays the text tower's
+        self._vision = _Aside(None)
+        self.vision_unavailable: str | None = None  # why `vision` is None although the config has a vision tower
+        self.feature_cache = FeatureCache()
+
+    # -- vision ---------------------------------------------------------------------------------------------------
+    @property
+    def vision(self):
+        """The `VisionEncoder` (tower + adapter + projection + perception norm), or None for text-only checkpoints."""
+        return self._vision.module
+
+    def set_vision(self, encoder) -> None:
+        self._vision = _Aside(encoder)
+        self.feature_cache.clear()
+
+    @property
+    def vision_weights(self) -> VisionWeights:
+        from mlx.utils import tree_flatten
+
+        enc = self.vision
+        return VisionWeights({} if enc is None else dict(tree_flatten(enc.parameters())))
+
+    def embed_multimodal(self, ids: list[int], features: dict[int, list[mx.array]]) -> mx.array:
+        """Normed token embeddings [1, L, D] with the rows of each placeholder id in `features` (image / video
+        token id → per-item features [n_i, D], in prompt order) replaced by those features (reference doc §4.5:
+        placeholders are embedded as token 0, then overwritten; counts must match exactly)."""
+        import numpy as np
+
+        arr = np.asarray(ids, dtype=np.int64)
+        mm = np.isin(arr, list(features))
+        emb = self.model.embed(mx.array(np.where(mm, 0, arr).astype(np.int32))[None])
+        for tok, feats in features.items():
+            pos = np.nonzero(arr == tok)[0]
+            n = sum(int(f.shape[0]) for f in feats)
+            if n != len(pos):
+                raise ValueError(f"placeholder token {tok}: {len(pos)} position(s) in the prompt but {n} feature rows")
+            if n:
+                f = mx.concatenate(feats, axis=0) if len(feats) > 1 else feats[0]
+                emb[0, mx.array(pos.astype(np.int32))] = f.astype(emb.dtype)
+        return emb
 
     # -- the pieces speculative decoding needs ------------------------------------------------------------------
     def embed_raw(self, ids: mx.array) -> mx.array:
@@ -224,8 +311,8 @@ class Model(nn.Module):
         """Run the text tower.
 
         inputs: token ids [B, L]; input_embeddings: already-normed embeddings [B, L, D] instead of ids.
-        taps: layer indices whose residual-stream outputs (pre final norm) to return as well; when given the call
-        returns `(logits, [h_tap0, h_tap1, …])`. last: only compute logits for the last `last` positions.
+        taps: layer indices whose residual-stream outputs to return as well (the last layer's is the final-normed
+        state, as in transformers' hidden_states); when given the call returns `(logits, [h_tap0, h_tap1, …])`. last: only compute logits for the last `last` positions.
         """
         h, tapped = self.model(inputs, cache, input_embeddings=input_embeddings, taps=taps or (), rope=self.rope)
         if last is not None:

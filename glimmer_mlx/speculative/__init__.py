@@ -1,5 +1,6 @@
-"""Speculative decoding: drafters propose, `verify` accepts, `engine` runs the rounds."""
+"""Speculative decoding: drafters propose (DFlash, MTP), `verify` accepts, `engine` runs the rounds."""
 
 from .drafter import DFlashDrafter, load_drafter
+from .mtp import MTPDrafter, load_mtp
 
-__all__ = ["DFlashDrafter", "load_drafter"]
+__all__ = ["DFlashDrafter", "MTPDrafter", "load_drafter", "load_mtp"]

@@ -10,6 +10,7 @@ from mlx.utils import tree_flatten
 from ..config import ConfigError
 from ..loading import CheckpointError, load_weights, parse_dtype, read_json, resolve_path
 from ..models.assistant import Assistant, AssistantConfig
+from .verify import draft_tokens
 
 DRAFT_LOGITS = ("raw", "target")
 
@@ -32,8 +33,31 @@ class DFlashDrafter:
         self.block_size = self.config.block_size
         self.taps = tuple(self.config.target_layer_ids)
 
+    @property
+    def max_drafts(self) -> int:
+        return self.block_size - 1
+
+    width_name = "block_size - 1"
+
     def make_cache(self):
         return self.assistant.make_cache()
+
+    # -- the engine's drafter protocol: start / propose / accept ------------------------------------------------
+    def start(self, taps: list[mx.array], ids: list[int]) -> None:
+        """After the prefill: `taps` cover every prompt position; `ids` = prompt + the first generated token."""
+        self.cache = self.make_cache()
+        self.ctx = mx.concatenate(taps, axis=-1)
+
+    def propose(self, anchor: int, pos: int, k: int, sampler, history: list[int]):
+        """k drafts for positions pos+1..pos+k (the anchor sits at `pos`); returns (drafts, q_logprobs | None)."""
+        h = self.draft_hidden(anchor, self.ctx, pos, self.cache)
+        self.ctx = None  # consumed: its K/V now live in the drafter cache
+        return draft_tokens(self.logits(h[:k]), sampler, history)
+
+    def accept(self, taps: list[mx.array], new_tokens: list[int]) -> None:
+        """The target's taps of the newly committed positions (anchor + accepted drafts) become the next context."""
+        rows = mx.concatenate(taps, axis=-1)
+        self.ctx = rows if self.ctx is None else mx.concatenate([self.ctx, rows], axis=1)
 
     def draft_hidden(self, anchor: int, ctx_taps: mx.array, pos: int, cache, block: int | None = None) -> mx.array:
         """Final hidden states of the block [anchor, mask × (block−1)] at positions pos.. → [block−1, D] (rows 1..)."""
@@ -62,18 +86,33 @@ def check_fit(cfg: AssistantConfig, target, where) -> None:
         raise CheckpointError(f"{where}: drafter does not fit the target: " + "; ".join(problems))
 
 
-def load_drafter(path_or_repo, target, *, dtype=None, draft_logits: str = "target") -> DFlashDrafter:
-    """Load a `muse_glimmer_assistant` checkpoint for `target` (weights with or without a `model.` prefix).
-
-    dtype: None = the target's dtype."""
+def load_drafter(path_or_repo, target, *, dtype=None, draft_logits: str = "target", depth=None):
+    """A drafter for `target`: a DFlash assistant (`model_type: muse_glimmer_assistant`, weights with or without a
+    `model.` prefix) or MTP layers (a checkpoint whose config has `num_mtp_layers` and whose weights hold `mtp.*`;
+    the target's own folder included). dtype None = the target's; depth: MTP chain depth (None = trained layers)."""
     path = Path(resolve_path(path_or_repo))
+    raw = read_json(path / "config.json")
+    text = raw.get("text_config", raw) if isinstance(raw, dict) else {}
+    if isinstance(raw, dict) and raw.get("model_type") != "muse_glimmer_assistant" and (
+            text.get("num_mtp_layers") or text.get("num_nextn_predict_layers")):
+        from .mtp import load_mtp
+
+        return load_mtp(path, target, depth=depth, dtype=dtype, draft_logits=draft_logits)
+    if isinstance(raw, dict) and str(raw.get("model_type", "")).startswith("muse_glimmer") and \
+            raw.get("model_type") != "muse_glimmer_assistant":
+        raise CheckpointError(f"{path}: a target checkpoint without MTP layers (no num_mtp_layers in its config) "
+                              "cannot serve as a drafter")
     try:
-        cfg = AssistantConfig.from_dict(read_json(path / "config.json"), where=str(path / "config.json"))
+        cfg = AssistantConfig.from_dict(raw, where=str(path / "config.json"))
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
     check_fit(cfg, target, path)
     weights = Assistant.sanitize(load_weights(path))
     assistant = Assistant(cfg)
+    if isinstance(raw.get("quantization"), dict):  # converted by `glimmer convert -q` (mlx-lm layout)
+        from ..loading import _quantize_model
+
+        _quantize_model(assistant, raw["quantization"], weights)
     expected = dict(tree_flatten(assistant.parameters()))
     missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
     if missing:
@@ -84,10 +123,9 @@ def load_drafter(path_or_repo, target, *, dtype=None, draft_logits: str = "targe
         if tuple(weights[k].shape) != tuple(v.shape):
             raise CheckpointError(f"{path}: drafter tensor '{k}' has shape {tuple(weights[k].shape)}, "
                                   f"expected {tuple(v.shape)} from config.json")
-    dt = parse_dtype(dtype) or target.model.embed_tokens.weight.dtype
-    if not mx.issubdtype(dt, mx.floating):
-        dt = mx.float32 if target.model.norm.weight.dtype == mx.float32 else target.model.norm.weight.dtype
-    assistant.load_weights([(k, v.astype(dt)) for k, v in weights.items()], strict=True)
+    dt = parse_dtype(dtype) or target.model.norm.weight.dtype
+    assistant.load_weights([(k, v.astype(dt) if mx.issubdtype(v.dtype, mx.floating) else v)
+                            for k, v in weights.items()], strict=True)
     mx.eval(assistant.parameters())
     assistant.eval()
     return DFlashDrafter(assistant, target, draft_logits)

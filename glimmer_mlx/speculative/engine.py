@@ -1,8 +1,11 @@
-"""The speculative round loop: draft → verify → commit → rewind.
+"""The speculative round loop: draft → verify → commit → rewind, the same for every drafter.
 
-Per round: one drafter forward over the block [anchor, mask…], one target forward over [anchor, d1..dk] (with the
-taps the drafter needs), acceptance by `verify`, then the target caches are rewound to "anchor + accepted drafts"
-and those positions' taps become the drafter's new context. With one token of budget left a round is a plain step.
+A drafter implements `taps` (target layers it needs), `max_drafts`, `start(taps, ids)` after the prefill,
+`propose(anchor, pos, k, sampler, history) -> (drafts, q_logprobs | None)`, and `accept(taps, new_tokens)` with the
+target's taps of the newly committed positions. Per round: the drafter proposes k drafts; one target forward over
+[anchor, d1..dk] (with the drafter's taps) is verified by `verify`; the target caches are rewound to
+"anchor + accepted drafts". With one token of budget left (or when the adaptive width says so) a round is a plain
+target step.
 """
 
 from __future__ import annotations
@@ -16,40 +19,39 @@ from ..cache import rewind_cache
 from ..generate import DEFAULT_PREFILL_STEP, prefill
 from ..sampling import Sampler
 from .adaptive import AdaptiveWidth, measure_verify_costs
-from .verify import draft_tokens, target_distribution, verify_greedy, verify_sampling
+from .verify import target_distribution, verify_greedy, verify_sampling
 
 
-class DFlashDecoder:
-    mode = "dflash"
-
-    def __init__(self, model, drafter, sampler: Sampler, block_size=None, prefill_step: int = DEFAULT_PREFILL_STEP):
-        trained = drafter.block_size
-        self.adaptive = block_size == "auto"
-        if block_size is None or self.adaptive:
-            block_size = trained
-        if not isinstance(block_size, int) or not 2 <= block_size <= trained:
-            raise ValueError(f"block_size must be 'auto' or an int in [2, {trained}] (the drafter's trained block "
-                             f"size), got {block_size!r}")
+class SpeculativeDecoder:
+    def __init__(self, model, drafter, sampler: Sampler, width=None, prefill_step: int = DEFAULT_PREFILL_STEP):
+        trained = drafter.max_drafts
+        self.adaptive = width == "auto"
+        if width is None or self.adaptive:
+            width = trained
+        if not isinstance(width, int) or isinstance(width, bool) or not 1 <= width <= trained:
+            raise ValueError(f"{drafter.width_name} must be 'auto' or an int in [1, {trained}], got {width!r}")
         self.model, self.drafter, self.sampler = model, drafter, sampler
-        self.max_k = block_size - 1
+        self.mode = drafter.kind
+        self.max_k = width
         self.prefill_step = prefill_step
         self.cache = model.make_cache(max_rewind=max(64, trained))
-        self.dcache = drafter.make_cache()
         self.taps = drafter.taps
         self.history: list[int] = []
-        self.ctx = None
         self._first = None
         self.chooser: AdaptiveWidth | None = None
         self.rounds = 0
         self.hist = Counter()  # tokens committed per round -> count
         self.t_draft = self.t_verify = 0.0
-        self.last_drafts: list[int] = []  # drafts proposed in the latest round (all block−1 of them)
+        self.last_drafts: list[int] = []  # drafts proposed in the latest round
 
-    def prefill(self, ids: list[int]) -> None:
+    def prefill(self, ids: list[int], input_embeddings=None) -> None:
+        """input_embeddings: the prompt's embeddings (images in place); the target's taps over image positions then
+        reach the drafter like any other context."""
         self.history = list(ids)
-        logits, taps = prefill(self.model, self.cache, ids, self.prefill_step, taps=self.taps)
-        self.ctx = mx.concatenate(taps, axis=-1)
+        logits, taps = prefill(self.model, self.cache, ids, self.prefill_step, taps=self.taps,
+                               input_embeddings=input_embeddings)
         self._first = int(self.sampler(logits, self._hist()).item())
+        self.drafter.start(taps, self.history + [self._first])
         if self.adaptive:
             costs = measure_verify_costs(self.model, self.cache, self.taps, self.max_k)
             self.chooser = AdaptiveWidth(self.max_k, costs)
@@ -77,16 +79,15 @@ class DFlashDecoder:
         if self.chooser is not None:
             k = min(k, self.chooser.choose())
         t0 = time.perf_counter()
-        if k == 0:  # plain step (still producing the taps the drafter needs next round)
+        if k == 0:  # plain step (still producing the taps the drafter needs)
             logits, taps = self.model(mx.array([[anchor]], dtype=mx.int32), self.cache, taps=self.taps)
             t = int(self.sampler(logits[:, -1], self._hist()).item())
-            self.ctx = mx.concatenate(taps, axis=-1)
+            self.drafter.accept(taps, [t])
             self.t_verify += time.perf_counter() - t0
             return self._commit([t])
-        h = self.drafter.draft_hidden(anchor, self.ctx, pos, self.dcache)
-        q_logits = self.drafter.logits(h[:k])
-        drafts, q = draft_tokens(q_logits, self.sampler, self.history)
+        drafts, q = self.drafter.propose(anchor, pos, k, self.sampler, self.history)
         self.last_drafts = drafts
+        k = len(drafts)  # a drafter may propose fewer than asked
         t1 = time.perf_counter()
         logits, taps = self.model(mx.array([[anchor] + drafts], dtype=mx.int32), self.cache, taps=self.taps)
         if self.sampler.params.greedy:
@@ -95,13 +96,14 @@ class DFlashDecoder:
             p = target_distribution(logits[0], self.sampler, self.history, drafts)
             n, nxt = verify_sampling(p, q, drafts, self.sampler)
         rewind_cache(self.cache, k - n)
-        self.ctx = mx.concatenate(taps, axis=-1)[:, : n + 1]
+        new = drafts[:n] + [nxt]
+        self.drafter.accept([t[:, : n + 1] for t in taps], new)
         t2 = time.perf_counter()
         self.t_draft += t1 - t0
         self.t_verify += t2 - t1
         if self.chooser is not None:
             self.chooser.update(k, n, t1 - t0)
-        return self._commit(drafts[:n] + [nxt])
+        return self._commit(new)
 
     def stats(self) -> dict:
         committed = sum(n * c for n, c in self.hist.items())
@@ -110,11 +112,15 @@ class DFlashDecoder:
             "rounds": self.rounds,
             "tau": committed / self.rounds if self.rounds else 0.0,
             "acceptance_histogram": {int(n): int(c) for n, c in sorted(self.hist.items())},
-            "block_size": self.max_k + 1,
+            "max_drafts": self.max_k,
             "adaptive": self.adaptive,
             "draft_share": self.t_draft / total if total else 0.0,
             "verify_share": self.t_verify / total if total else 0.0,
         }
+        if self.mode == "dflash":
+            d["block_size"] = self.max_k + 1
+        else:
+            d["depth"] = self.max_k
         if self.chooser is not None:
             d["verify_cost_ratio"] = {int(k): round(v, 3) for k, v in self.chooser.cost_ratio().items()}
             d["chosen_k_histogram"] = dict(sorted(self.chooser.chosen.items()))
@@ -122,6 +128,17 @@ class DFlashDecoder:
 
 
 def make_decoder(model, drafter, sampler: Sampler, *, block_size=None, prefill_step: int = DEFAULT_PREFILL_STEP):
-    if getattr(drafter, "kind", None) == "dflash":
-        return DFlashDecoder(model, drafter, sampler, block_size, prefill_step)
+    """block_size: DFlash's block width (drafts + 1) or MTP's depth (drafts); None = as trained; "auto" = adaptive."""
+    kind = getattr(drafter, "kind", None)
+    if kind == "dflash":
+        if block_size not in (None, "auto") and not (
+                isinstance(block_size, int) and not isinstance(block_size, bool) and 2 <= block_size <= drafter.block_size):
+            raise ValueError(f"block_size must be 'auto' or an int in [2, {drafter.block_size}] (the drafter's trained "
+                             f"block size), got {block_size!r}")
+        width = block_size - 1 if isinstance(block_size, int) else block_size
+        return SpeculativeDecoder(model, drafter, sampler, width, prefill_step)
+    if kind == "mtp":
+        if isinstance(block_size, int) and not isinstance(block_size, bool):
+            drafter.set_depth(block_size)  # beyond the trained layers the last one is reused recursively
+        return SpeculativeDecoder(model, drafter, sampler, block_size, prefill_step)
     raise TypeError(f"unsupported drafter {type(drafter).__name__}")

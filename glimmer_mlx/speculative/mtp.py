@@ -1,0 +1,145 @@
+"""MTP drafting: chain the MTP layers to propose k tokens per round, with per-depth KV caches that only ever hold
+rows computed from committed tokens.
+
+Depth d's row at position p combines the token at p with depth d−1's output at p−1 (depth −1 = the target's
+final-normed hidden state) and predicts the token at p+1 — transformers' `MtpModel` chain. Each round, every depth
+first processes the newly committed positions (those rows are final and stay cached), then depths 0..k−1 extend
+the chain over the drafted tokens: depth d's row at T+d (T = the anchor's position… see `propose`) yields draft d+1.
+Draft rows are rewound right away, so a rejected draft never leaves state behind and nothing needs recomputing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from ..config import ConfigError
+from ..loading import CheckpointError, load_weights, parse_dtype, read_json, resolve_path
+from ..models.mtp import MTPHead, mtp_text_config
+from .verify import draft_tokens
+
+MAX_DEPTH = 16
+
+
+class MTPDrafter:
+    kind = "mtp"
+    width_name = "MTP depth"
+
+    def __init__(self, head: MTPHead, target, depth: int | None = None, draft_logits: str = "target"):
+        if draft_logits not in ("raw", "target"):
+            raise ValueError(f"draft_logits must be 'raw' or 'target', got {draft_logits!r}")
+        self.head, self.target, self.draft_logits = head, target, draft_logits
+        self.set_depth(depth or head.num_layers)
+        self.taps = (target.args.num_hidden_layers - 1,)  # the final-normed hidden state
+
+    @property
+    def max_drafts(self) -> int:
+        return self.depth
+
+    def set_depth(self, depth: int) -> None:
+        """Chain depth = drafts per round; depths past the trained layers reuse the last layer recursively."""
+        if not isinstance(depth, int) or isinstance(depth, bool) or not 1 <= depth <= MAX_DEPTH:
+            raise ValueError(f"MTP depth must be 'auto' or an int in [1, {MAX_DEPTH}], got {depth!r}")
+        self.depth = depth
+
+    def logits(self, h: mx.array) -> mx.array:
+        if self.draft_logits == "raw":
+            return self.target.lm_head_raw(h).astype(mx.float32)
+        return self.target.logits(h)
+
+    # -- engine protocol ----------------------------------------------------------------------------------------
+    def start(self, taps: list[mx.array], ids: list[int]) -> None:
+        self.caches = self.head.make_cache(self.depth)
+        self.saved: list[mx.array | None] = [None] * self.depth  # depth d's output at its last committed row
+        self.tokens = list(ids)  # every committed token so far (position = index)
+        self.main = taps[0]  # target hidden rows not yet consumed by depth 0, positions main_pos..
+        self.main_pos = 0
+
+    def accept(self, taps: list[mx.array], new_tokens: list[int]) -> None:
+        self.main = mx.concatenate([self.main, taps[0]], axis=1) if self.main is not None else taps[0]
+        self.tokens += new_tokens
+
+    def propose(self, anchor: int, pos: int, k: int, sampler, history: list[int]):
+        """Drafts for positions T+1..T+k, the anchor (last committed token) being at T = `pos`."""
+        T = pos
+        if self.tokens[-1] != anchor or len(self.tokens) != T + 1:
+            raise RuntimeError("MTP drafter out of sync with the target (tokens and positions disagree)")
+        prev, prev_start = self.main, self.main_pos  # depth −1: target hidden rows from position main_pos
+        drafts, q_rows = [], []
+        for d in range(self.depth):
+            cache = self.caches[d]
+            first = cache.offset  # committed rows first..T, then n_draft rows over d_1..d_n_draft
+            n_draft = d if d < k else 0
+            skip = max(0, first - T - 1)  # a short prompt: this depth's first row lies beyond the anchor
+            toks = self.tokens[first:] + drafts[skip:n_draft]
+            n_draft = max(0, n_draft - skip)  # draft rows actually computed (rewound right after)
+            out = None
+            if toks:
+                lo = first - 1 - prev_start
+                h_in = prev[:, lo : lo + len(toks)]
+                out = self.head.forward_depth(d, self.target.embed_raw(mx.array([toks], dtype=mx.int32)), h_in, cache)
+                if n_draft:
+                    cache.rewind(n_draft)
+            old_saved, old_start = self.saved[d], first - 1
+            if out is not None and len(toks) > n_draft:  # depth d's last committed row (position T), for next round
+                self.saved[d] = out[:, len(toks) - n_draft - 1 : len(toks) - n_draft]
+            if d < k and out is None:
+                k = d  # nothing to draft from at this depth yet (prompt shorter than the chain)
+            if d < k:
+                dt, q = draft_tokens(self.logits(out[0, -1:]), sampler, history + drafts)
+                drafts.append(dt[0])
+                if q is not None:
+                    q_rows.append(q)
+            # depth d's outputs by position, for depth d+1: its old last committed row, then this round's rows
+            if out is None:
+                prev, prev_start = old_saved, old_start
+            elif old_saved is not None:
+                prev, prev_start = mx.concatenate([old_saved, out], axis=1), old_start
+            else:
+                prev, prev_start = out, first
+        self.main, self.main_pos = None, T  # consumed; the next accept brings the rows from position T on
+        return drafts, (mx.concatenate(q_rows) if q_rows else None)
+
+
+def load_mtp(path_or_repo, target, *, depth=None, dtype=None, draft_logits: str = "target") -> MTPDrafter:
+    """MTP layers from the target's own checkpoint (`mtp.*`) or from a separate folder holding `mtp.*` weights and a
+    config with `num_mtp_layers` / `mtp_layer_types`."""
+    own = getattr(target, "path", None)
+    if path_or_repo is None or (own is not None and Path(str(path_or_repo)).resolve() == Path(own).resolve()):
+        weights, raw, where = dict(target.mtp_weights.weights), target.config.raw, getattr(target, "path", "target")
+    else:
+        path = Path(resolve_path(path_or_repo))
+        raw, where = read_json(path / "config.json"), path
+        weights = {k: v for k, v in load_weights(path).items() if k.startswith(("mtp.", "model.mtp."))}
+    raw_text = raw.get("text_config", raw)
+    try:
+        cfg, opts = mtp_text_config(target.args, raw_text, where=str(where))
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    if cfg.hidden_size != raw_text.get("hidden_size", cfg.hidden_size):
+        raise CheckpointError(f"{where}: MTP hidden_size {raw_text.get('hidden_size')} != target hidden_size "
+                              f"{cfg.hidden_size}")
+    head = MTPHead(cfg, opts)
+    weights = MTPHead.sanitize(weights)
+    if isinstance(raw.get("quantization"), dict):  # converted by `glimmer convert -q` (mlx-lm layout)
+        from ..loading import _quantize_model
+
+        _quantize_model(head, raw["quantization"], weights, prefix="mtp.")
+    expected = dict(tree_flatten(head.parameters()))
+    missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
+    if missing:
+        raise CheckpointError(f"{where}: MTP weights missing: {['mtp.' + k for k in missing[:8]]}")
+    if extra:
+        raise CheckpointError(f"{where}: unexpected MTP weights: {['mtp.' + k for k in extra[:8]]}")
+    for k, v in expected.items():
+        if tuple(weights[k].shape) != tuple(v.shape):
+            raise CheckpointError(f"{where}: tensor 'mtp.{k}' has shape {tuple(weights[k].shape)}, expected "
+                                  f"{tuple(v.shape)}")
+    dt = parse_dtype(dtype) or target.model.norm.weight.dtype
+    head.load_weights([(k, v.astype(dt) if mx.issubdtype(v.dtype, mx.floating) else v)
+                       for k, v in weights.items()], strict=True)
+    mx.eval(head.parameters())
+    head.eval()
+    return MTPDrafter(head, target, depth, draft_logits)

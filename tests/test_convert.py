@@ -39,7 +39,7 @@ MODES = {
     "mixed_3_4": (dict(recipe="mixed_3_4"), (0.07, 0.22), 1.6),
     "mixed_3_6": (dict(recipe="mixed_3_6"), (0.015, 0.22), 1.6),
     "mixed_4_6": (dict(recipe="mixed_4_6"), (0.015, 0.11), 1.05),
-    "glimmer_4_6": (dict(recipe="glimmer_4_6"), (0.003, 0.11), 1.0),
+    "glimmer_4_6": (dict(recipe="glimmer_4_6"), (0.003, 0.11), 0.9),
 }
 
 
@@ -99,7 +99,8 @@ def test_round_trip(src, ref, tmp_path, mode):
 def test_recipe_bits_follow_mlx_lm(src, tmp_path):
     """mixed_3_6 on 6 layers: mlx-lm's rule puts v_proj/down_proj of layers 0 and 5 (first/last eighth: 6//8 = 0, so
     index < 0 never; index >= 42//8 = 5) and 2 ((2 − 0) % 3 == 2), and lm_head, at 6 bits; the rest at 3.
-    glimmer_4_6 adds k/v_proj at 8 bits everywhere. Per-module entries are written to config.json."""
+    glimmer_4_6: k/v_proj at 8 bits everywhere, embedding and lm_head at 6, the rest 4. Per-module entries are
+    written to config.json."""
     res = convert(src, tmp_path / "m", recipe="mixed_3_6", evaluate=False)
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
     assert cfg["quantization"] == cfg["quantization_config"]
@@ -110,7 +111,9 @@ def test_recipe_bits_follow_mlx_lm(src, tmp_path):
     convert(src, tmp_path / "g", recipe="glimmer_4_6", evaluate=False)
     g = json.loads((tmp_path / "g" / "config.json").read_text())["quantization"]
     assert all(g[f"model.layers.{i}.self_attn.{p}"]["bits"] == 8 for i in range(6) for p in ("k_proj", "v_proj"))
-    assert g["model.layers.5.mlp.down_proj"]["bits"] == 6 and g["model.layers.1.mlp.down_proj"]["bits"] == 4
+    assert g["lm_head"]["bits"] == g["model.embed_tokens"]["bits"] == 6
+    assert {v["bits"] for k, v in g.items() if isinstance(v, dict) and "_proj" in k and "k_proj" not in k
+            and "v_proj" not in k} == {4}
     with pytest.raises(ConvertError, match="affine-only"):
         convert(src, tmp_path / "x", recipe="mixed_4_6", q_mode="mxfp4")
     with pytest.raises(ConvertError, match="invalid quantization"):

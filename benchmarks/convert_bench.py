@@ -235,8 +235,6 @@ def quality(modes=None, recipes_only: bool = False) -> dict:
 
 def text_bpw(r) -> float:
     t = [v for v in r.quality["tensors"].values() if v["part"] == "text"]
-    from glimmer_mlx.convert import _ST
-
     bits = 0
     for v in t:
         n = int(np.prod(v["shape"]))
@@ -324,7 +322,6 @@ def vision() -> dict:
     hidden state when the text linears are 4-bit — same model, same weight scale (N(0, 0.08))."""
     import mlx.core as mx
     import torch
-    from hf_fixtures import build_hf_model
     from transformers import MuseGlimmerConfig, MuseGlimmerForConditionalGeneration
 
     from glimmer_mlx.convert import _VISION_LINEAR_RE

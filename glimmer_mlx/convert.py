@@ -55,7 +55,7 @@ from mlx.utils import tree_flatten
 from .config import ConfigError, parse_config
 from .loading import (CheckpointError, check_vision, check_weights, parse_dtype, read_json, read_safetensors_header,
                       resolve_path, weight_files)
-from .models.glimmer import Model, expected_vision_shapes
+from .models.glimmer import Model
 
 
 class ConvertError(CheckpointError):

@@ -90,7 +90,7 @@ def gpu_working_set_gb(mem_gb: float) -> float:
 def _weights_bytes(shapes: dict[str, tuple], quantizable: set[str], q: dict | None, recipe: str | None,
                    num_layers: int, dense_bytes: int = 2) -> tuple[int, int]:
     """(bytes, parameters) of tensors `shapes` with the module weights in `quantizable` quantized as convert does."""
-    from .convert import MODE_DEFAULTS, _index_of, _recipe_bits
+    from .convert import _index_of, _recipe_bits
 
     loc = None
     for p in sorted(quantizable):
@@ -118,7 +118,6 @@ def memory_plan(model: str | dict = "muse-glimmer-30b", drafter: str | dict | No
     """Memory needed to run `model` (+ `drafter`) converted by `glimmer convert` with these settings, and whether it
     fits each Mac memory size. `model`: a preset name, a checkpoint folder / Hub id, or a config dict; `drafter`:
     "default" (the released assistant's config), None, a folder / Hub id, or a config dict. bits None: bf16."""
-    import mlx.nn as nn
     from mlx.utils import tree_flatten
 
     from .config import parse_config

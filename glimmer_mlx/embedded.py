@@ -1,0 +1,42 @@
+"""The embedded default model set shipped in `models/`: a small trained Glimmer target, its DFlash drafter and MTP
+layer (built by `models/build_embedded.py`). Every command that takes `--model` falls back to it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+EMBEDDED = "glimmer-tiny"
+
+
+def models_dir() -> Path:
+    """`models/` next to the package (a source checkout or an editable install)."""
+    return Path(__file__).resolve().parent.parent / "models"
+
+
+def embedded_path(part: str = "target") -> Path:
+    """part: "target" | "dflash" | "mtp"."""
+    names = {"target": EMBEDDED, "dflash": f"{EMBEDDED}-dflash", "mtp": f"{EMBEDDED}-mtp"}
+    if part not in names:
+        raise ValueError(f"unknown embedded part {part!r}; one of {sorted(names)}")
+    path = models_dir() / names[part]
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"the embedded model is missing: {path} has no config.json. It ships in the source tree under models/ "
+            f"(rebuild it with `python models/build_embedded.py`); or pass --model.")
+    return path
+
+
+_announced: set[str] = set()
+
+
+def resolve_model(model: str | None, part: str = "target", announce=None) -> str:
+    """`model` if given, else the embedded model's folder (announced once per process on stderr)."""
+    if model is not None:
+        return model
+    path = embedded_path(part)
+    if part not in _announced:
+        _announced.add(part)
+        msg = f"no --model given: using the embedded {part} {path}"
+        (announce or (lambda m: print(m, file=sys.stderr)))(msg)
+    return str(path)

@@ -47,9 +47,23 @@ class DataReport:
         return s
 
 
-def read_conversations(path: Path, report: DataReport) -> list[list[dict]]:
-    """Conversations from a JSONL file: one `{"messages": [{"role", "content"}, …]}` per line. Malformed lines and
-    conversations without an assistant turn are skipped and counted, not fatal."""
+def _valid_message(m) -> bool:
+    """{"role", "content": str}, or an assistant turn with `tool_calls` (content may be null) whose arguments are
+    mappings (the form chat templates render)."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        return False
+    if isinstance(m.get("content"), str):
+        return True
+    calls = m.get("tool_calls")
+    return (m["role"] == "assistant" and m.get("content") is None and isinstance(calls, list) and bool(calls)
+            and all(isinstance(c, dict) and isinstance(c.get("function", c).get("name"), str)
+                    and isinstance(c.get("function", c).get("arguments", {}), dict) for c in calls))
+
+
+def read_conversations(path: Path, report: DataReport) -> list[tuple[list[dict], list | None]]:
+    """Conversations from a JSONL file: one `{"messages": [{"role", "content"}, …], "tools": [...]?}` per line, as
+    (messages, tools) pairs. Malformed lines and conversations without an assistant turn are skipped and counted,
+    not fatal."""
     if not path.exists():
         raise DataError(f"{path}: no such file")
     convs = []
@@ -63,15 +77,17 @@ def read_conversations(path: Path, report: DataReport) -> list[list[dict]]:
                 report.skip("malformed JSON lines")
                 continue
             msgs = obj.get("messages") if isinstance(obj, dict) else None
-            if not isinstance(msgs, list) or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in msgs):
+            if not isinstance(msgs, list) or not all(_valid_message(m) for m in msgs):
                 report.skip("lines without a valid 'messages' list")
                 continue
             if not any(m["role"] == "assistant" for m in msgs):
                 report.skip("conversations without an assistant turn")
                 continue
-            convs.append(msgs)
+            tools = obj.get("tools")
+            if tools is not None and not isinstance(tools, list):
+                report.skip("lines whose 'tools' is not a list")
+                continue
+            convs.append((msgs, tools))
     return convs
 
 
@@ -95,15 +111,15 @@ def read_text_files(paths: list[Path]) -> list[str]:
     return texts
 
 
-def tokenize_conversation(tokenizer, msgs: list[dict]) -> Sequence:
+def tokenize_conversation(tokenizer, msgs: list[dict], tools: list | None = None) -> Sequence:
     """Chat-templated ids; the mask covers the assistant replies (each reply's tokens as the template renders them)."""
     ids, mask = [], []
     prev = []
     for i, m in enumerate(msgs):
         if m["role"] != "assistant":
             continue
-        prompt = tokenizer.apply_chat_template(msgs[:i], add_generation_prompt=True, tokenize=True)
-        full = tokenizer.apply_chat_template(msgs[: i + 1], add_generation_prompt=False, tokenize=True)
+        prompt = tokenizer.apply_chat_template(msgs[:i], add_generation_prompt=True, tokenize=True, tools=tools)
+        full = tokenizer.apply_chat_template(msgs[: i + 1], add_generation_prompt=False, tokenize=True, tools=tools)
         if full[: len(prompt)] != prompt or full[: len(prev)] != prev:
             raise DataError("the chat template does not render conversations as prefixes of each other; cannot "
                             "place the loss mask")
@@ -113,9 +129,12 @@ def tokenize_conversation(tokenizer, msgs: list[dict]) -> Sequence:
     return Sequence(ids, mask)
 
 
-def regenerate(model, tokenizer, convs: list[list[dict]], cache_path: Path, *, max_new_tokens: int = 256,
-               temperature: float = 0.0, seed: int = 0, progress=None) -> list[list[dict]]:
-    """Replace every assistant reply by the target's own reply to the preceding turns. Resumable via `cache_path`."""
+def regenerate(model, tokenizer, convs: list[tuple[list[dict], list | None]], cache_path: Path, *,
+               max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0,
+               progress=None) -> list[tuple[list[dict], list | None]]:
+    """Replace every assistant reply by the target's own reply to the preceding turns. Resumable via `cache_path`.
+    Conversations with tool calls are kept as they are (a regenerated reply is text; re-parsing it into tool calls
+    is format-specific)."""
     from ..generate import generate
 
     done: dict[int, list[dict]] = {}
@@ -123,14 +142,16 @@ def regenerate(model, tokenizer, convs: list[list[dict]], cache_path: Path, *, m
         for line in cache_path.read_text(encoding="utf-8").splitlines():
             try:
                 rec = json.loads(line)
-                done[int(rec["index"])] = rec["messages"]
+                done[int(rec["index"])] = (rec["messages"], rec.get("tools"))
             except (json.JSONDecodeError, KeyError, TypeError, ValueError):
                 continue  # a line cut by an interruption: that conversation is regenerated
     out = []
     with open(cache_path, "a", encoding="utf-8") as f:
-        for i, msgs in enumerate(convs):
+        for i, (msgs, tools) in enumerate(convs):
             if i in done:
                 out.append(done[i])
+            elif tools or any(m.get("tool_calls") for m in msgs):
+                out.append((msgs, tools))
             else:
                 new = []
                 for m in msgs:
@@ -143,7 +164,7 @@ def regenerate(model, tokenizer, convs: list[list[dict]], cache_path: Path, *, m
                         new.append(dict(m))
                 f.write(json.dumps({"index": i, "messages": new}, ensure_ascii=False) + "\n")
                 f.flush()
-                out.append(new)
+                out.append((new, None))
             if progress is not None:
                 progress(i + 1, len(convs))
     return out
@@ -160,8 +181,8 @@ def build_sequences(tokenizer, *, chats: Path | None = None, texts: list[Path] =
         convs = read_conversations(Path(chats), report)
         if model is not None and regen_cache is not None:
             convs = regenerate(model, tokenizer, convs, regen_cache, progress=progress, **(regen_kwargs or {}))
-        for msgs in convs:
-            s = tokenize_conversation(tokenizer, msgs)
+        for msgs, tools in convs:
+            s = tokenize_conversation(tokenizer, msgs, tools)
             if len(s.ids) > max_length:
                 s = Sequence(s.ids[:max_length], s.mask[:max_length])
                 report.truncated += 1

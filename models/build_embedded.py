@@ -1,0 +1,393 @@
+"""Build the embedded default model set under models/: glimmer-tiny (target), glimmer-tiny-dflash, glimmer-tiny-mtp.
+
+    python models/build_embedded.py                 # every stage, in order (≈ 1.5 h on 2 CPU cores)
+    python models/build_embedded.py --stage target  # one stage (data → tokenizer → target → dflash → mtp → measure)
+
+Data (offline, deterministic): the Python standard library's source of the interpreter running the script (files
+hashed into train / held-out), and synthetic chat + agent conversations about that code (models/build/synthetic.py,
+Muse chat/tool format of models/build/chat_template.jinja). The target is trained with transformers' reference
+implementation in torch (the oracle's code path; its HF checkpoint goes through our loader); the DFlash drafter and
+the MTP layer are trained with `glimmer train dflash|mtp`. Intermediate files go to build/embedded/ (git-ignored).
+Seeds are fixed; the target's step count is fixed, so a rerun on the same stdlib and library versions reproduces
+the data and tokenizer exactly and the weights up to torch's CPU reduction order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILD = ROOT / "models" / "build"
+MODELS = ROOT / "models"
+sys.path.insert(0, str(BUILD))
+
+SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot|>", "<|eom|>", "<|start|>", "<|message|>",
+                  "<|finetune_right_pad|>", "<|patch|>", "<|image_start|>", "<|image_end|>", "<|video|>",
+                  "<|vid_start|>", "<|vid_end|>", "<|vid_frame_separator|>", "<|mask|>"]
+# single tokens for the tool-call markup (plain added tokens: they decode as text)
+MARKUP_TOKENS = ["<atem:function_calls>", "</atem:function_calls>", "<atem:invoke name=\"", "</atem:invoke>",
+                 "<atem:parameter name=\"", "</atem:parameter>"]
+VOCAB = 4096
+SEQ = 512
+TARGET = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=64, sliding_window=128, max_position_embeddings=2048,
+              output_multiplier=1.0, final_logit_softcapping=20.0, bos_token_id=0, eos_token_id=1,
+              pad_token_id=6, tie_word_embeddings=False)
+TRAIN = dict(steps=480, batch=16, lr=2e-3, warmup=40, min_lr_ratio=0.05, weight_decay=0.1, seed=0,
+             mix={"code": 0.45, "chat": 0.3, "agent": 0.25}, eval_every=40)
+N_CHAT, N_AGENT = 30000, 6000  # synthetic conversations for training (held-out: 1/10 of these counts)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def stdlib_files() -> tuple[Path, list[Path]]:
+    root = Path(os.__file__).resolve().parent
+    skip = ("test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "__pycache__", "turtledemo",
+            "ensurepip", "pydoc_data", "encodings")
+    files = sorted(p for p in root.rglob("*.py") if not any(part in skip for part in p.relative_to(root).parts))
+    return root, files
+
+
+def held_out(rel: str) -> bool:
+    return int(hashlib.sha1(rel.encode()).hexdigest(), 16) % 20 == 0
+
+
+# -- stage: data -----------------------------------------------------------------------------------------------
+def stage_data(work: Path) -> None:
+    from synthetic import TOOLS, Generator, index_functions
+
+    root, files = stdlib_files()
+    split = {"train": [f for f in files if not held_out(str(f.relative_to(root)))],
+             "heldout": [f for f in files if held_out(str(f.relative_to(root)))]}
+    (work / "data").mkdir(parents=True, exist_ok=True)
+    for name, fs in split.items():
+        with open(work / "data" / f"code_{name}.txt", "w", encoding="utf-8") as out:
+            for f in fs:
+                try:
+                    text = f.read_text(encoding="utf-8")
+                except UnicodeDecodeError:
+                    continue
+                out.write(f"# file: {f.relative_to(root)}\n{text}\n\x00\n")  # \x00: document separator
+        funcs = index_functions(root, fs)
+        gen = Generator(funcs, root, files, seed=0 if name == "train" else 1)
+        scale = 1 if name == "train" else 10
+        for kind, n, make, tools in (("chat", N_CHAT // scale, gen.chat, None),
+                                     ("agent", N_AGENT // scale, gen.agent, TOOLS)):
+            with open(work / "data" / f"{kind}_{name}.jsonl", "w", encoding="utf-8") as out:
+                for _ in range(n):
+                    rec = {"messages": make()}
+                    if tools:
+                        rec["tools"] = tools
+                    out.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        log(f"data {name}: {len(fs)} files, {len(funcs)} documented functions")
+    (work / "data" / "stdlib.json").write_text(json.dumps({"root": str(root), "python": sys.version.split()[0],
+                                                           "files": len(files)}))
+
+
+# -- stage: tokenizer ------------------------------------------------------------------------------------------
+def render_all(tok, path: Path) -> list[str]:
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        rec = json.loads(line)
+        out.append(tok.apply_chat_template(rec["messages"], tools=rec.get("tools"), add_generation_prompt=False))
+    return out
+
+
+def stage_tokenizer(work: Path) -> None:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    out = work / "tokenizer"
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB - len(MARKUP_TOKENS), special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    code = (work / "data" / "code_train.txt").read_text(encoding="utf-8").split("\x00\n")
+    from glimmer_mlx.tokenizer import Tokenizer as Renderer
+
+    renderer = Renderer(None, chat_template=(BUILD / "chat_template.jinja").read_text(),
+                        special={"bos_token": "<|begin_of_text|>"}, eos_token_ids=set())
+    chats = []
+    for kind, n in (("chat", 8000), ("agent", 1500)):
+        for line in (work / "data" / f"{kind}_train.jsonl").read_text(encoding="utf-8").splitlines()[:n]:
+            rec = json.loads(line)
+            chats.append(renderer.apply_chat_template(rec["messages"], tools=rec.get("tools"),
+                                                      add_generation_prompt=False))
+    tok.train_from_iterator(code + chats, trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
+    assert tok.get_vocab_size() == VOCAB, tok.get_vocab_size()
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "pad_token": "<|finetune_right_pad|>",
+        "model_max_length": TARGET["max_position_embeddings"], "tokenizer_class": "PreTrainedTokenizerFast"},
+        indent=2))
+    shutil.copy(BUILD / "chat_template.jinja", out / "chat_template.jinja")
+    log(f"tokenizer: {tok.get_vocab_size()} tokens")
+
+
+def load_tok(work: Path):
+    from glimmer_mlx.tokenizer import load_tokenizer
+
+    return load_tokenizer(work / "tokenizer")
+
+
+def token_streams(work: Path) -> dict:
+    """{split: {source: np.int32 stream}}, cached in work/tokens.npz."""
+    cache = work / "tokens.npz"
+    if cache.exists():
+        z = np.load(cache)
+        out: dict = {}
+        for k in z.files:
+            s, src = k.split("/")
+            out.setdefault(s, {})[src] = z[k]
+        return out
+    tok = load_tok(work)
+    bos, eos = tok.token_to_id("<|begin_of_text|>"), tok.token_to_id("<|end_of_text|>")
+    arrays = {}
+    for split in ("train", "heldout"):
+        docs = (work / "data" / f"code_{split}.txt").read_text(encoding="utf-8").split("\x00\n")
+        ids = []
+        for d in docs:
+            if d.strip():
+                ids += [bos] + tok.encode(d, add_special_tokens=False) + [eos]
+        arrays[f"{split}/code"] = np.array(ids, dtype=np.int32)
+        for kind in ("chat", "agent"):
+            ids = []
+            for text in render_all(tok, work / "data" / f"{kind}_{split}.jsonl"):
+                ids += tok.encode(text, add_special_tokens=False)
+            arrays[f"{split}/{kind}"] = np.array(ids, dtype=np.int32)
+    np.savez(cache, **arrays)
+    return token_streams(work)
+
+
+# -- stage: target (torch, transformers' reference implementation) ---------------------------------------------------
+def hf_config(tok):
+    from transformers import MuseGlimmerConfig
+
+    text = dict(TARGET, image_token_id=tok.token_to_id("<|patch|>"), video_token_id=tok.token_to_id("<|video|>"))
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=14,
+                  pos_emb_height=4, pos_emb_width=4)  # transformers needs one to build the class; not saved
+    return MuseGlimmerConfig(text_config=text, vision_config=vision, out_hidden_size=128, projector_hidden_size=48,
+                             image_token_id=text["image_token_id"], video_token_id=text["video_token_id"])
+
+
+def batches(streams: dict, rng: np.random.RandomState, batch: int, mix: dict):
+    names = sorted(mix)
+    p = np.array([mix[n] for n in names])
+    while True:
+        rows = []
+        for src in rng.choice(names, size=batch, p=p / p.sum()):
+            s = streams[src]
+            a = rng.randint(0, len(s) - SEQ - 1)
+            rows.append(s[a : a + SEQ + 1])
+        yield np.stack(rows)
+
+
+def eval_windows(stream: np.ndarray, n: int) -> np.ndarray:
+    step = max(1, (len(stream) - SEQ - 1) // n)
+    return np.stack([stream[i * step : i * step + SEQ + 1] for i in range(n)])
+
+
+def stage_target(work: Path, steps: int | None) -> None:
+    import torch
+    import torch.nn.functional as F
+    from transformers import MuseGlimmerForConditionalGeneration
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.manual_seed(TRAIN["seed"])
+    tok = load_tok(work)
+    streams = token_streams(work)
+    model = MuseGlimmerForConditionalGeneration(hf_config(tok))
+    model.config._attn_implementation = "sdpa"
+    model.train()
+    params = [p for n, p in model.named_parameters() if "language_model" in n or n.startswith("lm_head")]
+    n_params = sum(p.numel() for p in params)
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": TRAIN["weight_decay"]},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=TRAIN["lr"], betas=(0.9, 0.95))
+    steps = steps or TRAIN["steps"]
+
+    def lr_at(i):
+        if i < TRAIN["warmup"]:
+            return TRAIN["lr"] * (i + 1) / TRAIN["warmup"]
+        t = (i - TRAIN["warmup"]) / max(1, steps - TRAIN["warmup"])
+        r = TRAIN["min_lr_ratio"]
+        return TRAIN["lr"] * (r + (1 - r) * 0.5 * (1 + math.cos(math.pi * t)))
+
+    def loss_of(x):
+        logits = model(input_ids=x[:, :-1]).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), x[:, 1:].reshape(-1))
+
+    held = {src: torch.from_numpy(eval_windows(streams["heldout"][src], 24).astype(np.int64))
+            for src in ("code", "chat", "agent")}
+
+    def evaluate():
+        model.eval()
+        with torch.no_grad():
+            out = {src: float(np.mean([loss_of(held[src][i : i + 8]).item() for i in range(0, 24, 8)]))
+                   for src in held}
+        model.train()
+        return out
+
+    rng = np.random.RandomState(TRAIN["seed"])
+    gen = batches(streams["train"], rng, TRAIN["batch"], TRAIN["mix"])
+    history = []
+    log(f"target: {n_params / 1e6:.2f} M parameters, {steps} steps of {TRAIN['batch']}×{SEQ} tokens")
+    t0 = time.time()
+    for i in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(i)
+        x = torch.from_numpy(next(gen).astype(np.int64))
+        loss = loss_of(x)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        rec = {"step": i + 1, "train_loss": loss.item(), "lr": lr_at(i), "elapsed_s": time.time() - t0}
+        if (i + 1) % TRAIN["eval_every"] == 0 or i + 1 == steps or i == 0:
+            rec["heldout"] = evaluate()
+            log(f"step {i + 1}/{steps} loss {loss.item():.3f} held-out {rec['heldout']} "
+                f"({(i + 1) * TRAIN['batch'] * SEQ / (time.time() - t0):.0f} tok/s)")
+        history.append(rec)
+    save_target(model, tok, work, history, n_params, time.time() - t0, steps)
+
+
+def save_target(model, tok, work: Path, history, n_params, seconds, steps) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tmp = work / "target_hf"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.eval()
+    model.save_pretrained(tmp, safe_serialization=True)
+    out = MODELS / "glimmer-tiny.tmp"
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir()
+    tensors = {}
+    for f in sorted(tmp.glob("*.safetensors")):
+        tensors.update({k: v for k, v in load_file(f).items() if "vision" not in k and "projector" not in k})
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((tmp / "config.json").read_text())
+    for k in ("vision_config", "out_hidden_size", "projector_hidden_size"):
+        cfg.pop(k, None)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 0, "eos_token_id": [1, tok.token_to_id("<|eot|>")], "pad_token_id": TARGET["pad_token_id"]},
+        indent=2))
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(work / "tokenizer" / f, out / f)
+    (out / "training_log.json").write_text(json.dumps(
+        {"parameters": n_params, "train_seconds": seconds, "steps": steps, "train": TRAIN, "seq_len": SEQ,
+         "config": TARGET, "history": history}, indent=1))
+    final = MODELS / "glimmer-tiny"
+    if final.exists():
+        shutil.rmtree(final)
+    out.rename(final)
+    log(f"target written to {final}")
+
+
+# -- stages: drafters, through our own CLI --------------------------------------------------------------------------
+def glimmer(*args) -> None:
+    cmd = [sys.executable, "-m", "glimmer_mlx.cli", *map(str, args)]
+    log("$ glimmer " + " ".join(map(str, args)))
+    subprocess.run(cmd, check=True)
+
+
+def drafter_data(work: Path) -> Path:
+    """Chat + agent training conversations in one JSONL, and a slice of the code corpus as text."""
+    d = work / "drafter_data"
+    d.mkdir(exist_ok=True)
+    lines = []
+    for kind, n in (("chat", 5000), ("agent", 1000)):
+        lines += (work / "data" / f"{kind}_train.jsonl").read_text(encoding="utf-8").splitlines()[:n]
+    (d / "chats.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    code = (work / "data" / "code_train.txt").read_text(encoding="utf-8")
+    (d / "code.py").write_text(code[:1_500_000], encoding="utf-8")
+    return d
+
+
+def stage_dflash(work: Path, max_steps: int) -> None:
+    d = drafter_data(work)
+    out = work / "dflash"
+    if out.exists():
+        shutil.rmtree(out)
+    glimmer("train", "dflash", "--model", MODELS / "glimmer-tiny", "--out", out, "--data", d / "chats.jsonl",
+            "--text", d / "code.py", "--layers", 2, "--block-size", 16, "--max-length", 512, "--batch-size", 8,
+            "--lr", 1e-3, "--max-steps", max_steps, "--epochs", 50, "--val-fraction", 0.02, "--save-every", 500)
+    publish(out, MODELS / "glimmer-tiny-dflash")
+
+
+def stage_mtp(work: Path, max_steps: int) -> None:
+    d = drafter_data(work)
+    out = work / "mtp"
+    if out.exists():
+        shutil.rmtree(out)
+    glimmer("train", "mtp", "--model", MODELS / "glimmer-tiny", "--out", out, "--data", d / "chats.jsonl",
+            "--text", d / "code.py", "--mtp-layers", 1, "--max-length", 512, "--batch-size", 8, "--lr", 1e-3,
+            "--max-steps", max_steps, "--epochs", 50, "--val-fraction", 0.02, "--save-every", 500)
+    publish(out, MODELS / "glimmer-tiny-mtp")
+
+
+def publish(src: Path, dst: Path) -> None:
+    """Copy the trained drafter's shippable files (not the regeneration cache / optimizer state)."""
+    tmp = dst.with_name(dst.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    for f in src.iterdir():
+        if f.is_file() and (f.suffix in (".safetensors", ".json") and "optimizer" not in f.name
+                            and "state" not in f.name):
+            shutil.copy(f, tmp / f.name)
+    if dst.exists():
+        shutil.rmtree(dst)
+    tmp.rename(dst)
+    log(f"published {dst}: {sorted(p.name for p in dst.iterdir())}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stage", default="all",
+                    choices=["all", "data", "tokenizer", "target", "dflash", "mtp", "measure"])
+    ap.add_argument("--work", type=Path, default=ROOT / "build" / "embedded")
+    ap.add_argument("--target-steps", type=int, default=None)
+    ap.add_argument("--drafter-steps", type=int, default=1500)
+    args = ap.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    stages = ["data", "tokenizer", "target", "dflash", "mtp", "measure"] if args.stage == "all" else [args.stage]
+    for s in stages:
+        t = time.time()
+        if s == "data":
+            stage_data(args.work)
+        elif s == "tokenizer":
+            stage_tokenizer(args.work)
+        elif s == "target":
+            stage_target(args.work, args.target_steps)
+        elif s == "dflash":
+            stage_dflash(args.work, args.drafter_steps)
+        elif s == "mtp":
+            stage_mtp(args.work, args.drafter_steps)
+        elif s == "measure":
+            from measure_embedded import measure
+
+            measure(args.work)
+        log(f"stage {s}: {time.time() - t:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -14,6 +14,7 @@ import mlx.nn as nn
 
 from ..cache import KVCache, make_cache
 from ..config import ModelConfig, TextConfig, rope_inv_freq
+from ..kernels.attention import block_attention, enabled as block_kernels_enabled
 
 F32 = mx.float32
 
@@ -117,7 +118,11 @@ class Attention(nn.Module):
             k, v, mask = cache.update(k, v)
         else:
             mask = causal_mask(L, self.window)
-        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        if cache is not None and 1 < L <= 16 and block_kernels_enabled():
+            # Metal only (the CPU path is unchanged): fused block-verify attention; the L queries are the last L keys
+            o = block_attention(q, k, v, scale=self.scale, qk=k.shape[2] - L, window=self.window)
+        else:
+            o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         o = o.transpose(0, 2, 1, 3).reshape(B, L, -1)
         o = o * mx.sigmoid(self.gate_proj(x))
         return self.o_proj(o)

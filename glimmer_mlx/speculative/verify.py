@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..sampling import Sampler, greedy_token, process
+from ..kernels import greedy_accept, rejection_accept_logprobs
+from ..sampling import Sampler, apply_repetition_penalty, greedy_token, process
 
 
 def row_histories(history: list[int], drafts: list[int], rows: int, size: int) -> mx.array:
@@ -32,35 +33,22 @@ def histories_for(sampler: Sampler, history: list[int], drafts: list[int], rows:
 
 
 def verify_greedy(target_logits: mx.array, drafts: list[int], sampler: Sampler, history: list[int]):
-    """target_logits [k+1, V]; returns (n_accepted, next_token)."""
+    """target_logits [k+1, V]; returns (n_accepted, next_token) (fused argmax + compare: `kernels.greedy_accept`)."""
     k = len(drafts)
-    sel = greedy_token(target_logits, sampler.params, histories_for(sampler, history, drafts, k + 1)).tolist()
-    n = 0
-    while n < k and drafts[n] == sel[n]:
-        n += 1
-    return n, sel[n]
+    x = apply_repetition_penalty(target_logits.astype(mx.float32), histories_for(sampler, history, drafts, k + 1),
+                                 sampler.params.repetition_penalty)  # greedy_token's input
+    return greedy_accept(x, drafts)
 
 
 def verify_sampling(p_logprobs: mx.array, q_logprobs: mx.array, drafts: list[int], sampler: Sampler):
     """p_logprobs [k+1, V] (target, processed), q_logprobs [k, V] (drafter, processed, the distributions the drafts
-    were sampled from); returns (n_accepted, next_token)."""
-    k = len(drafts)
-    if k == 0:
-        return 0, int(mx.random.categorical(p_logprobs[0], key=sampler.next_key()).item())
-    d = mx.array(drafts, dtype=mx.int32)[:, None]
-    lp = mx.take_along_axis(p_logprobs[:k], d, axis=-1)[:, 0]
-    lq = mx.take_along_axis(q_logprobs, d, axis=-1)[:, 0]
-    u = sampler.uniform((k,))
-    accept = mx.log(u) <= lp - lq  # u <= p/q
-    # number of leading accepts
-    n = int(mx.sum(mx.cumprod(accept.astype(mx.int32))).item())
-    if n == k:
-        return n, int(mx.random.categorical(p_logprobs[k], key=sampler.next_key()).item())
-    residual = mx.maximum(mx.exp(p_logprobs[n]) - mx.exp(q_logprobs[n]), 0.0)
-    total = mx.sum(residual)
-    # total == 0 only when p_n == q_n, where a rejection has probability 0; fall back to p_n for safety
-    logits = mx.where(total > 0, mx.log(residual), p_logprobs[n])
-    return n, int(mx.random.categorical(logits, key=sampler.next_key()).item())
+    were sampled from); returns (n_accepted, next_token).
+
+    One draw of k+1 uniforms: u_j * q_j(d_j) <= p_j(d_j) accepts draft j; the last uniform picks the correction from
+    normalize(max(0, p_n - q_n)) (or the bonus from p_k) by inverse CDF over exact integer weights
+    (`kernels.rejection_accept`, fused on Metal; see metal_kernels/rejection_accept.metal)."""
+    u = sampler.uniform((len(drafts) + 1,))
+    return rejection_accept_logprobs(p_logprobs, q_logprobs, drafts, u)
 
 
 def draft_tokens(q_logits: mx.array, sampler: Sampler, history: list[int]):

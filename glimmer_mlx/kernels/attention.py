@@ -1,0 +1,112 @@
+"""Block-verify attention: L <= 16 query rows (anchor + drafts) against a long KV cache, GQA, causal inside the
+block, optional sliding window. RoPE / NoPE does not matter here: it is applied to q and k before.
+
+Positions: the L queries sit at absolute positions q0..q0+L-1 and the N keys at k0..k0+N-1; only `qk = q0 - k0`
+matters. Query i sees key j iff `j <= qk + i` and, with a window W, `j > qk + i - W` (W keys including itself),
+which is exactly the mask `KVCache.update` builds.
+
+Two Metal passes (`block_attention_partial.metal`, `block_attention_combine.metal`): split-K online softmax per
+(query head, key chunk), then a merge. `block_attention_reference` is the pure-MLX definition.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from ._core import FLOAT_DTYPES, KernelCall, KernelSpec, use_metal
+
+# strided inputs: the keys / values are views into the KV cache's buffer (no copy of the cache per call)
+PARTIAL = KernelSpec("glimmer_block_attn_partial", "block_attention_partial.metal",
+                     ("q", "k", "v", "meta", "fmeta"), ("o_part", "ml"), ensure_row_contiguous=False)
+COMBINE = KernelSpec("glimmer_block_attn_combine", "block_attention_combine.metal", ("o_part", "ml", "meta"),
+                     ("out",))
+
+MAX_ROWS = 16
+MAX_HEAD_DIM = 256
+
+
+def _check(q: mx.array, k: mx.array, v: mx.array, qk: int, window: int | None):
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"q, k, v must be [B, H, L, D]; got {q.shape}, {k.shape}, {v.shape}")
+    B, Hq, L, D = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k {k.shape} and v {v.shape} must be [B, Hkv, N, {D}]")
+    Hkv, N = k.shape[1], k.shape[2]
+    if Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
+    if not 0 <= qk or qk + L > N:
+        raise ValueError(f"queries at key offsets {qk}..{qk + L - 1} must lie inside the {N} keys")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1 or None, got {window}")
+    return B, Hq, L, D, Hkv, N
+
+
+def block_mask(L: int, N: int, qk: int, window: int | None) -> mx.array:
+    """[L, N] bool: query i sees key j."""
+    qpos = mx.arange(qk, qk + L)[:, None]
+    kpos = mx.arange(N)[None, :]
+    m = kpos <= qpos
+    if window is not None:
+        m = m & (kpos > qpos - window)
+    return m
+
+
+def block_attention_reference(q, k, v, *, scale: float, qk: int, window: int | None = None) -> mx.array:
+    """q [B, Hq, L, D], k/v [B, Hkv, N, D] → [B, Hq, L, D] in q's dtype; float32 softmax."""
+    B, Hq, L, D, Hkv, N = _check(q, k, v, qk, window)
+    G = Hq // Hkv
+    qf = (q.astype(mx.float32) * scale).reshape(B, Hkv, G * L, D)
+    s = qf @ k.astype(mx.float32).transpose(0, 1, 3, 2)  # [B, Hkv, G*L, N]
+    mask = mx.tile(block_mask(L, N, qk, window), (G, 1))
+    s = mx.where(mask, s, -mx.inf)
+    p = mx.softmax(s, axis=-1)
+    o = (p @ v.astype(mx.float32)).reshape(B, Hq, L, D)
+    return o.astype(q.dtype)
+
+
+def split_size(N: int, Hq: int) -> int:
+    """Keys per chunk: enough chunks for ~1024 simdgroups in flight, at least 64 keys each."""
+    target = max(1, math.ceil(1024 / Hq))
+    return max(64, math.ceil(N / target))
+
+
+def block_attention_calls(q, k, v, *, scale: float, qk: int, window: int | None = None, split: int | None = None):
+    """The two launches (batch 1). Returns (partial_call, make_combine_call(o_part, ml))."""
+    B, Hq, L, D, Hkv, N = _check(q, k, v, qk, window)
+    if B != 1:
+        raise ValueError("the block-attention kernel handles batch 1")
+    SS = split or split_size(N, Hq)
+    S = math.ceil(N / SS)
+    meta = mx.array([L, N, Hq, Hkv, qk, window or 0, SS, S], dtype=mx.int32)
+    part = KernelCall(PARTIAL, [q[0], k[0], v[0], meta, mx.array([scale], dtype=mx.float32)],
+                      output_shapes=[(Hq, S, L, D), (Hq, S, L, 2)], output_dtypes=[mx.float32, mx.float32],
+                      grid=(32, Hq, S), threadgroup=(32, 1, 1), template=[("T", q.dtype), ("D", D)])
+
+    def combine(o_part, ml):
+        return KernelCall(COMBINE, [o_part, ml, meta], output_shapes=[(Hq, L, D)], output_dtypes=[q.dtype],
+                          grid=(32, Hq, L), threadgroup=(32, 1, 1), template=[("T", q.dtype), ("D", D)])
+
+    return part, combine
+
+
+def supported(q, k, v) -> bool:
+    return (q.ndim == 4 and q.shape[0] == 1 and 1 <= q.shape[2] <= MAX_ROWS and q.shape[3] % 32 == 0
+            and q.shape[3] <= MAX_HEAD_DIM and q.dtype in FLOAT_DTYPES and k.dtype == q.dtype
+            and v.dtype == q.dtype and k.ndim == 4 and q.shape[1] % k.shape[1] == 0)
+
+
+def enabled() -> bool:
+    """Whether the model should route block verification through `block_attention` (Metal only: on CPU the model
+    keeps MLX's stock attention, numerically unchanged)."""
+    return use_metal()
+
+
+def block_attention(q, k, v, *, scale: float, qk: int, window: int | None = None) -> mx.array:
+    """Dispatcher: the Metal kernels when enabled and supported, else the reference."""
+    if use_metal() and supported(q, k, v):
+        part, combine = block_attention_calls(q, k, v, scale=scale, qk=qk, window=window)
+        o_part, ml = part.run_metal()
+        return combine(o_part, ml).run_metal()[0][None]
+    return block_attention_reference(q, k, v, scale=scale, qk=qk, window=window)

@@ -115,9 +115,11 @@ class PlainDecoder:
             h = mx.concatenate([h, pending.reshape(-1).astype(mx.int32)])[-p.repetition_context_size :]
         return h
 
-    def prefill(self, ids: list[int], input_embeddings=None) -> None:
+    def prefill(self, ids: list[int], input_embeddings=None, reuse: int = 0) -> None:
+        """reuse: the cache already holds ids[:reuse] (a session's prompt cache); only the rest is prefilled."""
         self.history = list(ids)
-        logits = prefill(self.model, self.cache, ids, self.prefill_step, input_embeddings=input_embeddings)
+        emb = None if input_embeddings is None else input_embeddings[:, reuse:]
+        logits = prefill(self.model, self.cache, ids[reuse:], self.prefill_step, input_embeddings=emb)
         self._next = self.sampler(logits, self._hist())
         mx.async_eval(self._next)
 
@@ -148,13 +150,19 @@ def stream_generate(model, prompt, *, tokenizer=None, max_tokens: int = 256, tem
                     repetition_context_size: int = 64, seed: int | None = None, stop: list[str] | None = None,
                     drafter=None, block_size=None, prefill_step_size: int = DEFAULT_PREFILL_STEP,
                     stats: GenerationStats | None = None, images=None,
-                    image_max_tokens: int | None = None) -> Iterator[GenerationChunk]:
+                    image_max_tokens: int | None = None, cache=None, reuse: int = 0, input_embeddings=None,
+                    on_decoder=None) -> Iterator[GenerationChunk]:
     """Yield chunks of committed tokens and their text; `stats` (if given) is filled in as generation runs.
 
     images: paths / bytes / PIL images / uint8 arrays. The prompt holds one `<|patch|>` per image where it goes
     (none: all images are put first, after a leading BOS); each becomes `<|image_start|> <|patch|>×N
     <|image_end|>` and the prefill runs on embeddings with the image features in place (needs a tokenizer).
-    image_max_tokens: per-image token budget (default 4096, transformers' `max_image_tokens`)."""
+    image_max_tokens: per-image token budget (default 4096, transformers' `max_image_tokens`).
+
+    Prompt-cache reuse (`session.Session` drives these): cache = a target cache to continue from, holding the
+    prompt's first `reuse` tokens (and, with a drafter, a drafter state covering them: see `drafter.extend`); only
+    the rest is prefilled. input_embeddings: the (already expanded) prompt's embeddings [1, len(prompt), D] instead
+    of `images`. on_decoder(decoder) is called once the decoder exists (the session reads what its cache holds)."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
@@ -171,7 +179,12 @@ def stream_generate(model, prompt, *, tokenizer=None, max_tokens: int = 256, tem
         raise ValueError(f"prompt token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
     if stop and tokenizer is None:
         raise ValueError("stop strings need a tokenizer")
-    embeddings = None
+    if not 0 <= reuse < max(len(ids), 1) or (reuse and cache is None):
+        raise ValueError(f"reuse={reuse} needs a cache and must leave at least one of the {len(ids)} prompt tokens "
+                         "to prefill")
+    if input_embeddings is not None and images is not None:
+        raise ValueError("give images or input_embeddings, not both")
+    embeddings = input_embeddings
     if images is not None:
         from .image_processing import MAX_IMAGE_TOKENS
         from .multimodal import prepare_prompt
@@ -184,11 +197,14 @@ def stream_generate(model, prompt, *, tokenizer=None, max_tokens: int = 256, tem
     if drafter is None:
         if block_size is not None:
             raise ValueError("block_size needs a drafter")
-        decoder = PlainDecoder(model, sampler, prefill_step_size)
+        decoder = PlainDecoder(model, sampler, prefill_step_size, cache=cache)
     else:
         from .speculative.engine import make_decoder
 
-        decoder = make_decoder(model, drafter, sampler, block_size=block_size, prefill_step=prefill_step_size)
+        decoder = make_decoder(model, drafter, sampler, block_size=block_size, prefill_step=prefill_step_size,
+                               cache=cache)
+    if on_decoder is not None:
+        on_decoder(decoder)
     stats = stats if stats is not None else GenerationStats()
     stats.mode = decoder.mode
     stop_ids = _stop_ids(model, tokenizer)
@@ -197,13 +213,16 @@ def stream_generate(model, prompt, *, tokenizer=None, max_tokens: int = 256, tem
     max_stop = max((len(s) for s in stop), default=0)
     mx.reset_peak_memory()
 
-    t0 = time.perf_counter()
-    if embeddings is None:
-        decoder.prefill(ids)
-    else:
+    if cache is not None:
+        stats.extra.update(cached_tokens=reuse, prefilled_tokens=len(ids) - reuse)
+    if images is not None:
         stats.extra.update(image_tokens=sum(1 for t in ids if t == model.config.image_token_id),
                            image_encode_time=image_time)
-        decoder.prefill(ids, input_embeddings=embeddings)
+    kw = {} if embeddings is None else {"input_embeddings": embeddings}
+    if reuse:
+        kw["reuse"] = reuse
+    t0 = time.perf_counter()
+    decoder.prefill(ids, **kw)
     n, released, finish, t1 = 0, 0, None, None  # released: chars of detok.text handed out so far
     stop_hit = False  # a stop string matched: the text is cut there and nothing after it is released
     while finish is None:

@@ -59,6 +59,57 @@ class DFlashDrafter:
         rows = mx.concatenate(taps, axis=-1)
         self.ctx = rows if self.ctx is None else mx.concatenate([self.ctx, rows], axis=1)
 
+    # -- prompt-cache reuse (session.Session): continue the state on a new prompt instead of restarting -------------
+    def context_length(self) -> int:
+        """Target positions the drafter's state covers (its context cache + the pending context rows)."""
+        if getattr(self, "cache", None) is None:
+            return 0
+        return self.cache[0].offset + (0 if self.ctx is None else self.ctx.shape[1])
+
+    def rewind_context(self, keep: int) -> int:
+        """Forget the context at positions >= `keep`. Returns the position p <= keep from which the target's taps
+        must be handed over again with `extend` (the target cache must then hold exactly positions < p).
+
+        Full-attention layers rewind freely. A sliding layer's cache keeps no spare rows (max_rewind 0), so when it
+        cannot rewind it is replaced by an empty cache starting at keep − window: the rows its window still needs
+        are recomputed from the target's taps (p = keep − window). Changes nothing and raises `CacheRewindError`
+        when no state exists."""
+        from ..cache import CacheRewindError, KVCache, rewind_cache
+
+        have = self.context_length()
+        if getattr(self, "cache", None) is None:
+            raise CacheRewindError("the DFlash drafter has no state to rewind (start() was never called)")
+        keep = max(0, min(keep, have))
+        stored = self.cache[0].offset
+        if keep >= stored:  # only pending rows (not yet in the drafter cache) are dropped
+            n = keep - stored
+            self.ctx = None if n == 0 or self.ctx is None else self.ctx[:, :n]
+            return keep
+        self.ctx = None
+        try:
+            rewind_cache(self.cache, stored - keep)
+            return keep
+        except CacheRewindError:
+            pass
+        windows = [self.config.window(i) for i in range(len(self.cache))]
+        start = max(0, keep - max(w for w in windows if w is not None))
+        for i, c in enumerate(self.cache):
+            if windows[i] is None:
+                c.rewind(c.offset - start)
+            else:
+                self.cache[i] = KVCache(window=c.window, max_rewind=c.max_rewind, first_position=start)
+        return start
+
+    def extend(self, taps: list[mx.array], ids: list[int]) -> None:
+        """Continue after `rewind_context`: `taps` are the target's taps of the positions from the rewind point on
+        (up to the new prompt's end); `ids` = the whole new prompt + its first generated token."""
+        if getattr(self, "cache", None) is None:
+            raise RuntimeError("DFlash drafter: extend() before start()")
+        if self.context_length() + taps[0].shape[1] != len(ids) - 1:
+            raise RuntimeError(f"DFlash drafter out of sync: its context covers {self.context_length()} positions, "
+                               f"{taps[0].shape[1]} new tap rows do not reach the prompt end ({len(ids) - 1})")
+        self.accept(taps, [])
+
     def draft_hidden(self, anchor: int, ctx_taps: mx.array, pos: int, cache, block: int | None = None) -> mx.array:
         """Final hidden states of the block [anchor, mask × (block−1)] at positions pos.. → [block−1, D] (rows 1..)."""
         B = block or self.block_size

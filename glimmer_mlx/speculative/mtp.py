@@ -61,6 +61,59 @@ class MTPDrafter:
         self.main = mx.concatenate([self.main, taps[0]], axis=1) if self.main is not None else taps[0]
         self.tokens += new_tokens
 
+    # -- prompt-cache reuse (session.Session): continue the state on a new prompt instead of restarting -------------
+    def context_length(self) -> int:
+        """Target positions the state covers: every committed token but the last (the anchor)."""
+        return len(self.tokens) - 1 if getattr(self, "caches", None) is not None else 0
+
+    def rewind_context(self, keep: int) -> int:
+        """Forget everything computed from tokens at positions >= `keep`. Returns the position p <= keep from which
+        the target's final hidden rows must be handed over again with `extend` (the target cache must then hold
+        exactly positions < p).
+
+        Depth d's rows at positions < keep stay valid, but only its *last* output is kept (`saved`), and depth d's
+        next row at position r needs depth d−1's output at r−1. So a depth whose cache is cut loses its saved output
+        and must restart at least one row after the depth below: the kept lengths form a staircase, and depth 0's
+        first recomputed row needs the target's hidden state one position earlier (p). Checks every cache before
+        changing anything; raises `CacheRewindError` when one cannot go back that far."""
+        from ..cache import CacheRewindError
+
+        if getattr(self, "caches", None) is None or len(self.caches) != self.depth:
+            raise CacheRewindError("the MTP drafter has no state for its current depth to rewind")
+        keep = max(0, min(keep, self.context_length()))
+        D = self.depth
+        R = [max(min(c.offset, keep), c.origin) for c in self.caches]
+        cut = [R[d] < self.caches[d].offset for d in range(D)]
+        for d in range(D - 1, 0, -1):  # staircase: depth d−1 must end before depth d's first new row's input
+            if R[d - 1] > (R[d] - 1 if cut[d - 1] else R[d]):
+                R[d - 1], cut[d - 1] = R[d] - 1, True
+        need = R[0] - 1  # depth 0's next row at R[0] reads the target's hidden state at R[0] − 1 (need < keep)
+        for d, c in enumerate(self.caches):
+            c.check_rewind(c.offset - R[d])
+        for d, c in enumerate(self.caches):
+            c.rewind(c.offset - R[d])
+            if cut[d]:
+                self.saved[d] = None
+        if self.main is not None and self.main_pos <= need:  # the hidden rows from `need` on are still here
+            self.main = self.main[:, need - self.main_pos : keep - self.main_pos]
+            self.main_pos, p = need, keep
+        else:  # they were consumed: the target recomputes them
+            self.main, self.main_pos, p = None, need, need
+        self.tokens = self.tokens[: p + 1]  # context_length() == p until `extend`
+        return p
+
+    def extend(self, taps: list[mx.array], ids: list[int]) -> None:
+        """Continue after `rewind_context`: `taps` = the target's final hidden rows from the rewind point to the new
+        prompt's end; `ids` = the whole new prompt + its first generated token."""
+        if getattr(self, "caches", None) is None:
+            raise RuntimeError("MTP drafter: extend() before start()")
+        have = self.main_pos + (0 if self.main is None else self.main.shape[1])
+        if have + taps[0].shape[1] != len(ids) - 1:
+            raise RuntimeError(f"MTP drafter out of sync: its hidden rows reach position {have}, {taps[0].shape[1]} "
+                               f"new rows do not reach the prompt end ({len(ids) - 1})")
+        self.main = taps[0] if self.main is None else mx.concatenate([self.main, taps[0]], axis=1)
+        self.tokens = list(ids)
+
     def propose(self, anchor: int, pos: int, k: int, sampler, history: list[int]):
         """Drafts for positions T+1..T+k, the anchor (last committed token) being at T = `pos`."""
         T = pos

@@ -1,0 +1,504 @@
+"""`glimmer serve`: a real HTTP server on an ephemeral port, driven with urllib / http.client: chat and text
+completions (streaming and not), tool calls, decoding modes with sampling parameters, prompt-cache reuse across a
+growing conversation, queued concurrent requests, and a battery of malformed requests (4xx, never a 500)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+import glimmer_mlx
+from glimmer_mlx.generate import GenerationChunk
+from glimmer_mlx.server import GlimmerServer
+from glimmer_mlx.session import Session
+
+MUSE_TEMPLATE = Path(__file__).resolve().parent.parent / "models" / "build" / "chat_template.jinja"
+
+
+@pytest.fixture(scope="module")
+def served(tiny_checkpoint, tmp_path_factory):
+    """(server, base_url, model, tokenizer, path): a tiny target with a tokenizer, a DFlash drafter and an MTP
+    layer, served in a background thread."""
+    from hf_fixtures import build_hf_drafter, build_hf_mtp, save_mtp_weights
+    from glimmer_mlx.speculative import load_drafter
+
+    mp = pytest.MonkeyPatch()  # auto's calibration cache: in tmp
+    mp.setenv("GLIMMER_MLX_CACHE_DIR", str(tmp_path_factory.mktemp("calibration")))
+    path, hf = tiny_checkpoint(seed=21, tokenizer=True, num_mtp_layers=1, mtp_layer_types=["sliding_attention"])
+    save_mtp_weights(build_hf_mtp(hf, 1, seed=3), path)
+    model, tok = glimmer_mlx.load(path)
+    d = tmp_path_factory.mktemp("srv_drafter")
+    build_hf_drafter().save_pretrained(d)
+    session = Session(model, tok, drafters={"dflash": load_drafter(d, model), "mtp": load_drafter(path, model)},
+                      max_context=1024)
+    session.path = path
+    server = GlimmerServer(session, port=0, quiet=True, mode="ar", default_max_tokens=16)
+    server.start_http()
+    yield server, f"http://127.0.0.1:{server.port}", model, tok, path
+    server.shutdown()
+    mp.undo()
+
+
+def over_http(server, fn):
+    """Run `fn()` (the HTTP client side: no MLX work) in a thread while this (main) thread runs the server's
+    generations, as `glimmer serve` does; re-raise what `fn` raised."""
+    done, box = threading.Event(), {}
+
+    def client():
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # re-raised in the main thread
+            box["error"] = e
+        finally:
+            done.set()
+
+    t = threading.Thread(target=client)
+    t.start()
+    server.run_jobs(until=done)
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
+
+
+def call(base, path, body=None, *, method=None, raw: bytes | None = None, ctype="application/json",
+         headers=None):
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(base + path, data=data, method=method or ("POST" if data is not None else "GET"),
+                                 headers={"Content-Type": ctype, **(headers or {})} if ctype else (headers or {}))
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.headers, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, e.read().decode()
+
+
+def chat(base, messages, **kw):
+    status, _, text = call(base, "/v1/chat/completions", dict(messages=messages, **kw))
+    assert status == 200, text
+    return json.loads(text)
+
+
+def sse(text: str) -> list:
+    """The events of an SSE body; asserts the framing and the final [DONE]."""
+    events = [e for e in text.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events), text[:300]
+    assert events[-1] == "data: [DONE]"
+    return [json.loads(e[6:]) for e in events[:-1]]
+
+
+def test_health_and_models(served):
+    server, base, *_ = served
+
+    def client():
+        status, _, text = call(base, "/health")
+        h = json.loads(text)
+        assert status == 200 and h["status"] == "ok" and h["modes"] == ["ar", "dflash", "mtp", "auto"]
+        status, _, text = call(base, "/v1/models")
+        models = json.loads(text)
+        assert status == 200 and models["object"] == "list" and models["data"][0]["id"] == server.model_name
+        status, _, text = call(base, f"/v1/models/{server.model_name}")
+        assert status == 200 and json.loads(text)["id"] == server.model_name
+
+    over_http(server, client)
+
+
+def test_chat_completion_matches_generate_in_every_mode(served):
+    """Greedy: the same text as `generate` on the rendered prompt, in ar, dflash, mtp and auto; usage counts."""
+    server, base, model, tok, _ = served
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def add(a, b):"}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    ref = glimmer_mlx.generate(model, ids, tokenizer=tok, max_tokens=12)
+
+    def client():
+        for mode in ("ar", "dflash", "mtp", "auto"):
+            r = chat(base, msgs, max_tokens=12, temperature=0, glimmer={"mode": mode})
+            assert r["object"] == "chat.completion" and r["model"]
+            assert r["choices"][0]["message"]["content"] == ref.text.strip(), mode
+            assert r["choices"][0]["finish_reason"] == ref.finish_reason
+            u = r["usage"]
+            assert u["prompt_tokens"] == len(ids) and u["completion_tokens"] == len(ref.tokens)
+            assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+            assert r["glimmer"]["mode"] == mode
+
+    over_http(server, client)
+
+
+def test_streaming_chat_and_completion(served):
+    server, base, model, tok, _ = served
+    msgs = [{"role": "user", "content": "Hello, world!"}]
+    ref = glimmer_mlx.generate(model, "def add", tokenizer=tok, max_tokens=8)
+
+    def client():
+        full = chat(base, msgs, max_tokens=10)
+        status, headers, text = call(base, "/v1/chat/completions",
+                                     dict(messages=msgs, max_tokens=10, stream=True,
+                                          stream_options={"include_usage": True}))
+        assert status == 200 and headers["Content-Type"] == "text/event-stream"
+        events = sse(text)
+        assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert all(e["object"] == "chat.completion.chunk" for e in events)
+        content = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
+        assert content == full["choices"][0]["message"]["content"]
+        finals = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+        assert len(finals) == 1 and finals[0]["choices"][0]["finish_reason"] == full["choices"][0]["finish_reason"]
+        assert events[-1]["choices"] == []
+        assert events[-1]["usage"]["completion_tokens"] == full["usage"]["completion_tokens"]
+        # text completions, streaming and not, with a prompt of token ids too
+        status, _, text = call(base, "/v1/completions", {"prompt": "def add", "max_tokens": 8})
+        r = json.loads(text)
+        assert status == 200 and r["object"] == "text_completion" and r["choices"][0]["text"] == ref.text
+        status, _, text = call(base, "/v1/completions", {"prompt": tok.encode("def add"), "max_tokens": 8,
+                                                         "stream": True})
+        events = sse(text)
+        assert "".join(e["choices"][0]["text"] for e in events) == ref.text
+        assert events[-1]["choices"][0]["finish_reason"] == ref.finish_reason
+
+    over_http(server, client)
+
+
+def test_sampling_parameters_in_every_mode(served):
+    """top_k=1 at temperature 1 is greedy decoding; a seed reproduces a sampled answer; stop strings cut the text;
+    max_tokens bounds it; the repetition penalty applies — in ar, dflash and mtp alike."""
+    server, base, model, tok, _ = served
+    for prompt in ("The quick brown", "def add(a, b):", "Hello, world!", "import os\n", "for i in range(10):"):
+        greedy = glimmer_mlx.generate(model, prompt, tokenizer=tok, max_tokens=12)
+        m = re.search(r"[A-Za-z]{2}", greedy.text[1:])  # a stop string the model writes (not at its start)
+        if m:
+            break
+    assert m, "no prompt whose greedy answer holds two ASCII letters"
+    stop = m.group(0)
+    penalized = glimmer_mlx.generate(model, prompt, tokenizer=tok, max_tokens=3, repetition_penalty=1.3)
+
+    def client():
+        for mode in ("ar", "dflash", "mtp"):
+            g = {"mode": mode}
+            r = json.loads(call(base, "/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 1.0,
+                                                          "top_k": 1, "glimmer": g})[2])
+            assert r["choices"][0]["text"] == greedy.text, mode
+            kw = {"prompt": prompt, "max_tokens": 12, "temperature": 1.0, "top_p": 0.9, "min_p": 0.05, "seed": 7,
+                  "glimmer": g}
+            a = json.loads(call(base, "/v1/completions", kw)[2])["choices"][0]["text"]
+            b = json.loads(call(base, "/v1/completions", kw)[2])["choices"][0]["text"]
+            assert a == b, mode
+            r = json.loads(call(base, "/v1/completions", {"prompt": prompt, "max_tokens": 12, "stop": [stop],
+                                                          "glimmer": g})[2])
+            assert r["choices"][0]["text"] == greedy.text[: greedy.text.find(stop)], mode
+            assert r["choices"][0]["finish_reason"] == "stop", mode
+            r = json.loads(call(base, "/v1/completions", {"prompt": prompt, "max_tokens": 3,
+                                                          "repetition_penalty": 1.3, "glimmer": g})[2])
+            assert r["choices"][0]["text"] == penalized.text and r["usage"]["completion_tokens"] <= 3, mode
+
+    over_http(server, client)
+
+
+def test_growing_conversation_reuses_the_prompt_cache(served):
+    server, base, *_ = served
+
+    def client():
+        msgs = [{"role": "user", "content": "Hello, world!"}]
+        prev = 0
+        for turn in range(3):
+            r = chat(base, msgs, max_tokens=8, glimmer={"mode": "dflash"})
+            u = r["usage"]
+            if turn:
+                assert u["prompt_tokens_details"]["cached_tokens"] >= prev, (turn, u, r["glimmer"])
+                assert r["glimmer"]["prefilled_tokens"] == \
+                    u["prompt_tokens"] - u["prompt_tokens_details"]["cached_tokens"]
+            prev = u["prompt_tokens"]
+            msgs += [r["choices"][0]["message"], {"role": "user", "content": f"And {turn}?"}]
+
+    over_http(server, client)
+
+
+def test_tool_calls(served, monkeypatch):
+    """Tools reach the chat template; the model's Muse-format call comes back as OpenAI tool_calls (arguments as a
+    JSON string, finish_reason tool_calls), streaming and not; the tool result round-trips into the next prompt.
+    The tiny random model cannot write a tool call, so its output is scripted at the session (the HTTP, queue,
+    parsing and formatting paths are the real ones)."""
+    server, base, model, tok, _ = served
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    out = (' to=functions<|message|><atem:function_calls><atem:invoke name="get_weather">'
+           '<atem:parameter name="city">Paris</atem:parameter><atem:parameter name="days">3</atem:parameter>'
+           '</atem:invoke></atem:function_calls>')
+    seen = []
+
+    def scripted(ids, stats=None, **kw):
+        seen.append(tok.decode(ids))
+        stats.prompt_tokens, stats.generation_tokens = len(ids), 9
+        for i in range(0, len(out), 25):
+            yield GenerationChunk([5], out[i:i + 25], None)
+        yield GenerationChunk([], "", "stop")
+
+    monkeypatch.setattr(server, "template", MUSE_TEMPLATE.read_text())
+    monkeypatch.setattr(tok, "chat_template", MUSE_TEMPLATE.read_text())
+    monkeypatch.setattr(tok, "_template", None)
+    monkeypatch.setattr(server.session, "stream", scripted)
+
+    def client():
+        msgs = [{"role": "user", "content": "Weather in Paris?"}]
+        r = chat(base, msgs, tools=tools)
+        assert '"name": "get_weather"' in seen[-1] and "# Tools" in seen[-1]
+        choice = r["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        (tc,) = choice["message"]["tool_calls"]
+        assert tc["type"] == "function" and tc["function"]["name"] == "get_weather" and tc["id"]
+        assert json.loads(tc["function"]["arguments"]) == {"city": "Paris", "days": 3}
+        status, _, text = call(base, "/v1/chat/completions", dict(messages=msgs, tools=tools, stream=True))
+        events = sse(text)
+        assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == ""  # markup never shows
+        calls = [c for e in events for c in e["choices"][0]["delta"].get("tool_calls", [])]
+        assert len(calls) == 1 and calls[0]["index"] == 0
+        assert json.loads(calls[0]["function"]["arguments"])["days"] == 3
+        assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        # the call and its result go back in: rendered in the template's form
+        msgs += [choice["message"], {"role": "tool", "tool_call_id": tc["id"], "content": "sunny, 21 C"}]
+        chat(base, msgs, tools=tools)
+        assert '<atem:invoke name="get_weather"><atem:parameter name="city">Paris</atem:parameter>' in seen[-1]
+        assert "<|start|>tool name=get_weather<|message|>sunny, 21 C<|eot|>" in seen[-1]
+        # tool_choice "none": the tools are not offered
+        chat(base, [{"role": "user", "content": "hi"}], tools=tools, tool_choice="none")
+        assert "# Tools" not in seen[-1]
+
+    over_http(server, client)
+
+
+BAD = [
+    # (body or raw bytes, content type, expected status, message fragment)
+    (b"{not json", "application/json", 400, "not valid JSON"),
+    (b"\xff\xfe", "application/json", 400, "not valid UTF-8"),
+    (b"[1, 2]", "application/json", 400, "must be a JSON object"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "text/plain", 400, "Content-Type must be application/json"),
+    ({}, "application/json", 400, "'messages' must be a non-empty list"),
+    ({"messages": []}, "application/json", 400, "'messages' must be a non-empty list"),
+    ({"messages": "hi"}, "application/json", 400, "'messages' must be a non-empty list"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "application/json", 400, "role must be one of"),
+    ({"messages": [{"content": "hi"}]}, "application/json", 400, "role must be one of"),
+    ({"messages": ["hi"]}, "application/json", 400, "messages[0] must be an object"),
+    ({"messages": [{"role": "user"}]}, "application/json", 400, "content is required"),
+    ({"messages": [{"role": "user", "content": 5}]}, "application/json", 400, "must be a string or a list"),
+    ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "application/json", 400,
+     "unsupported content part type"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+     "application/json", 400, "not fetched"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}]}]},
+     "application/json", 400, "base64 image data is malformed"),
+    ({"messages": [{"role": "user", "content": "hi", "colour": 1}]}, "application/json", 400, "unknown field"),
+    ({"messages": [{"role": "assistant"}]}, "application/json", 400, "needs 'content' or 'tool_calls'"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f",
+                                                                                       "arguments": "{bad"}}]}]},
+     "application/json", 400, "not valid JSON"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "application/json", 400,
+     "'max_tokens' must be >= 1"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}, "application/json", 400, "must be >= 1"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "8"}, "application/json", 400,
+     "must be an integer"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4.5}, "application/json", 400,
+     "must be an integer"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "application/json", 400,
+     "'max_completion_tokens' must be >= 1"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000}, "application/json", 400,
+     "maximum context length is 1024"),
+    ({"messages": [{"role": "user", "content": "hi " * 1500}]}, "application/json", 400,
+     "maximum context length is 1024"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "application/json", 400,
+     "'temperature' must be in [0.0, 2.0]"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "application/json", 400,
+     "must be a number"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": True}, "application/json", 400,
+     "must be a number"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, "application/json", 400, "'top_p' must be in"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, "application/json", 400, "'top_p' must be in"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_k": -1}, "application/json", 400, "'top_k' must be >= 0"),
+    ({"messages": [{"role": "user", "content": "hi"}], "min_p": 1}, "application/json", 400, "'min_p' must be in"),
+    ({"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 0}, "application/json", 400,
+     "'repetition_penalty' must be in"),
+    ({"messages": [{"role": "user", "content": "hi"}], "seed": -1}, "application/json", 400, "'seed' must be >= 0"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "application/json", 400, "n > 1 is not supported"),
+    ({"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 0.5}, "application/json", 400,
+     "'frequency_penalty' is not supported"),
+    ({"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 3}, "application/json", 400,
+     "must be in [-2.0, 2.0]"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "application/json", 400,
+     "'logprobs' is not supported"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 10}}, "application/json", 400,
+     "'logit_bias' is not supported"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+     "application/json", 400, "'response_format'"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stop": 5}, "application/json", 400, "'stop' must be"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, "application/json", 400,
+     "at most 4"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stop": [""]}, "application/json", 400, "non-empty"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "application/json", 400,
+     "'stream' must be a boolean"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stream_options": {"x": 1}}, "application/json", 400,
+     "'stream_options'"),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": 5}, "application/json", 400,
+     "'model' must be a string"),
+    ({"messages": [{"role": "user", "content": "hi"}], "bogus": 1}, "application/json", 400,
+     "unrecognized request argument(s): bogus"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": {"a": 1}}, "application/json", 400,
+     "'tools' must be a list"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "application/json", 400,
+     "tools[0] must be"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "a b"}}]},
+     "application/json", 400, "function.name must be"),
+    ({"messages": [{"role": "user", "content": "hi"}],
+      "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+     "application/json", 400, "not supported"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto-ish"}, "application/json", 400,
+     "'tool_choice' needs 'tools'"),
+    ({"messages": [{"role": "user", "content": "hi"}], "glimmer": {"mode": "warp"}}, "application/json", 400,
+     "'glimmer.mode' must be one of"),
+    ({"messages": [{"role": "user", "content": "hi"}], "glimmer": {"mode": "dflash", "block_size": 99}},
+     "application/json", 400, "block_size must be in [2, 4]"),
+    ({"messages": [{"role": "user", "content": "hi"}], "glimmer": {"mode": "dflash", "block_size": "big"}},
+     "application/json", 400, "must be an integer or"),
+    ({"messages": [{"role": "user", "content": "hi"}], "glimmer": {"speed": 1}}, "application/json", 400,
+     "unknown 'glimmer' field"),
+    ({"messages": [{"role": "user", "content": "hi"}], "glimmer": "fast"}, "application/json", 400,
+     "'glimmer' must be an object"),
+]
+
+BAD_COMPLETIONS = [
+    ({"prompt": ""}, 400, "'prompt' is empty"),
+    ({}, 400, "'prompt' must be"),
+    ({"prompt": ["a", "b"]}, 400, "a batch of prompts is not supported"),
+    ({"prompt": [1, 2, 99999]}, 400, "outside the vocabulary"),
+    ({"prompt": [1, "x"]}, 400, "'prompt' must be"),
+    ({"prompt": "hi", "echo": True}, 400, "'echo' is not supported"),
+    ({"prompt": "hi", "suffix": "x"}, 400, "'suffix' is not supported"),
+    ({"prompt": "hi", "best_of": 3}, 400, "'best_of'"),
+    ({"prompt": "hi", "logprobs": 2}, 400, "'logprobs' is not supported"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "'max_tokens' must be >= 1"),
+    ({"prompt": "hi", "messages": []}, 400, "unrecognized request argument(s): messages"),
+]
+
+
+def test_malformed_requests_get_4xx_with_openai_errors(served):
+    server, base, *_ = served
+
+    def client():
+        for body, ctype, status, frag in BAD:
+            raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+            got, _, text = call(base, "/v1/chat/completions", raw=raw, ctype=ctype)
+            err = json.loads(text)["error"]
+            assert got == status and frag in err["message"], (body, got, err)
+            assert err["type"] == "invalid_request_error" and set(err) == {"message", "type", "param", "code"}
+        for body, status, frag in BAD_COMPLETIONS:
+            got, _, text = call(base, "/v1/completions", body)
+            assert got == status and frag in json.loads(text)["error"]["message"], (body, got, text)
+        got, _, text = call(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 1500}]})
+        assert json.loads(text)["error"]["code"] == "context_length_exceeded"
+        # routes and methods
+        assert call(base, "/nope")[0] == 404
+        assert call(base, "/v1/nope", {"a": 1})[0] == 404
+        assert call(base, "/v1/chat/completions")[0] == 405
+        assert call(base, "/v1/models", {"a": 1})[0] == 405
+        assert call(base, "/v1/models", method="DELETE", ctype=None)[0] == 405
+        # a chunked body (no Content-Length)
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        conn.putrequest("POST", "/v1/chat/completions")
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Transfer-Encoding", "chunked")
+        conn.endheaders()
+        conn.send(b"0\r\n\r\n")
+        r = conn.getresponse()
+        assert r.status == 411 and "Content-Length" in json.loads(r.read())["error"]["message"]
+        conn.close()
+        # the server is still fine
+        assert call(base, "/health")[0] == 200
+        assert chat(base, [{"role": "user", "content": "hi"}], max_tokens=2)["usage"]["completion_tokens"] <= 2
+
+    over_http(server, client)
+
+
+def test_concurrent_requests_are_queued(served):
+    server, base, model, tok, _ = served
+    prompts = [f"def f{i}(x):" for i in range(4)]
+    refs = {p: glimmer_mlx.generate(model, p, tokenizer=tok, max_tokens=10).text for p in prompts}
+
+    def client():
+        results, errors = {}, []
+
+        def one(p):
+            try:
+                _, _, text = call(base, "/v1/completions", {"prompt": p, "max_tokens": 10,
+                                                            "glimmer": {"mode": "mtp" if p[5] in "02" else "dflash"}})
+                results[p] = json.loads(text)["choices"][0]["text"]
+            except Exception as e:  # pragma: no cover - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors and results == refs
+
+    over_http(server, client)
+
+
+def test_client_gone_mid_stream(served):
+    server, base, *_ = served
+
+    def client():
+        body = json.dumps({"prompt": "Hello", "max_tokens": 300, "stream": True}).encode()
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        got = b""
+        while b"data: " not in got:
+            got += sock.recv(4096)
+        assert got.startswith(b"HTTP/1.1 200")
+        sock.close()  # gone after the first event
+        r = chat(base, [{"role": "user", "content": "still there?"}], max_tokens=3)
+        assert r["usage"]["completion_tokens"] <= 3
+
+    over_http(server, client)
+
+
+def test_cli_serve_subprocess(tiny_checkpoint, tmp_path):
+    """`glimmer serve --port 0` in a subprocess: prints its address, answers, stops cleanly on Ctrl-C (SIGINT)."""
+    path, _ = tiny_checkpoint(seed=22, tokenizer=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", GLIMMER_MLX_CACHE_DIR=str(tmp_path / "cache"))
+    p = subprocess.Popen([sys.executable, "-m", "glimmer_mlx.cli", "serve", "--model", str(path), "--port", "0"],
+                         stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        line, t0 = "", time.time()
+        while "http://" not in line and time.time() - t0 < 60:
+            line = p.stderr.readline()
+            if not line and p.poll() is not None:
+                break
+        m = re.search(r"http://127\.0\.0\.1:(\d+)", line)
+        assert m, (line, p.poll(), p.stderr.read() if p.poll() is not None else "")
+        base = f"http://127.0.0.1:{m.group(1)}"
+        assert json.loads(call(base, "/health")[2])["modes"] == ["ar", "auto"]
+        r = chat(base, [{"role": "user", "content": "hi"}], max_tokens=3)
+        assert r["choices"][0]["finish_reason"] in ("stop", "length")
+        status, _, text = call(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                              "glimmer": {"mode": "dflash"}})
+        assert status == 400 and "no DFlash drafter loaded" in json.loads(text)["error"]["message"]
+        p.send_signal(signal.SIGINT)
+        assert p.wait(20) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+    bad = subprocess.run([sys.executable, "-m", "glimmer_mlx.cli", "serve", "--model", str(path), "--mode", "mtp",
+                          "--port", "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "mode 'mtp' is not available" in bad.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from typing import List, Optional
 
@@ -21,9 +22,30 @@ def _fail(msg: str) -> None:
     raise typer.Exit(1)
 
 
+def _resolve(model: str | None, part: str = "target") -> str:
+    """`model`, or the embedded model's folder (announced once)."""
+    from .embedded import resolve_model
+
+    try:
+        return resolve_model(model, part, announce=lambda m: console.print(f"[dim]{escape(m)}[/]", soft_wrap=True))
+    except FileNotFoundError as e:
+        _fail(str(e))
+
+
+def _default_model(model, draft_model, mtp: bool, dflash: bool):
+    """No --model: the embedded target, with its MTP layer for --mtp and its DFlash drafter for --dflash (unless
+    --draft-model names another)."""
+    if model is None:
+        model = _resolve(None)
+        if draft_model is None and (mtp or dflash):
+            draft_model = _resolve(None, "mtp" if mtp else "dflash")
+    return model, draft_model
+
+
 @app.command()
 def generate(
-    model: str = typer.Option(..., "--model", help="Checkpoint folder or Hub repo id."),
+    model: Optional[str] = typer.Option(None, "--model", help="Checkpoint folder or Hub repo id (default: the "
+                                        "embedded glimmer-tiny)."),
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text; '-' reads stdin."),
     max_tokens: int = typer.Option(256, "--max-tokens", "-m"),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy)."),
@@ -40,9 +62,15 @@ def generate(
     draft_model: Optional[str] = typer.Option(None, "--draft-model",
                                               help="Drafter checkpoint: a DFlash assistant or MTP layers."),
     block_size: Optional[str] = typer.Option(None, "--block-size", help="DFlash: drafts per round + 1, or 'auto'."),
-    mtp: bool = typer.Option(False, "--mtp", help="Speculate with MTP layers: the target's own, or --draft-model's."),
+    dflash: bool = typer.Option(False, "--dflash", help="Speculate with the embedded DFlash drafter (default model "
+                                "only; otherwise give --draft-model)."),
+    mtp: bool = typer.Option(False, "--mtp", help="Speculate with MTP layers: the target's own, or --draft-model's "
+                             "(default model: the embedded MTP layer)."),
     mtp_depth: Optional[str] = typer.Option(None, "--mtp-depth", help="MTP drafts per round (past the trained "
                                             "layers the last is reused), or 'auto'. Default: trained layers."),
+    auto: bool = typer.Option(False, "--auto", help="Per round, the fastest of DFlash (--draft-model, or the "
+                              "embedded drafter), MTP (the target's own layers, or the embedded ones), n-gram prompt "
+                              "lookup and plain steps, from acceptance and costs measured on this machine."),
     image: List[str] = typer.Option([], "--image", help="Image file (repeatable). Put one <|patch|> in the prompt "
                                     "where each image goes, or none to put them all before the prompt text."),
     verbose: bool = typer.Option(True, "--verbose/--quiet", help="Print the stats line."),
@@ -54,6 +82,14 @@ def generate(
 
     if prompt == "-":
         prompt = sys.stdin.read()
+    if dflash and mtp:
+        _fail("--dflash and --mtp exclude each other")
+    if dflash and draft_model is None and model is not None:
+        _fail("--dflash without --draft-model only works with the embedded default model; give --draft-model")
+    if auto and (dflash or mtp or block_size is not None or mtp_depth is not None):
+        _fail("--auto chooses the drafter and the width itself: drop --dflash / --mtp / --block-size / --mtp-depth")
+    embedded_default = model is None
+    model, draft_model = _default_model(model, draft_model, mtp, dflash)
     images = None
     if image:
         from .image_processing import IMAGE_TOKEN, ImageError, preprocess_image
@@ -75,7 +111,15 @@ def generate(
         _fail("--mtp-depth needs --mtp")
     if mtp and block_size is not None:
         _fail("--block-size is for DFlash; with --mtp use --mtp-depth")
-    if draft_model is not None or mtp:
+    if auto:
+        from .speculative.auto import load_auto
+
+        try:
+            drafter = load_auto(m, dflash=draft_model, embedded=embedded_default,
+                                log=lambda msg: console.print(f"[dim]{escape(msg)}[/]", soft_wrap=True))
+        except (CheckpointError, ValueError) as e:
+            _fail(str(e))
+    elif draft_model is not None or mtp:
         from .speculative import MTPDrafter, load_drafter
 
         try:
@@ -99,25 +143,43 @@ def generate(
     else:
         ids = tok.encode(prompt)
     stats = GenerationStats()
+    # chat-templated output goes through the template's response parser: headers (` to=user<|message|>`) hidden,
+    # tool calls summarised after the answer; --raw prints the model's text as generated
+    parser = None
+    if chat and tok.chat_template:
+        from .tool_calls import get_parser
+
+        parser = get_parser(tok.chat_template)
+    text, shown = "", 0
     try:
         for chunk in stream_generate(m, ids, tokenizer=tok, max_tokens=max_tokens, temperature=temp, top_p=top_p,
                                      top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
                                      stop=stop, drafter=drafter, block_size=bs, prefill_step_size=prefill_step_size,
                                      stats=stats, images=images):
             # model text is data: written verbatim (rich would expand :emoji: codes and drop control characters)
-            sys.stdout.write(chunk.text)
+            text += chunk.text
+            out = chunk.text
+            if parser is not None:
+                visible = parser.visible(text) if chunk.finish_reason is None else parser.parse(text).content
+                out, shown = visible[shown:], max(shown, len(visible))
+            sys.stdout.write(out)
             sys.stdout.flush()
     except ValueError as e:
         _fail(str(e))
     sys.stdout.write("\n")
     sys.stdout.flush()
+    if parser is not None:
+        for call in parser.parse(text).tool_calls:
+            console.print(f"[cyan]tool call:[/] {escape(call.name)}({escape(json.dumps(call.arguments))})",
+                          soft_wrap=True)
     if verbose:
         console.print(f"[dim]{stats.line()}[/]")
 
 
 @app.command()
 def info(
-    model: str = typer.Argument(..., help="Checkpoint folder or Hub repo id (with --plan also: muse-glimmer-30b)."),
+    model: Optional[str] = typer.Argument(None, help="Checkpoint folder or Hub repo id (with --plan also: "
+                                          "muse-glimmer-30b). Default: the embedded glimmer-tiny."),
     context: List[int] = typer.Option([4096, 32768, 131072], "--context", help="Context lengths for the KV table."),
     plan: bool = typer.Option(False, "--plan", help="Memory plan: model + drafter + quantization + context vs Mac "
                               "memory sizes (what `glimmer convert` with these settings would need)."),
@@ -132,6 +194,7 @@ def info(
     mem: List[int] = typer.Option(list((24, 32, 36, 48, 64, 128)), "--mem", help="With --plan: Mac memory sizes (GB)."),
 ):
     """Architecture summary, parameter count by part, and memory needed per dtype / quantization and context."""
+    model = _resolve(model)
     from .info import model_info
     from .loading import CheckpointError
 
@@ -245,6 +308,119 @@ def bench_plain_cmd(
                         f"{prof['steps']}, interleaved): glimmer {st['glimmer']['median']:.1f}, mlx-lm "
                         f"{st['mlx-lm']['median']:.1f}, ratio mlx-lm/glimmer {prof['sync_ratio']['median']:.3f}")
     console.print(f"[dim]results written to {out_path}[/]")
+
+
+bench_app = typer.Typer(help="Speed benchmarks. `glimmer bench`: every decoding mode on shipped prompt sets in one "
+                        "sitting (plain, mlx-lm, DFlash, MTP, n-gram, auto); subcommands add more (e.g. `bench kernels`).")
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.callback(invoke_without_command=True)
+def bench_cmd(
+    ctx: typer.Context,
+    model: Optional[str] = typer.Option(None, "--model", help="Target checkpoint (default: the embedded model)."),
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", help="A small mlx-lm model with the same "
+                                              "tokenizer, for mlx-lm's own draft-model speculative decoding."),
+    dflash: Optional[str] = typer.Option(None, "--dflash", help="DFlash drafter (default: the embedded one when "
+                                         "--model is not given; 'none' disables)."),
+    mtp_model: Optional[str] = typer.Option(None, "--mtp-model", help="MTP layers (default: the target's own, else "
+                                            "the embedded ones when --model is not given; 'none' disables)."),
+    modes: Optional[str] = typer.Option(None, "--modes", help="Comma-separated: ar, dflash, mtp, ngram, auto, "
+                                        "mlx-lm, mlx-lm-draft, or single variants (dflash-b8, dflash-auto, mtp-d2)."),
+    profile: str = typer.Option("default", "--profile", help="quick | default | m5-max (sizes, repeats; see "
+                                "BENCHMARKS.md)."),
+    quick: bool = typer.Option(False, "--quick", help="Same as --profile quick (CI scale)."),
+    categories: Optional[str] = typer.Option(None, "--categories", help="Prompt categories (default: all shipped)."),
+    prompts_per_category: Optional[int] = typer.Option(None, "--prompts", help="Prompts per category."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Tokens generated per run (EOS ignored)."),
+    temps: Optional[str] = typer.Option(None, "--temps", help="Comma-separated temperatures (default 0,1)."),
+    repeats: Optional[int] = typer.Option(None, "--repeats", help="Interleaved timed repeats."),
+    dflash_blocks: Optional[str] = typer.Option(None, "--dflash-blocks", help="DFlash block sizes (default 4,8,16,auto;"
+                                                " those above the drafter's trained block size are skipped)."),
+    mtp_depths: Optional[str] = typer.Option(None, "--mtp-depths", help="MTP depths (default 1,2,3)."),
+    num_draft_tokens: int = typer.Option(3, "--num-draft-tokens", help="mlx-lm-draft: drafts per round."),
+    seed: int = typer.Option(0, "--seed"),
+    recalibrate: bool = typer.Option(False, "--recalibrate", help="Measure auto's verify cost curve again (it is "
+                                     "cached per machine and model in ~/.cache/glimmer-mlx or $GLIMMER_MLX_CACHE_DIR)."),
+    out: str = typer.Option("bench-results", "--out", help="Folder for results.json and chart.png."),
+):
+    """Decode speed of every mode on shipped prompt sets, interleaved in one process: tok/s, speedup vs plain, τ,
+    time to first token, peak memory; writes results.json (with the machine fingerprint) and chart.png."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from pathlib import Path
+
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from .benchmark import BenchError, BenchSettings, render_table, run_bench, write_chart
+    from .loading import CheckpointError
+
+    try:
+        settings = BenchSettings.from_profile("quick" if quick else profile, modes=modes, categories=categories,
+                                              prompts_per_category=prompts_per_category, max_tokens=max_tokens,
+                                              temps=temps, repeats=repeats, dflash_blocks=dflash_blocks,
+                                              mtp_depths=mtp_depths, num_draft_tokens=num_draft_tokens, seed=seed)
+    except ValueError as e:
+        _fail(str(e))
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as prog:
+        task = prog.add_task("loading", total=None)
+
+        def progress(msg: str, done: int | None = None, total: int | None = None) -> None:
+            prog.update(task, description=escape(msg[-70:]), completed=done, total=total)
+
+        try:
+            res = run_bench(model, settings, dflash=dflash, mtp_model=mtp_model, draft_model=draft_model,
+                            recalibrate=recalibrate, progress=progress, log=lambda m: console.print(f"[dim]{escape(m)}[/]", soft_wrap=True))
+        except (BenchError, CheckpointError, FileNotFoundError, ValueError) as e:
+            _fail(str(e))
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    import json
+
+    (out_dir / "results.json").write_text(json.dumps(res, indent=2))
+    write_chart(res, out_dir / "chart.png")
+    wide = Console(width=None if sys.stdout.isatty() else 200)
+    for table in render_table(res):
+        wide.print(table)
+    console.print(f"[dim]results written to {out_dir / 'results.json'} and {out_dir / 'chart.png'}[/]")
+
+
+@bench_app.command("kernels")
+def bench_kernels_cmd(
+    rows: str = typer.Option("1,2,4,8,16", "--rows", help="Comma-separated k+1 row counts (1..16)."),
+    contexts: str = typer.Option("1024,8192,32768", "--contexts", help="Comma-separated KV lengths (attention)."),
+    kernels: str = typer.Option("accept_greedy,accept_sampling,block_attention,qmm", "--kernels",
+                                help="Comma-separated subset of accept_greedy, accept_sampling, block_attention, qmm."),
+    vocab: int = typer.Option(202048, "--vocab", help="Vocabulary size (acceptance kernels)."),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="float32 | float16 | bfloat16 (attention, qmm)."),
+    bits: int = typer.Option(4, "--bits", help="4 or 8 (qmm)."),
+    window: Optional[int] = typer.Option(None, "--window", help="Sliding window for attention (default: global)."),
+    repeats: int = typer.Option(20, "--repeats"),
+    out: Optional[str] = typer.Option(None, "--out", help="Write the results as JSON to this file."),
+):
+    """µs per call of the custom Metal kernels vs their pure-MLX references vs stock MLX (Muse Glimmer shapes).
+    Without Metal only the reference and stock paths are timed; kernel figures are reported as not measured."""
+    import json
+
+    from .kernels.bench import render_table, run_kernel_bench
+
+    try:
+        res = run_kernel_bench(rows=tuple(int(x) for x in rows.split(",")),
+                               contexts=tuple(int(x) for x in contexts.split(",")),
+                               kernels=tuple(x.strip() for x in kernels.split(",") if x.strip()), vocab=vocab,
+                               dtype=dtype, bits=bits, window=window, repeats=repeats,
+                               progress=lambda m: console.print(f"[dim]{escape(m)}[/]"))
+    except ValueError as e:
+        _fail(str(e))
+    if not res["metal"]["available"]:
+        console.print(f"[yellow]{res['metal']['note']}[/]")
+    console.print(render_table(res))
+    if out:
+        from pathlib import Path
+
+        Path(out).write_text(json.dumps(res, indent=2))
+        console.print(f"[dim]results written to {out}[/]")
 
 
 def _print_plan(model, drafter, q_bits, q_group_size, q_mode, recipe, quantize_vision, text_only, contexts, mem):
@@ -375,6 +551,7 @@ def _train(kind, model, out, data, text, regenerate, regen_max_tokens, regen_tem
 
     if data is None and not text:
         _fail("give training data: --data CHATS.jsonl and/or --text FILE_OR_FOLDER")
+    model = _resolve(model)
     taps = None
     if target_layer_ids:
         try:
@@ -401,7 +578,8 @@ def _train(kind, model, out, data, text, regenerate, regen_max_tokens, regen_tem
 
 @train_app.command("dflash")
 def train_dflash_cmd(
-    model: str = typer.Option(..., "--model", help="Target checkpoint (folder or Hub id)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Target checkpoint (folder or Hub id; default: the "
+                                        "embedded glimmer-tiny)."),
     out: str = typer.Option(..., "--out", help="Output folder (official muse_glimmer_assistant layout)."),
     data: Optional[str] = typer.Option(None, "--data", help="Chat JSONL ({'messages': [...]} per line)."),
     text: List[str] = typer.Option([], "--text", help="Plain-text / code file or folder (repeatable)."),
@@ -439,7 +617,8 @@ def train_dflash_cmd(
 
 @train_app.command("mtp")
 def train_mtp_cmd(
-    model: str = typer.Option(..., "--model", help="Target checkpoint (folder or Hub id)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Target checkpoint (folder or Hub id; default: the "
+                                        "embedded glimmer-tiny)."),
     out: str = typer.Option(..., "--out", help="Output folder (mtp.safetensors + config.json)."),
     data: Optional[str] = typer.Option(None, "--data", help="Chat JSONL ({'messages': [...]} per line)."),
     text: List[str] = typer.Option([], "--text", help="Plain-text / code file or folder (repeatable)."),
@@ -467,6 +646,151 @@ def train_mtp_cmd(
     _train("mtp", model, out, data, text, regenerate, regen_max_tokens, regen_temp, init, 1, 16, None, None,
            mtp_layers, 16, None, max_length, val_fraction, epochs, batch_size, lr, warmup, grad_accum, save_every,
            max_steps, seed, resume, draft_logits, eval_tokens)
+
+
+@app.command()
+def agent(
+    task: Optional[str] = typer.Argument(None, help="What to do (omit with --resume to just continue)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Checkpoint (default: the embedded model)."),
+    workspace: Optional[str] = typer.Option(None, "--workspace", "-w", help="The folder the agent may use "
+                                            "(default: the current one; on --resume, the transcript's)."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Write files and run commands without asking."),
+    allow: List[str] = typer.Option([], "--allow", help="Command prefix run without asking, e.g. 'pytest -q' "
+                                    "(repeatable; commands with shell operators always ask)."),
+    max_steps: int = typer.Option(20, "--max-steps", help="Model replies before the loop stops (exit code 2)."),
+    max_tokens: int = typer.Option(1024, "--max-tokens", help="Tokens per model reply."),
+    transcript: Optional[str] = typer.Option(None, "--transcript", help="JSONL transcript to write (default: "
+                                             "~/.cache/glimmer-mlx/agent/TIME.jsonl)."),
+    resume: Optional[str] = typer.Option(None, "--resume", help="Continue the run of this transcript."),
+    mode: str = typer.Option("ar", "--mode", help="ar | dflash | mtp | auto (speculative decoding: same output)."),
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", help="Drafter for --mode dflash / mtp "
+                                              "(default: the embedded one with the embedded model)."),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy)."),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    timeout: float = typer.Option(120.0, "--timeout", help="Seconds a `run` command may take."),
+):
+    """An offline tool-using agent in a workspace: list/read/search files, write or patch them (diff shown, asks
+    first), run commands (asks first), answer. Paths are confined to the workspace."""
+    from .agent import load_backend, run_command
+    from .loading import CheckpointError
+
+    def backend():
+        return load_backend(model, mode=mode, draft_model=draft_model, max_tokens=max_tokens, temperature=temp,
+                            seed=seed)
+
+    try:
+        res = run_command(task, backend_factory=backend, workspace=workspace, yes=yes, allow=allow,
+                          max_steps=max_steps, transcript=transcript, resume=resume, timeout=timeout,
+                          console=console, out=Console(), meta={"model": model, "mode": mode})
+    except (CheckpointError, FileNotFoundError, NotADirectoryError, ValueError) as e:
+        _fail(str(e))
+    if res.status != "answered":
+        raise typer.Exit(2)  # the step limit: no answer
+
+
+def _session_options(model, draft_model, mtp, mtp_model, dtype, max_context):
+    """Load a session.Session for chat / serve (errors → a clean exit)."""
+    from .loading import CheckpointError
+    from .session import load_session
+
+    try:
+        return load_session(model, draft_model=draft_model, mtp=mtp, mtp_model=mtp_model, dtype=dtype,
+                            max_context=max_context,
+                            announce=lambda m: console.print(f"[dim]{escape(m)}[/]", soft_wrap=True))
+    except (CheckpointError, FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+
+
+def _width(block_size: Optional[str]):
+    if block_size is None or block_size == "auto":
+        return block_size
+    try:
+        return int(block_size)
+    except ValueError:
+        _fail(f"--block-size must be an integer or 'auto', got {block_size!r}")
+
+
+@app.command()
+def chat(
+    model: Optional[str] = typer.Option(None, "--model", help="Checkpoint (default: the embedded model, with its "
+                                        "DFlash drafter and MTP layer)."),
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", help="DFlash drafter (or MTP layers) to load."),
+    mtp: bool = typer.Option(False, "--mtp", help="Load the target checkpoint's own MTP layers."),
+    mtp_model: Optional[str] = typer.Option(None, "--mtp-model", help="MTP layers from another folder."),
+    mode: Optional[str] = typer.Option(None, "--mode", help="ar | dflash | mtp | auto (default: dflash, else mtp, "
+                                       "else ar — whatever is loaded). Same output in every mode."),
+    block_size: Optional[str] = typer.Option(None, "--block-size", help="DFlash block size / MTP depth, or 'auto'."),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy)."),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k"),
+    min_p: float = typer.Option(0.0, "--min-p"),
+    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    max_tokens: int = typer.Option(1024, "--max-tokens", "-m", help="Tokens per answer at most."),
+    max_context: Optional[int] = typer.Option(None, "--max-context", help="Context limit in tokens (default: the "
+                                              "model's max_position_embeddings)."),
+    system_prompt: Optional[str] = typer.Option(None, "--system-prompt"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16 | fp16 | fp32 (default: checkpoint dtype)."),
+    calibrate: bool = typer.Option(True, "--calibrate/--no-calibrate", help="Measure the plain-decoding rate "
+                                   "(32 tokens) for the speedup shown after speculative turns, if no ar turn ran."),
+    stats: bool = typer.Option(True, "--stats/--no-stats", help="Print the stats line after each answer."),
+):
+    """Chat in the terminal: streaming answers, history, /commands (/help), prompt-cache reuse across turns."""
+    from .chat import Chat
+    from .sampling import SamplingParams
+    from .session import ModeError
+
+    if max_tokens < 1:
+        _fail(f"--max-tokens must be >= 1, got {max_tokens}")
+    try:
+        SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty)
+    except ValueError as e:
+        _fail(str(e))
+    session = _session_options(model, draft_model, mtp, mtp_model, dtype, max_context)
+    try:
+        app_ = Chat(session, mode=mode, block_size=_width(block_size), temperature=temp, top_p=top_p, top_k=top_k,
+                    min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, max_tokens=max_tokens,
+                    system_prompt=system_prompt, calibrate=calibrate, show_stats=stats)
+    except (ModeError, ValueError) as e:
+        _fail(str(e))
+    raise typer.Exit(app_.run())
+
+
+@app.command()
+def serve(
+    model: Optional[str] = typer.Option(None, "--model", help="Checkpoint (default: the embedded model, with its "
+                                        "DFlash drafter and MTP layer)."),
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", help="DFlash drafter (or MTP layers) to load."),
+    mtp: bool = typer.Option(False, "--mtp", help="Load the target checkpoint's own MTP layers."),
+    mtp_model: Optional[str] = typer.Option(None, "--mtp-model", help="MTP layers from another folder."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (127.0.0.1: this machine only)."),
+    port: int = typer.Option(8080, "--port", help="Port (0: any free port, printed at start)."),
+    mode: Optional[str] = typer.Option(None, "--mode", help="Default decoding mode: ar | dflash | mtp | auto "
+                                       "(default: dflash, else mtp, else ar); requests may override it with "
+                                       "{\"glimmer\": {\"mode\": ...}}."),
+    block_size: Optional[str] = typer.Option(None, "--block-size", help="Default DFlash block size / MTP depth."),
+    max_tokens: int = typer.Option(2048, "--max-tokens", help="Default max_tokens for requests without one."),
+    max_context: Optional[int] = typer.Option(None, "--max-context", help="Context limit (default: the model's)."),
+    model_name: Optional[str] = typer.Option(None, "--served-model-name", help="Model id in /v1/models "
+                                             "(default: the checkpoint folder's name)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16 | fp16 | fp32 (default: checkpoint dtype)."),
+):
+    """A local OpenAI-compatible server: /v1/chat/completions (streaming, tools), /v1/completions, /v1/models,
+    /health. One model resident, requests queued, prompt cache reused across a growing conversation."""
+    from .server import GlimmerServer
+    from .session import ModeError
+
+    session = _session_options(model, draft_model, mtp, mtp_model, dtype, max_context)
+    try:
+        server = GlimmerServer(session, host=host, port=port, mode=mode, block_size=_width(block_size),
+                               default_max_tokens=max_tokens, model_name=model_name)
+    except (ModeError, ValueError, OSError) as e:
+        _fail(str(e))
+    console.print(f"[bold]glimmer serve[/] {escape(server.model_name)} on http://{server.host}:{server.port} "
+                  f"(mode {escape(server.default_mode)}; modes: {', '.join(session.available_modes())}) — Ctrl-C stops",
+                  soft_wrap=True)
+    server.serve_forever()
+    console.print("[dim]stopped[/]")
 
 
 if __name__ == "__main__":

@@ -178,3 +178,39 @@ def test_trained_drafter_beats_untrained_on_held_out(tmp_path):
     after = acceptance(model, drafter, held, None, max_tokens=40)["tau_greedy"]
     assert s["final_loss"] < 0.3 * s["first_loss"]
     assert before < 1.2 and after > 2.0
+
+
+def test_tool_call_conversations_are_training_data(tmp_path):
+    """Agent transcripts (assistant turns with tool_calls and null content, tool results, a `tools` list) render
+    through the chat template; the loss mask covers exactly the assistant turns, tool results stay context."""
+    from pathlib import Path
+
+    from conftest import save_tiny_tokenizer
+    from glimmer_mlx.tokenizer import load_tokenizer
+    from glimmer_mlx.train.data import DataReport, read_conversations, tokenize_conversation
+
+    folder = save_tiny_tokenizer(tmp_path / "tok")
+    template = Path(__file__).resolve().parent.parent / "models" / "build" / "chat_template.jinja"
+    (folder / "chat_template.jinja").write_text(template.read_text())
+    tok = load_tokenizer(folder)
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {}}}]
+    conv = [{"role": "user", "content": "read a.py"},
+            {"role": "assistant", "content": None,
+             "tool_calls": [{"type": "function", "function": {"name": "read_file", "arguments": {"path": "a.py"}}}]},
+            {"role": "tool", "name": "read_file", "content": "x = 1"},
+            {"role": "assistant", "content": "It sets x."}]
+    bad = [{"role": "user", "content": "hi"},
+           {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}]
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"messages": conv, "tools": tools}) + "\n" + json.dumps({"messages": bad}) + "\n")
+    report = DataReport()
+    convs = read_conversations(path, report)
+    assert len(convs) == 1 and convs[0][1] == tools
+    assert report.skipped == {"lines without a valid 'messages' list": 1}  # arguments as a JSON string: skipped
+    seq = tokenize_conversation(tok, *convs[0])
+    text = tok.decode(seq.ids)
+    trained = tok.decode([t for t, m in zip(seq.ids, seq.mask) if m])
+    assert '"name": "read_file"' in text.split("<|start|>user")[0]  # the tools block is in the system turn
+    assert trained == (' to=functions<|message|><atem:function_calls><atem:invoke name="read_file"><atem:parameter '
+                       'name="path">a.py</atem:parameter></atem:invoke></atem:function_calls><|eot|>'
+                       ' to=user<|message|>It sets x.<|eot|>')

@@ -20,10 +20,12 @@ from ..generate import DEFAULT_PREFILL_STEP, prefill
 from ..sampling import Sampler
 from .adaptive import AdaptiveWidth, measure_verify_costs
 from .verify import target_distribution, verify_greedy, verify_sampling
+from ..kernels import install_block_kernels
 
 
 class SpeculativeDecoder:
-    def __init__(self, model, drafter, sampler: Sampler, width=None, prefill_step: int = DEFAULT_PREFILL_STEP):
+    def __init__(self, model, drafter, sampler: Sampler, width=None, prefill_step: int = DEFAULT_PREFILL_STEP,
+                 cache=None):
         trained = drafter.max_drafts
         self.adaptive = width == "auto"
         if width is None or self.adaptive:
@@ -34,7 +36,8 @@ class SpeculativeDecoder:
         self.mode = drafter.kind
         self.max_k = width
         self.prefill_step = prefill_step
-        self.cache = model.make_cache(max_rewind=max(64, trained))
+        self.cache = cache if cache is not None else model.make_cache(max_rewind=max(64, trained))
+        install_block_kernels(model)  # Metal only: small-row quantized matmuls for verification (no-op on CPU)
         self.taps = drafter.taps
         self.history: list[int] = []
         self._first = None
@@ -44,15 +47,21 @@ class SpeculativeDecoder:
         self.t_draft = self.t_verify = 0.0
         self.last_drafts: list[int] = []  # drafts proposed in the latest round
 
-    def prefill(self, ids: list[int], input_embeddings=None) -> None:
+    def prefill(self, ids: list[int], input_embeddings=None, reuse: int = 0) -> None:
         """input_embeddings: the prompt's embeddings (images in place); the target's taps over image positions then
-        reach the drafter like any other context."""
+        reach the drafter like any other context. reuse: the cache holds ids[:reuse] already and the drafter's state
+        covers exactly those positions (`drafter.rewind_context`); only the rest is prefilled, and its taps extend
+        the drafter's state (`drafter.extend`) instead of restarting it."""
         self.history = list(ids)
-        logits, taps = prefill(self.model, self.cache, ids, self.prefill_step, taps=self.taps,
-                               input_embeddings=input_embeddings)
+        emb = None if input_embeddings is None else input_embeddings[:, reuse:]
+        logits, taps = prefill(self.model, self.cache, ids[reuse:], self.prefill_step, taps=self.taps,
+                               input_embeddings=emb)
         self._first = int(self.sampler(logits, self._hist()).item())
-        self.drafter.start(taps, self.history + [self._first])
-        if self.adaptive:
+        if reuse:
+            self.drafter.extend(taps, self.history + [self._first])
+        else:
+            self.drafter.start(taps, self.history + [self._first])
+        if self.adaptive and self.chooser is None:  # a session may hand over the chooser of its previous turn
             costs = measure_verify_costs(self.model, self.cache, self.taps, self.max_k)
             self.chooser = AdaptiveWidth(self.max_k, costs)
 
@@ -119,15 +128,18 @@ class SpeculativeDecoder:
         }
         if self.mode == "dflash":
             d["block_size"] = self.max_k + 1
-        else:
+        elif self.mode == "mtp":
             d["depth"] = self.max_k
+        if hasattr(self.drafter, "stats"):  # auto: its choices, acceptance and cost curve
+            d.update(self.drafter.stats())
         if self.chooser is not None:
             d["verify_cost_ratio"] = {int(k): round(v, 3) for k, v in self.chooser.cost_ratio().items()}
             d["chosen_k_histogram"] = dict(sorted(self.chooser.chosen.items()))
         return d
 
 
-def make_decoder(model, drafter, sampler: Sampler, *, block_size=None, prefill_step: int = DEFAULT_PREFILL_STEP):
+def make_decoder(model, drafter, sampler: Sampler, *, block_size=None, prefill_step: int = DEFAULT_PREFILL_STEP,
+                 cache=None):
     """block_size: DFlash's block width (drafts + 1) or MTP's depth (drafts); None = as trained; "auto" = adaptive."""
     kind = getattr(drafter, "kind", None)
     if kind == "dflash":
@@ -136,9 +148,17 @@ def make_decoder(model, drafter, sampler: Sampler, *, block_size=None, prefill_s
             raise ValueError(f"block_size must be 'auto' or an int in [2, {drafter.block_size}] (the drafter's trained "
                              f"block size), got {block_size!r}")
         width = block_size - 1 if isinstance(block_size, int) else block_size
-        return SpeculativeDecoder(model, drafter, sampler, width, prefill_step)
+        return SpeculativeDecoder(model, drafter, sampler, width, prefill_step, cache)
     if kind == "mtp":
         if isinstance(block_size, int) and not isinstance(block_size, bool):
             drafter.set_depth(block_size)  # beyond the trained layers the last one is reused recursively
-        return SpeculativeDecoder(model, drafter, sampler, block_size, prefill_step)
+        return SpeculativeDecoder(model, drafter, sampler, block_size, prefill_step, cache)
+    if kind in ("auto", "ngram"):  # auto chooses its own widths; n-gram lookup drafts what it finds
+        if block_size is not None:
+            raise ValueError(f"block_size does not apply to the {kind} drafter (it chooses its own widths)")
+        if kind == "auto":
+            from .auto import AutoDecoder  # plain stretches pipelined like PlainDecoder
+
+            return AutoDecoder(model, drafter, sampler, None, prefill_step, cache)
+        return SpeculativeDecoder(model, drafter, sampler, None, prefill_step, cache)
     raise TypeError(f"unsupported drafter {type(drafter).__name__}")

@@ -1,0 +1,459 @@
+"""`glimmer bench`: every decoding mode on the same weights, prompts and seeds, in one process and one sitting.
+
+Protocol. All models load once. One warm-up generation per mode and temperature. Then, for each repeat, for each
+(category, prompt, temperature), every mode runs once in an order rotated from task to task (interleaving: load from
+other processes and thermal drift hit every mode alike). The stop token is ignored, so every run generates exactly
+`max_tokens` and all modes do the same work. Per run: time to first token (prefill + first token), generation speed
+(N − 1 tokens over the time from the first token to the last), τ (tokens committed per verify round), MLX peak
+memory. Per mode: tok/s per repeat (total tokens over total time, over all prompts), its median and spread, and the
+speedup vs plain decoding (`ar`) *in the same repeat*, median over repeats. Greedy outputs of our speculative modes
+are checked against `ar` token by token (lossless). Timings are only comparable inside one results.json.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+
+from .settings import BenchSettings, load_prompts
+
+
+class BenchError(RuntimeError):
+    """A benchmark that cannot run as asked (missing model parts, nothing to compare)."""
+
+
+# -------------------------------------------------------------------------------------------------------------
+# environment
+
+
+def _chip() -> str | None:
+    if platform.system() != "Darwin":
+        return None
+    import subprocess
+
+    try:
+        return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                              timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def machine_fingerprint_info() -> dict:
+    """bench.machine_info() + chip (Apple), Python, glimmer-mlx version, relevant environment, fingerprint hash."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from ..bench import machine_info
+    from ..speculative.auto import machine_fingerprint
+
+    info = machine_info()
+    try:
+        ours = version("glimmer-mlx")
+    except PackageNotFoundError:
+        ours = None
+    env = {k: v for k, v in os.environ.items()
+           if k.startswith(("MLX_", "OMP_", "OPENBLAS_", "GLIMMER_")) or k in ("LD_PRELOAD", "VECLIB_MAXIMUM_THREADS")}
+    info.update(chip=_chip() or info.get("cpu"), python=platform.python_version(), glimmer_mlx=ours, env=env,
+                fingerprint=machine_fingerprint())
+    if platform.system() == "Darwin":
+        info["os"] = f"macOS {platform.mac_ver()[0]}"
+    else:
+        info["os"] = platform.platform()
+    return info
+
+
+# -------------------------------------------------------------------------------------------------------------
+# prompts
+
+
+def encode_prompts(prompts: dict[str, list[str]], tokenizer, vocab_size: int) -> tuple[dict[str, list[list[int]]], str]:
+    """Token ids per category: the chat template (user turn) if the tokenizer has one, else plain encoding; without
+    a tokenizer (tiny test models) a byte fallback maps each UTF-8 byte b to id 2 + b mod (V − 2), which keeps the
+    texts' repetitions (what n-gram lookup feeds on) but not their meaning."""
+    out = {}
+    if tokenizer is None:
+        span = max(1, vocab_size - 2)
+        for c, ps in prompts.items():
+            out[c] = [[2 + b % span for b in p.encode("utf-8")] for p in ps]
+        return out, "byte fallback (no tokenizer)"
+    how = "chat template" if getattr(tokenizer, "chat_template", None) else "plain encoding"
+    for c, ps in prompts.items():
+        if how == "chat template":
+            out[c] = [list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                         tokenize=True)) for p in ps]
+        else:
+            out[c] = [tokenizer.encode(p) for p in ps]
+    return out, how
+
+
+# -------------------------------------------------------------------------------------------------------------
+# runners: (ids, max_tokens, temperature, seed) -> run record
+
+
+def _time_stream(chunks) -> tuple[list[int], float, float, float]:
+    """Consume a stream of token lists; (tokens, t_start, t_first_token, t_last_token)."""
+    toks, t_first, t_last = [], None, None
+    t0 = time.perf_counter()
+    for new in chunks:
+        if not new:
+            continue
+        now = time.perf_counter()
+        if t_first is None:
+            t_first = now
+        t_last = now
+        toks += new
+    return toks, t0, t_first, t_last
+
+
+def _record(toks, t0, t_first, t_last, n, peak_gb, extra=None) -> dict:
+    if len(toks) != n:
+        raise BenchError(f"a run generated {len(toks)} tokens, expected {n} (the stop token is ignored)")
+    gen = t_last - t_first
+    r = {"tokens": len(toks), "ttft_s": t_first - t0, "gen_s": gen, "tps": (n - 1) / gen if gen > 0 else 0.0,
+         "peak_gb": peak_gb}
+    r.update(extra or {})
+    return r
+
+
+def ours_runner(model, drafter=None, block_size=None, before: Callable | None = None):
+    from ..generate import GenerationStats, stream_generate
+
+    def run(ids, n, temp, seed):
+        if before is not None:
+            before()
+        stats = GenerationStats()
+        toks, t0, tf, tl = _time_stream(ch.tokens for ch in stream_generate(
+            model, ids, max_tokens=n, temperature=temp, seed=seed, drafter=drafter, block_size=block_size,
+            stats=stats))
+        extra = {}
+        hist = stats.extra.get("acceptance_histogram")
+        if hist is not None:
+            extra["committed"] = sum(int(k) * v for k, v in hist.items())
+            extra["rounds"] = stats.extra["rounds"]
+        if "verify_cost_ratio" in stats.extra:
+            extra["verify_cost_ratio"] = stats.extra["verify_cost_ratio"]
+        if "chosen_k_histogram" in stats.extra:
+            extra["chosen_k"] = stats.extra["chosen_k_histogram"]
+        return _record(toks, t0, tf, tl, n, stats.peak_memory_gb, extra), toks
+
+    return run
+
+
+def mlx_lm_runner(lm_model, draft_model=None, num_draft_tokens: int = 3):
+    from mlx_lm.generate import generate_step, speculative_generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    def run(ids, n, temp, seed):
+        mx.random.seed(seed)
+        sampler = make_sampler(temp=temp)
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        prompt = mx.array(ids, dtype=mx.int32)
+        flags = []
+        if draft_model is None:
+            gen = ([int(t)] for t, _ in generate_step(prompt, lm_model, max_tokens=n, sampler=sampler))
+        else:
+            def spec():
+                for t, _, from_draft in speculative_generate_step(prompt, lm_model, draft_model, max_tokens=n,
+                                                                  sampler=sampler, num_draft_tokens=num_draft_tokens):
+                    flags.append(bool(from_draft))
+                    yield [int(t)]
+            gen = spec()
+        toks, t0, tf, tl = _time_stream(gen)
+        extra = {}
+        if draft_model is not None:  # every round ends with one target token (not from the draft)
+            rounds = sum(1 for f in flags[1:] if not f)
+            extra.update(committed=len(flags) - 1, rounds=rounds)
+        return _record(toks, t0, tf, tl, n, mx.get_peak_memory() / 1e9, extra), toks
+
+    return run
+
+
+# -------------------------------------------------------------------------------------------------------------
+# the sitting
+
+
+def _summary(xs) -> dict:
+    xs = list(xs)
+    if not xs:
+        return {"median": None, "min": None, "max": None, "spread_pct": None, "values": []}
+    med = statistics.median(xs)
+    return {"median": med, "min": min(xs), "max": max(xs),
+            "spread_pct": 100.0 * (max(xs) - min(xs)) / med if med else 0.0, "values": xs}
+
+
+def _tkey(t: float) -> str:
+    return f"T={t:g}"
+
+
+def _load_parts(model, dflash, mtp_model, draft_model, settings: BenchSettings, log):
+    """Target (+ tokenizer), DFlash drafter, MTP drafter, mlx-lm models; and why each absent mode is skipped."""
+    from .. import load
+    from ..embedded import embedded_path, resolve_model
+    from ..loading import CheckpointError
+    from ..speculative import load_drafter
+    from ..speculative.mtp import load_mtp
+
+    embedded = model is None
+    path = resolve_model(model, announce=log)
+    target, tok = load(path)
+    target.eos_token_ids = set()  # benchmark runs never stop early: every mode generates max_tokens
+    skipped, parts = {}, {"target": str(path), "embedded": embedded}
+
+    def optional(arg, part):
+        if arg == "none":
+            return None, "disabled by the command line"
+        if arg is not None:
+            return arg, None
+        if embedded:
+            try:
+                return str(embedded_path(part)), None
+            except FileNotFoundError as e:
+                return None, str(e)
+        return None, None
+
+    dpath, why_d = optional(dflash, "dflash")
+    dflash_d = None
+    if dpath is not None:
+        dflash_d = load_drafter(dpath, target)
+        if dflash_d.kind != "dflash":
+            raise BenchError(f"--dflash {dpath}: not a DFlash drafter (it holds {dflash_d.kind} layers)")
+    elif why_d is None:
+        why_d = "no DFlash drafter given (--dflash)"
+    parts["dflash"] = dpath
+
+    mpath, why_m = optional(mtp_model, "mtp")
+    mtp_d = None
+    if mtp_model is None and getattr(target, "mtp_weights", None) is not None and len(target.mtp_weights):
+        mtp_d, mpath, why_m = load_mtp(None, target), f"{path} (own MTP layers)", None
+    elif mpath is not None:
+        try:
+            mtp_d = load_mtp(mpath, target)
+        except CheckpointError as e:
+            raise BenchError(f"MTP layers {mpath}: {e}") from None
+    elif why_m is None:
+        why_m = "the target has no MTP layers and none were given (--mtp-model)"
+    parts["mtp"] = mpath
+    parts["mtp_layers"] = mtp_d.head.num_layers if mtp_d is not None else None
+
+    lm = lm_draft = None
+    modes = settings.expanded_modes()
+    if any(m.startswith("mlx-lm") for m in modes):
+        import mlx_lm
+
+        try:
+            lm, _ = mlx_lm.load(str(path))
+        except Exception as e:  # noqa: BLE001 - mlx-lm raises many types for checkpoints it cannot read
+            msg = " ".join(str(e).split())
+            skipped["mlx-lm"] = f"mlx-lm cannot load {path}: {type(e).__name__}: " + (
+                msg if len(msg) < 240 else msg[:240] + " …")
+        if "mlx-lm-draft" in modes:
+            if lm is None:
+                skipped["mlx-lm-draft"] = skipped.get("mlx-lm", "mlx-lm cannot load the target")
+            elif draft_model is None:
+                skipped["mlx-lm-draft"] = ("no --draft-model given (mlx-lm's draft-model speculation needs a small "
+                                           "model with the same tokenizer)")
+            else:
+                try:
+                    lm_draft, _ = mlx_lm.load(str(draft_model))
+                except Exception as e:  # noqa: BLE001
+                    raise BenchError(f"mlx-lm cannot load --draft-model {draft_model}: {type(e).__name__}: {e}")
+                v_t, v_d = target.args.vocab_size, lm_draft.args.vocab_size
+                if v_t != v_d:
+                    raise BenchError(f"--draft-model {draft_model}: vocabulary {v_d} != the target's {v_t} (it must "
+                                     "share the target's tokenizer)")
+                parts["draft_model"] = str(draft_model)
+    return target, tok, dflash_d, why_d, mtp_d, why_m, lm, lm_draft, skipped, parts
+
+
+def run_bench(model: str | None = None, settings: BenchSettings | None = None, *, dflash: str | None = None,
+              mtp_model: str | None = None, draft_model: str | None = None, calibration_dir=None,
+              recalibrate: bool = False, progress: Callable | None = None, log: Callable | None = None) -> dict:
+    """Run the sitting; returns the results dict (what `glimmer bench` writes as results.json)."""
+    from ..bench import _model_desc
+    from ..speculative.auto import make_auto
+    from ..speculative.ngram import NGramDrafter
+
+    settings = settings or BenchSettings.from_profile("default")
+    settings.validate()
+    say = log or (lambda m: None)
+    prog = progress or (lambda msg, done=None, total=None: None)
+    t_start = time.perf_counter()
+    prog("loading models")
+    target, tok, dfl, why_d, mtp, why_m, lm, lm_draft, skipped, parts = _load_parts(
+        model, dflash, mtp_model, draft_model, settings, say)
+    V = target.args.vocab_size
+
+    # -- runners per mode
+    runners: dict[str, Callable] = {}
+    auto = None
+    auto_depth = max(mtp.head.num_layers, 2) if mtp is not None else None
+    for m in settings.expanded_modes():
+        if m == "ar":
+            runners[m] = ours_runner(target)
+        elif m.startswith("dflash-"):
+            if dfl is None:
+                skipped[m] = why_d
+                continue
+            b = "auto" if m == "dflash-auto" else int(m[len("dflash-b"):])
+            if b != "auto" and not 2 <= b <= dfl.block_size:
+                skipped[m] = f"block {b} is outside [2, {dfl.block_size}] (the drafter's trained block size)"
+                continue
+            runners[m] = ours_runner(target, dfl, b)
+        elif m.startswith("mtp-d"):
+            if mtp is None:
+                skipped[m] = why_m
+                continue
+            runners[m] = ours_runner(target, mtp, int(m[len("mtp-d"):]))
+        elif m == "ngram":
+            runners[m] = ours_runner(target, NGramDrafter(V, max_drafts=8))
+        elif m == "auto":
+            if mtp is not None:
+                mtp.set_depth(auto_depth)  # auto's MTP option drafts up to this depth
+            auto = make_auto(target, dflash=dfl, mtp=mtp, ngram=True, calibration_dir=calibration_dir,
+                             recalibrate=recalibrate, log=say)
+            reset = (lambda: mtp.set_depth(auto_depth)) if mtp is not None else None  # mtp-d<N> runs change it
+            runners[m] = ours_runner(target, auto, None, before=reset)
+        elif m == "mlx-lm":
+            if lm is not None:
+                runners[m] = mlx_lm_runner(lm)
+        elif m == "mlx-lm-draft":
+            if lm is not None and lm_draft is not None:
+                runners[m] = mlx_lm_runner(lm, lm_draft, settings.num_draft_tokens)
+    modes = [m for m in settings.expanded_modes() if m in runners]
+    if auto is not None and mtp is not None:
+        mtp.set_depth(auto_depth)
+    for m, why in skipped.items():
+        say(f"skipping {m}: {why}")
+
+    # -- prompts and tasks
+    all_prompts = load_prompts()
+    cats = settings.categories or list(all_prompts)
+    chosen = {c: all_prompts[c][: settings.prompts_per_category] for c in cats}
+    encoded, tokenization = encode_prompts(chosen, tok, V)
+    tasks = [(c, i, t) for t in settings.temps for c in cats for i in range(len(encoded[c]))]
+    n = settings.max_tokens
+
+    # -- warm-up
+    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
+    warm_ids = encoded[cats[0]][0]
+    for t in settings.temps:
+        for m in modes:
+            prog(f"warm-up {m} {_tkey(t)}")
+            runners[m](warm_ids, max(2, min(settings.warmup_tokens, n)), t, settings.seed)
+
+    # -- timed, interleaved
+    runs: list[dict] = []
+    outputs: dict[tuple, list[int]] = {}
+    auto_choices: dict[str, dict[str, Counter]] = {}
+    total, done = settings.repeats * len(tasks) * len(modes), 0
+    for r in range(settings.repeats):
+        for ti, (c, i, t) in enumerate(tasks):
+            shift = (r * len(tasks) + ti) % len(modes)
+            order = modes[shift:] + modes[:shift]
+            seed = settings.seed + 1000 * r + ti
+            for m in order:
+                prog(f"repeat {r + 1}/{settings.repeats} {c}[{i}] {_tkey(t)} {m}", done, total)
+                before = Counter(auto.chooser.chosen) if (m == "auto" and auto is not None) else None
+                mx.clear_cache()
+                rec, toks = runners[m](encoded[c][i], n, t, seed)
+                rec.update(mode=m, category=c, prompt=i, temperature=t, repeat=r, seed=seed,
+                           prompt_tokens=len(encoded[c][i]))
+                if before is not None:
+                    delta = Counter(auto.chooser.chosen)
+                    delta.subtract(before)
+                    rec["auto_chosen"] = {f"{a}:{b}": v for (a, b), v in delta.items() if v}
+                    slot = auto_choices.setdefault(_tkey(t), {}).setdefault(c, Counter())
+                    slot.update(rec["auto_chosen"])
+                if t == 0:
+                    outputs[(m, c, i, r)] = toks
+                runs.append(rec)
+                done += 1
+    prog("done", total, total)
+
+    # -- lossless check at greedy: every speculative mode of ours must reproduce `ar` token for token
+    lossless = {}
+    if 0.0 in [float(x) for x in settings.temps]:
+        for m in modes:
+            if m == "ar":
+                continue
+            same = [outputs[(m, c, i, r)] == outputs[("ar", c, i, r)] for (mm, c, i, r) in outputs if mm == m]
+            prefix = []
+            for (mm, c, i, r) in outputs:
+                if mm == m:
+                    a, b = outputs[(m, c, i, r)], outputs[("ar", c, i, r)]
+                    prefix.append(next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+            lossless[m] = {"identical_runs": sum(same), "runs": len(same),
+                           "min_common_prefix": min(prefix) if prefix else None}
+
+    results = {t_key: _aggregate([x for x in runs if _tkey(x["temperature"]) == t_key], modes, cats)
+               for t_key in [_tkey(t) for t in settings.temps]}
+    calib = None
+    if auto is not None:
+        s = auto.chooser.summary()
+        calib = {**auto.calibration, "verify_cost_ms": s["verify_cost_ms"], "verify_cost_ratio": s["verify_cost_ratio"],
+                 "taps": list(auto.taps)}
+    return {
+        "schema": "glimmer-bench/1",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": " ".join(["glimmer"] + sys.argv[1:]) if Path(sys.argv[0]).name == "glimmer" else None,
+        "machine": machine_fingerprint_info(),
+        "model": {**parts, **_model_desc(target)},
+        "settings": {**settings.as_dict(), "modes_run": modes, "ignore_eos": True,
+                     "speed": "(max_tokens - 1) / (time of last token - time of first token)"},
+        "tokenization": tokenization,
+        "skipped": skipped,
+        "calibration": calib,
+        "auto": auto.chooser.summary() if auto is not None else None,
+        "auto_choices": {tk: {c: dict(v) for c, v in d.items()} for tk, d in auto_choices.items()},
+        "lossless_greedy": lossless,
+        "load_average": {"before": load_before, "after": os.getloadavg() if hasattr(os, "getloadavg") else None},
+        "results": results,
+        "runs": runs,
+        "wall_s": time.perf_counter() - t_start,
+    }
+
+
+def _aggregate(runs: list[dict], modes: list[str], cats: list[str]) -> dict:
+    """Per mode: tok/s per repeat (over the prompts in scope), speedup vs `ar` per repeat, τ, TTFT, peak memory;
+    overall and per category."""
+    def scope(rs):
+        by_rep: dict[int, list[dict]] = {}
+        for x in rs:
+            by_rep.setdefault(x["repeat"], []).append(x)
+        return {r: sum(x["tokens"] - 1 for x in v) / sum(x["gen_s"] for x in v) for r, v in by_rep.items()}
+
+    def block(rs_mode, rs_ar):
+        tps, base = scope(rs_mode), scope(rs_ar)
+        committed = sum(x.get("committed", 0) for x in rs_mode)
+        rounds = sum(x.get("rounds", 0) for x in rs_mode)
+        return {
+            "tps": _summary([tps[r] for r in sorted(tps)]),
+            "speedup": _summary([tps[r] / base[r] for r in sorted(tps) if r in base and base[r] > 0]),
+            "tau": committed / rounds if rounds else None,
+            "ttft_ms": _summary([1000 * x["ttft_s"] for x in rs_mode]),
+            "peak_gb": max(x["peak_gb"] for x in rs_mode),
+            "runs": len(rs_mode),
+        }
+
+    out = {}
+    ar = [x for x in runs if x["mode"] == "ar"]
+    for m in modes:
+        rs = [x for x in runs if x["mode"] == m]
+        if not rs:
+            continue
+        d = block(rs, ar)
+        d["categories"] = {}
+        for c in cats:
+            rc = [x for x in rs if x["category"] == c]
+            if rc:
+                d["categories"][c] = block(rc, [x for x in ar if x["category"] == c])
+        out[m] = d
+    return out

@@ -1,0 +1,145 @@
+"""What `glimmer bench` runs: modes, prompt sets, sizes; presets (`--profile quick | default | m5-max`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+
+PROFILES = {
+    # CI scale: every mode and category once, short generations, one timed repeat
+    "quick": dict(prompts_per_category=1, max_tokens=24, repeats=1, warmup_tokens=8),
+    # this CPU: enough repeats for a median and a spread
+    "default": dict(prompts_per_category=2, max_tokens=96, repeats=3, warmup_tokens=16),
+    # the published comparison on Apple silicon (M5 Max): every prompt, long generations, 5 repeats
+    "m5-max": dict(prompts_per_category=4, max_tokens=256, repeats=5, warmup_tokens=32),
+}
+DEFAULT_MODES = ("ar", "dflash", "mtp", "ngram", "auto", "mlx-lm", "mlx-lm-draft")
+BASE_MODES = ("ar", "dflash", "mtp", "ngram", "auto", "mlx-lm", "mlx-lm-draft")
+DEFAULT_BLOCKS = (4, 8, 16, "auto")
+DEFAULT_DEPTHS = (1, 2, 3)
+
+
+def load_prompts() -> dict[str, list[str]]:
+    """The shipped prompt sets by category (package data `benchmark/prompts/prompts.json`)."""
+    text = resources.files("glimmer_mlx.benchmark").joinpath("prompts/prompts.json").read_text(encoding="utf-8")
+    data = json.loads(text)
+    if not isinstance(data, dict) or not all(isinstance(v, list) and v for v in data.values()):
+        raise ValueError("benchmark/prompts/prompts.json must map each category to a non-empty list of prompts")
+    return data
+
+
+def _csv(s, conv, what):
+    if s is None:
+        return None
+    items = [x.strip() for x in str(s).split(",") if x.strip()]
+    if not items:
+        raise ValueError(f"{what}: empty list")
+    try:
+        return [conv(x) for x in items]
+    except ValueError:
+        raise ValueError(f"{what}: cannot parse {s!r}") from None
+
+
+def _block(x: str):
+    return "auto" if x == "auto" else int(x)
+
+
+def expand_modes(modes: list[str], blocks, depths) -> list[str]:
+    """`dflash` → dflash-b<B> per block size (and dflash-auto), `mtp` → mtp-d<D> per depth; variants pass through."""
+    out = []
+    for m in modes:
+        if m == "dflash":
+            out += [f"dflash-{'auto' if b == 'auto' else f'b{b}'}" for b in blocks]
+        elif m == "mtp":
+            out += [f"mtp-d{d}" for d in depths]
+        elif m in BASE_MODES:
+            out.append(m)
+        elif m.startswith("dflash-") and (m == "dflash-auto" or (m[7:8] == "b" and m[8:].isdigit())):
+            out.append(m)
+        elif m.startswith("mtp-d") and m[5:].isdigit():
+            out.append(m)
+        else:
+            raise ValueError(f"unknown mode {m!r}: choose from {', '.join(BASE_MODES)} or variants dflash-b<N>, "
+                             "dflash-auto, mtp-d<N>")
+    if "ar" not in out:
+        out.insert(0, "ar")  # the baseline every speedup is measured against, in the same run
+    return list(dict.fromkeys(out))
+
+
+@dataclass
+class BenchSettings:
+    profile: str = "default"
+    modes: list = field(default_factory=lambda: list(DEFAULT_MODES))
+    categories: list | None = None
+    prompts_per_category: int = 2
+    max_tokens: int = 96
+    temps: list = field(default_factory=lambda: [0.0, 1.0])
+    repeats: int = 3
+    warmup_tokens: int = 16
+    dflash_blocks: list = field(default_factory=lambda: list(DEFAULT_BLOCKS))
+    mtp_depths: list = field(default_factory=lambda: list(DEFAULT_DEPTHS))
+    num_draft_tokens: int = 3
+    seed: int = 0
+
+    @classmethod
+    def from_profile(cls, profile: str = "default", *, modes=None, categories=None, prompts_per_category=None,
+                     max_tokens=None, temps=None, repeats=None, dflash_blocks=None, mtp_depths=None,
+                     num_draft_tokens: int = 3, seed: int = 0) -> "BenchSettings":
+        """A preset, with any given value overriding it (strings are comma-separated lists)."""
+        if profile not in PROFILES:
+            raise ValueError(f"unknown profile {profile!r}; one of {', '.join(PROFILES)}")
+        s = cls(profile=profile, seed=seed, num_draft_tokens=num_draft_tokens, **PROFILES[profile])
+        if isinstance(modes, str):
+            modes = _csv(modes, str, "--modes")
+        if modes is not None:
+            s.modes = list(modes)
+        if isinstance(categories, str):
+            categories = _csv(categories, str, "--categories")
+        s.categories = list(categories) if categories is not None else None
+        if prompts_per_category is not None:
+            s.prompts_per_category = prompts_per_category
+        if max_tokens is not None:
+            s.max_tokens = max_tokens
+        if isinstance(temps, str):
+            temps = _csv(temps, float, "--temps")
+        if temps is not None:
+            s.temps = list(temps)
+        if repeats is not None:
+            s.repeats = repeats
+        if isinstance(dflash_blocks, str):
+            dflash_blocks = _csv(dflash_blocks, _block, "--dflash-blocks")
+        if dflash_blocks is not None:
+            s.dflash_blocks = list(dflash_blocks)
+        if isinstance(mtp_depths, str):
+            mtp_depths = _csv(mtp_depths, int, "--mtp-depths")
+        if mtp_depths is not None:
+            s.mtp_depths = list(mtp_depths)
+        s.validate()
+        return s
+
+    def validate(self) -> None:
+        if self.max_tokens < 2:
+            raise ValueError("max_tokens must be >= 2 (speed is measured from the first to the last token)")
+        if self.repeats < 1 or self.prompts_per_category < 1:
+            raise ValueError("repeats and prompts per category must be >= 1")
+        if any(t < 0 for t in self.temps):
+            raise ValueError(f"temperatures must be >= 0, got {self.temps}")
+        if any(b != "auto" and (not isinstance(b, int) or b < 2) for b in self.dflash_blocks):
+            raise ValueError(f"DFlash block sizes must be ints >= 2 or 'auto', got {self.dflash_blocks}")
+        if any(d < 1 for d in self.mtp_depths):
+            raise ValueError(f"MTP depths must be >= 1, got {self.mtp_depths}")
+        if self.num_draft_tokens < 1:
+            raise ValueError("--num-draft-tokens must be >= 1")
+        prompts = load_prompts()
+        if self.categories is not None:
+            bad = [c for c in self.categories if c not in prompts]
+            if bad:
+                raise ValueError(f"unknown categories {bad}; shipped: {', '.join(prompts)}")
+        self.expanded_modes()
+
+    def expanded_modes(self) -> list[str]:
+        return expand_modes(self.modes, self.dflash_blocks, self.mtp_depths)
+
+    def as_dict(self) -> dict:
+        return asdict(self)

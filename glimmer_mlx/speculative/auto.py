@@ -1,0 +1,579 @@
+"""`auto`: per round, choose which drafter proposes (DFlash, MTP, n-gram prompt lookup) and how many drafts — or none,
+a plain step — to maximise expected committed tokens per second on *this* machine.
+
+Rate of an option (drafter d, k drafts):  E_d(k) / (draft_d(k) + s·C(k+1)),  plain: 1 / (s·C(1)), where
+- E_d(k) = 1 + Σ_{i≤k} Π_{j≤i} α_{d,j}: expected tokens per round, α_{d,j} the running (exponentially decayed,
+  Beta(1,1)-prior) conditional acceptance of draft position j for drafter d, kept separately for greedy and sampling;
+- C(L): seconds of one target forward over L tokens, calibrated once per machine and model
+  (`load_or_calibrate`, cached as JSON) — the shape of the verify cost curve;
+- s: how much slower verification runs now than at calibration (measured every round: context length, load);
+- draft_d(k): the drafter's own measured seconds per round (constant in k for DFlash, which drafts a whole block in
+  one forward; linear for MTP's chain; ~0 for n-gram lookup).
+n-gram lookup is only an option in a round where the context's suffix occurred before (its drafts are known in
+advance: `peek`). Because plain is always one of the options and every option is scored in the same time unit,
+`auto` decodes plainly whenever no drafter pays (up to the cost of occasional probes: after `probe_every` plain
+rounds in a row, the best-scoring drafter is tried once so that its acceptance estimate can recover).
+
+`AutoChooser` is the pure decision logic (unit-tested against synthetic cost/acceptance tables); `AutoDrafter` is the
+engine-facing drafter holding several drafters in sync (all see every committed token and the union of their taps).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+
+CACHE_ENV = "GLIMMER_MLX_CACHE_DIR"
+CALIBRATION_CONTEXT = 128  # prompt tokens in the cache while the verify cost curve is measured
+COST_SHAPES = ("block", "chain", "free")
+
+
+# -------------------------------------------------------------------------------------------------------------
+# pure decision logic
+
+
+class AcceptanceStats:
+    """Decayed accepted/tried counts per draft position (prior: 1 of 2, i.e. α = 0.5 until measured)."""
+
+    def __init__(self, max_k: int, decay: float = 0.97, prior: tuple[float, float] = (1.0, 2.0)):
+        self.max_k, self.decay, self.prior = max_k, decay, prior
+        self.acc = [prior[0]] * max_k
+        self.tried = [prior[1]] * max_k
+
+    def alpha(self, j: int) -> float:
+        return self.acc[j] / self.tried[j]
+
+    def set_alphas(self, alphas: list[float], weight: float = 1000.0) -> None:
+        """Pin the estimates (synthetic tables, tests): α_j with the weight of `weight` observations."""
+        for j in range(self.max_k):
+            a = alphas[min(j, len(alphas) - 1)]
+            self.acc[j], self.tried[j] = a * weight, weight
+
+    def expected_tokens(self, k: int) -> float:
+        e, p = 1.0, 1.0
+        for j in range(min(k, self.max_k)):
+            p *= self.alpha(j)
+            e += p
+        return e
+
+    def update(self, k: int, n_accepted: int) -> None:
+        if k <= 0:
+            return
+        for j in range(self.max_k):
+            self.acc[j] *= self.decay
+            self.tried[j] *= self.decay
+        for j in range(min(n_accepted + 1, k, self.max_k)):  # positions up to the first rejection were tried
+            self.tried[j] += 1
+            if j < n_accepted:
+                self.acc[j] += 1
+
+
+def robust_ema(old: float | None, x: float, w: float, clip: float = 3.0) -> float:
+    """EMA step with the new sample clipped to [old/clip, old·clip]: a timing spike (another process taking the
+    CPU/GPU for a moment) moves the estimate by at most a factor (1 + w·(clip − 1)), while a lasting change still
+    comes through within a few rounds."""
+    if old is None or old <= 0:
+        return x
+    return (1 - w) * old + w * min(max(x, old / clip), old * clip)
+
+
+class DraftCost:
+    """A drafter's measured seconds per round as a function of k (EMA per k).
+
+    shape "block": one forward whatever k (DFlash) — unmeasured k borrow the mean of measured ones; "chain": one
+    forward per draft (MTP) — unmeasured k scale the nearest measured k linearly; "free": ~0 (n-gram lookup)."""
+
+    def __init__(self, shape: str, prior: float, ema: float = 0.2):
+        if shape not in COST_SHAPES:
+            raise ValueError(f"cost shape must be one of {COST_SHAPES}, got {shape!r}")
+        self.shape, self.prior, self.ema = shape, prior, ema
+        self.by_k: dict[int, float] = {}
+
+    def __call__(self, k: int) -> float:
+        if k in self.by_k:
+            return self.by_k[k]
+        if not self.by_k:
+            return self.prior * (k if self.shape == "chain" else 1)
+        if self.shape == "chain":
+            near = min(self.by_k, key=lambda m: (abs(m - k), m))
+            return self.by_k[near] * k / near
+        return sum(self.by_k.values()) / len(self.by_k)
+
+    def observe(self, k: int, seconds: float) -> None:
+        """EMA per k, starting from the current estimate (the prior at first): one slow first sample (another
+        process took the machine) cannot lock an option out, a truly costly drafter is learned within a few rounds."""
+        self.by_k[k] = robust_ema(self(k) if self(k) > 0 else None, seconds, self.ema)
+
+
+@dataclass
+class Option:
+    name: str
+    max_k: int
+    cost: DraftCost
+    stats: dict = field(default_factory=dict)  # "greedy" | "sampling" -> AcceptanceStats
+    decay: float = 0.97
+
+    def acceptance(self, regime: str) -> AcceptanceStats:
+        if regime not in self.stats:
+            self.stats[regime] = AcceptanceStats(self.max_k, self.decay)
+        return self.stats[regime]
+
+
+class AutoChooser:
+    """Per round: the (option, k) with the highest expected tokens per second, or (None, 0) for a plain step.
+
+    verify_costs: {L: seconds of a target forward over L tokens} for L = 1..max_k+1 (the calibrated curve)."""
+
+    def __init__(self, verify_costs: dict[int, float], probe_every: int = 16, scale_ema: float = 0.1):
+        if 1 not in verify_costs:
+            raise ValueError("verify_costs needs L = 1 (a plain step)")
+        self.costs = {int(L): float(c) for L, c in verify_costs.items()}
+        self.options: dict[str, Option] = {}
+        self.probe_every, self.scale_ema = probe_every, scale_ema
+        self.scale = 1.0  # measured verify time / calibrated, EMA
+        self.plain_cost: float | None = None  # measured seconds per plain (pipelined) token, EMA
+        self._plain_run = 0
+        self.probe_interval = probe_every  # doubles (up to max_probe_every) while probes keep losing to plain
+        self.max_probe_every = 16 * probe_every
+        self._probing = False
+        self.chosen: Counter = Counter()  # (name or "plain", k) -> rounds
+
+    def add(self, name: str, max_k: int, shape: str, draft_prior: float | None = None, decay: float = 0.97) -> Option:
+        max_k = min(max_k, max(self.costs) - 1)
+        if max_k < 1:
+            raise ValueError(f"option {name!r}: the verify cost curve must cover at least L = 2")
+        prior = draft_prior if draft_prior is not None else (0.0 if shape == "free" else 0.3 * self.costs[1])
+        opt = Option(name, max_k, DraftCost(shape, prior), decay=decay)
+        self.options[name] = opt
+        return opt
+
+    def verify_cost(self, L: int) -> float:
+        return self.scale * self.costs[L]
+
+    def rate(self, name: str | None, k: int, regime: str = "greedy") -> float:
+        """Expected committed tokens per second of `k` drafts from option `name` (None or k = 0: a plain step)."""
+        if name is None or k == 0:
+            return 1.0 / (self.plain_cost if self.plain_cost is not None else self.verify_cost(1))
+        opt = self.options[name]
+        return opt.acceptance(regime).expected_tokens(k) / (opt.cost(k) + self.verify_cost(k + 1))
+
+    def best(self, available: dict[str, int], regime: str = "greedy") -> tuple[str | None, int, float]:
+        """The best (name, k, rate) over the options in `available` ({name: most drafts it can give now})."""
+        best_name, best_k, best_rate = None, 0, self.rate(None, 0)
+        for name, cap in available.items():
+            if name not in self.options:
+                raise KeyError(f"unknown option {name!r}")
+            for k in range(1, min(cap, self.options[name].max_k) + 1):
+                r = self.rate(name, k, regime)
+                if r > best_rate * (1 + 1e-9):
+                    best_name, best_k, best_rate = name, k, r
+        return best_name, best_k, best_rate
+
+    def choose(self, available: dict[str, int], regime: str = "greedy") -> tuple[str | None, int]:
+        name, k, _ = self.best(available, regime)
+        if name is None:
+            self._plain_run += 1
+            if self._plain_run >= self.probe_interval and available:  # probe the best-scoring drafter once
+                cands = [(max(self.rate(n, j, regime) for j in range(1, min(c, self.options[n].max_k) + 1)), n, c)
+                         for n, c in available.items() if min(c, self.options[n].max_k) >= 1]
+                if cands:
+                    _, name, cap = max(cands)
+                    k = min(cap, self.options[name].max_k, 4)
+                    self._plain_run = 0
+                    self._probing = True
+        else:
+            self._plain_run = 0
+            self.probe_interval = self.probe_every  # a drafter wins on its own: probing at the base rate again
+        self.chosen[(name or "plain", k)] += 1
+        return name, k
+
+    def update(self, name: str | None, k: int, n_accepted: int, regime: str = "greedy",
+               draft_time: float | None = None, verify_time: float | None = None) -> None:
+        """After a round: k drafts of `name` proposed, n accepted; measured draft and verify seconds."""
+        if name is not None and k > 0:
+            opt = self.options[name]
+            opt.acceptance(regime).update(k, n_accepted)
+            if draft_time is not None:
+                opt.cost.observe(k, draft_time)
+            if self._probing:  # a probe that still loses to plain: probe half as often
+                wins = self.best({name: opt.max_k}, regime)[0] is not None
+                self.probe_interval = self.probe_every if wins else min(2 * self.probe_interval,
+                                                                         self.max_probe_every)
+        self._probing = False
+        L = k + 1 if name is not None else 1
+        if verify_time is not None and L == 1:
+            self.observe_plain(verify_time)
+        elif verify_time is not None and L in self.costs and self.costs[L] > 0:
+            self.scale = robust_ema(self.scale, verify_time / self.costs[L], self.scale_ema)
+
+    def observe_plain(self, seconds: float) -> None:
+        """Measured seconds of one plain token (what plain decoding costs now, pipelining included)."""
+        self.plain_cost = robust_ema(self.plain_cost, seconds, self.scale_ema)
+
+    def summary(self) -> dict:
+        return {
+            "plain_token_ms_now": None if self.plain_cost is None else round(1000 * self.plain_cost, 3),
+            "verify_cost_ms": {L: round(1000 * c, 3) for L, c in sorted(self.costs.items())},
+            "verify_cost_ratio": {L - 1: round(c / self.costs[1], 3) for L, c in sorted(self.costs.items())},
+            "verify_scale_now": round(self.scale, 3),
+            "chosen": {f"{n}:{k}": c for (n, k), c in sorted(self.chosen.items(), key=lambda x: (x[0][0], x[0][1]))},
+            "acceptance": {n: {reg: [round(s.alpha(j), 3) for j in range(s.max_k)] for reg, s in o.stats.items()}
+                           for n, o in self.options.items()},
+            "draft_cost_ms": {n: {k: round(1000 * v, 3) for k, v in sorted(o.cost.by_k.items())}
+                              for n, o in self.options.items()},
+        }
+
+
+# -------------------------------------------------------------------------------------------------------------
+# calibration: the verify cost curve, measured once per machine and model
+
+
+def cache_dir() -> Path:
+    env = os.environ.get(CACHE_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "glimmer-mlx"
+
+
+def machine_fingerprint() -> str:
+    """Short hash of what makes timings differ between machines: OS, CPU/chip, cores, RAM, MLX device and version,
+    the BLAS in use."""
+    from importlib.metadata import version
+
+    from ..bench import blas_in_use
+
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        if platform.system() == "Darwin":
+            import subprocess
+
+            try:
+                cpu = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                                     timeout=5).stdout.strip() or cpu
+            except (OSError, subprocess.SubprocessError):
+                pass
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        mem = 0
+    parts = [platform.system(), platform.machine(), cpu, str(os.cpu_count()), str(mem // 2**30),
+             str(mx.default_device()), version("mlx"), blas_in_use()]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:12]
+
+
+def model_fingerprint(model) -> str:
+    """Short hash of the target: its config and weight files (name, size), or its architecture when not from disk."""
+    h = hashlib.sha256()
+    path = getattr(model, "path", None)
+    if path is not None and (Path(path) / "config.json").exists():
+        p = Path(path)
+        h.update((p / "config.json").read_bytes())
+        for f in sorted(p.glob("*.safetensors")):
+            h.update(f"{f.name}:{f.stat().st_size}".encode())
+    else:
+        h.update(repr(sorted(vars(model.args).items(), key=lambda kv: kv[0])).encode())
+    h.update(str(model.model.norm.weight.dtype).encode())
+    return h.hexdigest()[:12]
+
+
+def calibrate(model, taps, max_len: int, context: int = CALIBRATION_CONTEXT, repeats: int = 5) -> dict[int, float]:
+    """Seconds of a target forward over L = 1..max_len tokens (with `taps`) after `context` cached tokens."""
+    from ..generate import prefill
+    from .adaptive import measure_verify_costs
+
+    cache = model.make_cache(max_rewind=max(64, max_len))
+    ids = [int(x) for x in (mx.arange(context) % max(2, model.args.vocab_size - 2) + 2).tolist()]
+    logits, tapped = prefill(model, cache, ids, taps=tuple(taps))
+    mx.eval(logits, tapped)
+    measure_verify_costs(model, cache, tuple(taps), max_len - 1, repeats=1)  # warm-up (first calls build kernels)
+    # passes over every L, min per L: a burst of load from another process hits one pass of every L rather than
+    # every repeat of one L (which would bend the curve's shape)
+    passes = [measure_verify_costs(model, cache, tuple(taps), max_len - 1, repeats=1) for _ in range(repeats)]
+    raw = {L: min(p[L] for p in passes) for L in passes[0]}
+    # a forward over more tokens never costs less: a dip is timing noise, and keeping the running max errs toward
+    # plain decoding (drafting is charged at least what the shorter forward cost)
+    costs, top = {}, 0.0
+    for L in sorted(raw):
+        top = max(top, raw[L])
+        costs[L] = top
+    return costs
+
+
+def load_or_calibrate(model, taps, max_len: int, *, directory=None, recalibrate: bool = False,
+                      log=None) -> tuple[dict[int, float], dict]:
+    """The verify cost curve for this machine and model, from the cache file or measured now (then cached).
+
+    Returns ({L: seconds}, info) with info = {"path", "cached", "machine", "model", "context"}."""
+    d = Path(directory) if directory is not None else cache_dir()
+    machine, mod = machine_fingerprint(), model_fingerprint(model)
+    taps = sorted(int(t) for t in taps)
+    path = d / f"costs-{machine}-{mod}-taps{'_'.join(map(str, taps)) or 'none'}.json"
+    info = {"path": str(path), "machine": machine, "model": mod, "context": CALIBRATION_CONTEXT}
+    if path.exists() and not recalibrate:
+        try:
+            raw = json.loads(path.read_text())
+            costs = {int(L): float(c) for L, c in raw["costs_s"].items()}
+            if all(L in costs for L in range(1, max_len + 1)):
+                return costs, {**info, "cached": True}
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # unreadable or too short: measure again
+    if log:
+        log(f"calibrating the verify cost curve (L = 1..{max_len}) for this machine and model → {path}")
+    costs = calibrate(model, taps, max_len)
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"machine": machine, "model": mod, "taps": taps, "context": CALIBRATION_CONTEXT,
+                               "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                               "costs_s": {str(L): c for L, c in costs.items()}}, indent=2))
+    tmp.replace(path)
+    return costs, {**info, "cached": False}
+
+
+# -------------------------------------------------------------------------------------------------------------
+# the engine-facing drafter
+
+
+_SHAPES = {"dflash": "block", "mtp": "chain", "ngram": "free"}
+
+
+class AutoDrafter:
+    """Several drafters behind the engine's drafter protocol; per round one proposes (or none: a plain step).
+
+    Every sub-drafter sees every committed token (`accept`) with its own taps out of the union, so any of them can
+    propose in any round. Keep one AutoDrafter per target for a process: what it learns (acceptance, draft costs)
+    carries over between requests, decaying as it goes."""
+
+    kind = "auto"
+    width_name = "auto drafts"
+
+    def __init__(self, target, drafters: list, *, verify_costs: dict[int, float] | None = None,
+                 calibration_dir=None, recalibrate: bool = False, probe_every: int = 16, log=None):
+        if not drafters:
+            raise ValueError("auto needs at least one drafter (DFlash, MTP or n-gram)")
+        self.target = target
+        self.drafters: dict[str, object] = {}
+        for d in drafters:
+            if d.kind not in _SHAPES:
+                raise TypeError(f"auto cannot drive a {d.kind!r} drafter")
+            if d.kind in self.drafters:
+                raise ValueError(f"two {d.kind} drafters given to auto")
+            self.drafters[d.kind] = d
+        self.taps = tuple(sorted({int(t) for d in self.drafters.values() for t in d.taps}))
+        self._tap_idx = {n: [self.taps.index(int(t)) for t in d.taps] for n, d in self.drafters.items()}
+        self.max_drafts = max(d.max_drafts for d in self.drafters.values())
+        self.calibration = {"cached": None, "source": "given"}
+        if verify_costs is None:
+            verify_costs, self.calibration = load_or_calibrate(target, self.taps, self.max_drafts + 1,
+                                                               directory=calibration_dir, recalibrate=recalibrate,
+                                                               log=log)
+        self.chooser = AutoChooser(verify_costs, probe_every=probe_every)
+        for n, d in self.drafters.items():
+            self.chooser.add(n, d.max_drafts, _SHAPES[n])
+        self._pending = None
+        self._decided = None  # (name, k) chosen ahead by `plan`
+        self._backlog = {n: 0 for n in self.drafters}  # tokens committed since each drafter last proposed
+
+    def start(self, taps: list[mx.array], ids: list[int]) -> None:
+        for n, d in self.drafters.items():
+            d.start([taps[i] for i in self._tap_idx[n]], ids)
+        self._pending = self._decided = None
+        self._backlog = {n: 0 for n in self.drafters}
+
+    def _available(self, k: int) -> dict[str, int]:
+        """{drafter: most drafts it can give now}; n-gram lookup only where the context's suffix occurred before."""
+        available = {}
+        for n, d in self.drafters.items():
+            cap = min(k, d.max_drafts)
+            if n == "ngram":
+                cap = len(d.peek(cap)[0])
+            if cap >= 1:
+                available[n] = cap
+        return available
+
+    def plan(self, k: int, regime: str) -> bool:
+        """Decide the next round now (AutoDecoder, to pipeline plain stretches): True = a plain step; otherwise the
+        choice is kept for the next `propose`."""
+        name, kk = self.chooser.choose(self._available(k), regime)
+        self._decided = None if name is None else (name, kk)
+        return name is None
+
+    def propose(self, anchor: int, pos: int, k: int, sampler, history: list[int]):
+        regime = "greedy" if sampler.params.greedy else "sampling"
+        available = self._available(k)
+        if self._decided is not None and self._decided[0] in available:  # decided by `plan`
+            name, kk = self._decided[0], min(self._decided[1], available[self._decided[0]])
+        else:
+            name, kk = self.chooser.choose(available, regime)
+        self._decided = None
+        t0 = time.perf_counter()
+        steady = True
+        if name is None:
+            drafts, q = [], None
+        else:
+            # a drafter that sat idle catches up on its backlog while drafting: not its steady-state cost
+            steady = self._backlog[name] <= self.drafters[name].max_drafts + 1
+            drafts, q = self.drafters[name].propose(anchor, pos, kk, sampler, history)
+            self._backlog[name] = 0
+        t1 = time.perf_counter()
+        self._pending = (name, len(drafts), regime, t1 - t0 if steady else None, t1)
+        return drafts, q
+
+    def accept(self, taps: list[mx.array], new_tokens: list[int]) -> None:
+        now = time.perf_counter()
+        if self._pending is not None:
+            name, k, regime, t_draft, t1 = self._pending
+            self.chooser.update(name if k else None, k, len(new_tokens) - 1, regime, t_draft, now - t1)
+            self._pending = None
+        for n, d in self.drafters.items():
+            d.accept([taps[i] for i in self._tap_idx[n]], new_tokens)
+            self._backlog[n] += len(new_tokens)
+
+    # -- prompt-cache reuse (session.Session) -------------------------------------------------------------------------
+    def context_length(self) -> int:
+        return min(d.context_length() for d in self.drafters.values())
+
+    def rewind_context(self, keep: int) -> int:
+        """Each sub-drafter rewinds to its own point (see their `rewind_context`); the target re-runs from the lowest,
+        and `extend` gives each sub-drafter the taps from its own point on."""
+        from ..cache import CacheRewindError
+
+        for d in self.drafters.values():
+            if not hasattr(d, "rewind_context"):
+                raise CacheRewindError(f"the {d.kind} drafter cannot extend its state")
+        self._rewound = {n: d.rewind_context(keep) for n, d in self.drafters.items()}
+        self._pending = self._decided = None
+        return min(self._rewound.values())
+
+    def extend(self, taps: list[mx.array], ids: list[int]) -> None:
+        p = min(self._rewound.values())
+        for n, d in self.drafters.items():
+            off = self._rewound[n] - p
+            d.extend([taps[i][:, off:] for i in self._tap_idx[n]], ids)
+        self._pending = self._decided = None
+        self._backlog = {n: 0 for n in self.drafters}
+
+    def stats(self) -> dict:
+        return {"auto": {**self.chooser.summary(), "drafters": sorted(self.drafters),
+                         "calibration": self.calibration}}
+
+
+def make_auto(target, *, dflash=None, mtp=None, ngram: bool | int = True, calibration_dir=None, log=None,
+              **kw) -> AutoDrafter:
+    """An AutoDrafter over the given drafters (objects from load_drafter / load_mtp) plus n-gram prompt lookup
+    (ngram: True = up to 8 drafts, an int = that many, False = none)."""
+    from .ngram import NGramDrafter
+
+    ds = [d for d in (dflash, mtp) if d is not None]
+    if ngram:
+        ds.append(NGramDrafter(target.args.vocab_size, max_drafts=8 if ngram is True else int(ngram)))
+    return AutoDrafter(target, ds, calibration_dir=calibration_dir, log=log, **kw)
+
+
+def _engine():
+    from . import engine
+
+    return engine
+
+
+class AutoDecoder(_engine().SpeculativeDecoder):
+    """The speculative engine for `auto`, with plain rounds pipelined as in `PlainDecoder`: while the chooser picks
+    plain steps, the next token's forward is queued (async) before the current token is read back, so a stretch of
+    plain rounds runs at plain decoding's speed. The next round is decided one token early inside a stretch (the
+    n-gram index is then one token behind); the target's taps of every plain token still reach every drafter."""
+
+    def __init__(self, model, drafter, sampler, width=None, prefill_step: int = 512, cache=None):
+        if getattr(drafter, "kind", None) != "auto":
+            raise TypeError("AutoDecoder drives an AutoDrafter")
+        super().__init__(model, drafter, sampler, None, prefill_step, cache)
+        self._queued = None
+        self.plain_rounds = 0
+
+    def _regime(self) -> str:
+        return "greedy" if self.sampler.params.greedy else "sampling"
+
+    def _forward(self, tok):
+        """Queue the target forward of `tok` (an int already in history, or a lazy sampled token): (y, taps)."""
+        p = self.sampler.params
+        hist = None
+        if isinstance(tok, int):
+            x = mx.array([[tok]], dtype=mx.int32)
+            hist = self._hist()
+        else:
+            x = tok.reshape(1, 1).astype(mx.int32)
+            if p.repetition_penalty != 1.0:
+                h = mx.array(self.history[-p.repetition_context_size:], dtype=mx.int32)
+                hist = mx.concatenate([h, x.reshape(-1)])[-p.repetition_context_size:]
+        logits, taps = self.model(x, self.cache, taps=self.taps)
+        y = self.sampler(logits[:, -1], hist)
+        mx.async_eval(y, *taps)
+        return y, taps
+
+    def step(self, budget: int) -> list[int]:
+        if self._queued is None:
+            if (self._first is not None or budget <= 1 or self.drafter._decided is not None
+                    or not self.drafter.plan(min(self.max_k, budget - 1), self._regime())):
+                return super().step(budget)  # a speculative round (decided by plan, or propose decides)
+            self._queued = self._forward(self.history[-1])
+        t0 = time.perf_counter()
+        y, taps = self._queued
+        self._queued = None
+        left = budget - 1  # after this token
+        if left == 1 or (left > 1 and self.drafter.plan(min(self.max_k, left - 1), self._regime())):
+            self._queued = self._forward(y)  # the next round is plain too: queue it before reading y
+        t = int(y.item())
+        self.drafter.accept(taps, [t])
+        dt = time.perf_counter() - t0
+        self.drafter.chooser.observe_plain(dt)
+        self.t_verify += dt
+        self.plain_rounds += 1
+        return self._commit([t])
+
+    def stats(self) -> dict:
+        d = super().stats()
+        d["plain_rounds"] = self.plain_rounds
+        return d
+
+
+def load_auto(target, *, dflash=None, mtp=None, embedded: bool = False, ngram: bool | int = True,
+              calibration_dir=None, log=None) -> AutoDrafter:
+    """An AutoDrafter from checkpoints: `dflash` a DFlash drafter folder, `mtp` a folder with MTP layers (default:
+    the target's own, if it has them); `embedded`: fall back to the embedded model set's drafters for what is not
+    given. At least n-gram lookup is always there."""
+    from ..embedded import embedded_path
+    from .drafter import load_drafter
+    from .mtp import load_mtp
+
+    def part(name):
+        try:
+            return embedded_path(name)
+        except FileNotFoundError:
+            return None
+
+    if dflash is None and embedded:
+        dflash = part("dflash")
+    d = None
+    if dflash is not None:
+        d = load_drafter(dflash, target)
+        if d.kind != "dflash":  # a folder with MTP layers given as the drafter: use it as such
+            d, mtp = None, mtp if mtp is not None else dflash
+    m = None
+    if mtp is not None:
+        m = load_mtp(mtp, target)
+    elif getattr(target, "mtp_weights", None) is not None and len(target.mtp_weights):
+        m = load_mtp(None, target)
+    elif embedded and part("mtp") is not None:
+        m = load_mtp(part("mtp"), target)
+    if m is not None and m.depth < 2:
+        m.set_depth(2)  # auto limits the drafts per round itself; depth 2 reuses the last layer once
+    return make_auto(target, dflash=d, mtp=m, ngram=ngram, calibration_dir=calibration_dir, log=log)

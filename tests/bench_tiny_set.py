@@ -1,0 +1,63 @@
+"""Build a trained tiny model set for `glimmer bench` on a machine without the embedded model (BENCHMARKS.md):
+
+    python tests/bench_tiny_set.py OUT        # OUT/target (+ MTP layer folder OUT/mtp), OUT/dflash
+
+Target: the token-map tiny Muse Glimmer of the DFlash tests (6 layers, width 64, vocab 48; its greedy dynamics
+fall into short cycles). DFlash: a 2-layer block-8 drafter trained 300 AdamW steps on the target's greedy
+continuations (tests/dflash_training.py). MTP: one layer trained 200 steps on the same data (tests/mtp_training.py).
+No tokenizer: `glimmer bench` maps the prompt sets' bytes into the vocabulary (byte fallback), which keeps their
+repetitions but not their meaning.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def build(out: Path) -> None:
+    import shutil
+
+    import glimmer_mlx
+    from dflash_training import greedy_sequences, token_map_target, train_drafter
+    from glimmer_mlx.speculative import load_drafter
+    from glimmer_mlx.train.recipes import save_assistant, save_mtp
+    from hf_fixtures import build_hf_drafter
+    from mtp_training import add_random_mtp, train_mtp
+
+    out.mkdir(parents=True, exist_ok=True)
+    work = out / "work"
+    token_map_target(work)
+    add_random_mtp(work)
+    model, _ = glimmer_mlx.load(work)
+    model.eos_token_ids = set()
+    build_hf_drafter({"sliding_window": 100, "mask_token_id": 8, "block_size": 8}).save_pretrained(out / "dflash0")
+    dflash = load_drafter(out / "dflash0", model)
+    mtp = glimmer_mlx.load_drafter(work, model)
+    seqs = greedy_sequences(model, 24, 8, 40, seed=0)
+    train_drafter(model, dflash, seqs, prompt_len=8, steps=300)
+    train_mtp(model, mtp, seqs, steps=200)
+    save_assistant(dflash.assistant, out / "dflash")
+    save_mtp(mtp.head, model, out / "mtp")
+    target = out / "target"  # the target without MTP weights (they live in out/mtp)
+    target.mkdir(exist_ok=True)
+    for f in work.iterdir():
+        if f.name != "mtp.safetensors" and f.is_file():
+            shutil.copy(f, target / f.name)
+    import json
+
+    cfg = json.loads((target / "config.json").read_text())
+    for k in ("num_mtp_layers", "mtp_layer_types"):
+        cfg.get("text_config", cfg).pop(k, None)
+    (target / "config.json").write_text(json.dumps(cfg, indent=2))
+    shutil.rmtree(work)
+    shutil.rmtree(out / "dflash0")
+    print(f"wrote {target}, {out / 'dflash'}, {out / 'mtp'}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python tests/bench_tiny_set.py OUT")
+    build(Path(sys.argv[1]))

@@ -1,0 +1,341 @@
+"""`auto`: the choice logic against synthetic cost / acceptance tables, the calibration cache, and the AutoDrafter /
+AutoDecoder on tiny models (every sub-drafter kept in sync, output identical to plain decoding)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import glimmer_mlx
+from glimmer_mlx.speculative.auto import (AcceptanceStats, AutoChooser, AutoDecoder, AutoDrafter, DraftCost,
+                                          load_or_calibrate, make_auto)
+
+MS = 1e-3
+
+
+def flat(max_L=17, c=10 * MS):
+    return {L: c for L in range(1, max_L + 1)}
+
+
+def linear(max_L=17, c=10 * MS):
+    return {L: c * L for L in range(1, max_L + 1)}
+
+
+def chooser(costs, options, probe_every=16):
+    """options: {name: (max_k, shape, draft_seconds, alphas)}."""
+    ch = AutoChooser(costs, probe_every=probe_every)
+    for name, (max_k, shape, draft, alphas) in options.items():
+        opt = ch.add(name, max_k, shape, draft_prior=draft)
+        opt.acceptance("greedy").set_alphas(alphas)
+    return ch
+
+
+# -- the pure pieces ------------------------------------------------------------------------------------------------
+
+
+def test_expected_tokens_matches_closed_form():
+    s = AcceptanceStats(4)
+    s.set_alphas([0.8, 0.5, 0.5, 0.1])
+    assert s.expected_tokens(0) == 1.0
+    assert s.expected_tokens(1) == pytest.approx(1.8)
+    assert s.expected_tokens(2) == pytest.approx(1 + 0.8 + 0.4)
+    assert s.expected_tokens(4) == pytest.approx(1 + 0.8 + 0.4 + 0.2 + 0.02)
+
+
+def test_acceptance_update_counts_positions_up_to_first_rejection():
+    s = AcceptanceStats(4, decay=1.0, prior=(0.0, 0.0))
+    s.update(4, 2)  # positions 0, 1 accepted, 2 rejected, 3 never tried
+    assert s.acc == [1, 1, 0, 0] and s.tried == [1, 1, 1, 0]
+    s.update(2, 2)  # both accepted
+    assert s.acc == [2, 2, 0, 0] and s.tried == [2, 2, 1, 0]
+
+
+def test_draft_cost_shapes():
+    block, chain, free = DraftCost("block", 1.0), DraftCost("chain", 1.0), DraftCost("free", 0.0)
+    assert block(1) == block(7) == 1.0 and chain(3) == 3.0 and free(5) == 0.0  # priors
+    block.observe(4, 2.0)  # EMA from the prior 1.0: 0.8·1 + 0.2·2
+    block.observe(8, 3.0)
+    assert block(4) == pytest.approx(1.2) and block(8) == pytest.approx(0.8 * 1.2 + 0.2 * 3.0)
+    assert block(6) == pytest.approx((block(4) + block(8)) / 2)  # unmeasured: mean of measured
+    for _ in range(60):
+        chain.observe(2, 0.5)
+    assert chain(2) == pytest.approx(0.5, rel=1e-3) and chain(4) == pytest.approx(1.0, rel=1e-3)  # linear in k
+    free.observe(3, 0.001)
+    assert free(3) == 0.001  # from a zero prior: the sample itself
+    with pytest.raises(ValueError):
+        DraftCost("quadratic", 1.0)
+
+
+def test_flat_costs_and_high_acceptance_choose_full_width():
+    ch = chooser(flat(), {"dflash": (15, "block", 2 * MS, [0.9])})
+    assert ch.choose({"dflash": 15}) == ("dflash", 15)
+
+
+def test_steep_costs_and_low_acceptance_choose_plain():
+    ch = chooser(linear(), {"dflash": (15, "block", 2 * MS, [0.3]), "mtp": (3, "chain", 1 * MS, [0.4])})
+    assert ch.choose({"dflash": 15, "mtp": 3}) == (None, 0)
+    assert ch.rate(None, 0) == pytest.approx(1 / (10 * MS))
+
+
+def test_width_trades_acceptance_against_cost():
+    """Cost 1 + 0.25·k (in plain steps), α = 0.7 everywhere: expected tokens/time peaks at a middle width."""
+    costs = {L: 10 * MS * (1 + 0.25 * (L - 1)) for L in range(1, 17)}
+    ch = chooser(costs, {"dflash": (15, "block", 0.0, [0.7])})
+    name, k = ch.choose({"dflash": 15})
+    rates = [ch.rate("dflash", j) for j in range(1, 16)]
+    assert name == "dflash" and k == 1 + int(np.argmax(rates)) and 1 < k < 15
+
+
+def test_ngram_wins_when_available_and_cheap_and_only_then():
+    costs = {L: 10 * MS * (1 + 0.2 * (L - 1)) for L in range(1, 17)}
+    ch = chooser(costs, {"dflash": (7, "block", 4 * MS, [0.6]), "ngram": (8, "free", 0.0, [0.95])})
+    name, k = ch.choose({"dflash": 7, "ngram": 6})
+    assert name == "ngram" and k <= 6  # never more than the match gives
+    # no earlier occurrence of the context's suffix: n-gram is not an option this round, DFlash still pays
+    assert ch.choose({"dflash": 7})[0] == "dflash"
+    # a fully linear verify cost (no parallelism) makes no drafter pay, however good
+    assert chooser(linear(), {"ngram": (8, "free", 0.0, [0.95])}).choose({"ngram": 8}) == (None, 0)
+
+
+def test_mtp_chain_cost_limits_its_depth():
+    """MTP drafts sequentially (cost ∝ k): with a costly chain and flat verify it stops short of its max depth."""
+    ch = chooser(flat(), {"mtp": (8, "chain", 6 * MS, [0.8])})
+    name, k = ch.choose({"mtp": 8})
+    assert name == "mtp" and k < 8
+
+
+def test_choice_is_never_worse_than_plain_on_random_tables():
+    """Property: whatever the tables, the chosen option's expected rate is >= plain decoding's."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        base = rng.uniform(1, 50) * MS
+        slope = rng.uniform(0, 1.5)
+        costs = {L: base * (1 + slope * (L - 1)) * rng.uniform(0.95, 1.05) for L in range(1, 17)}
+        opts = {"dflash": (15, "block", rng.uniform(0, 2) * base, list(rng.uniform(0, 1, 15))),
+                "mtp": (3, "chain", rng.uniform(0, 1) * base, list(rng.uniform(0, 1, 3))),
+                "ngram": (8, "free", 0.0, list(rng.uniform(0, 1, 8)))}
+        ch = chooser(costs, opts, probe_every=10 ** 9)
+        avail = {"dflash": 15, "mtp": 3, "ngram": int(rng.integers(0, 9))}
+        avail = {k: v for k, v in avail.items() if v > 0}
+        name, k = ch.choose(avail)
+        assert ch.rate(name, k) >= ch.rate(None, 0)
+        best = max([ch.rate(None, 0)] + [ch.rate(n, j) for n, c in avail.items() for j in range(1, c + 1)])
+        assert ch.rate(name, k) == pytest.approx(best)
+
+
+def test_probe_after_plain_run_and_backoff():
+    ch = chooser(linear(), {"dflash": (7, "block", 5 * MS, [0.1])}, probe_every=4)
+    picks = [ch.choose({"dflash": 7}) for _ in range(4)]
+    assert picks[:3] == [(None, 0)] * 3 and picks[3] == ("dflash", 4)  # the 4th plain round becomes a probe
+    ch.update("dflash", 4, 0, draft_time=5 * MS, verify_time=50 * MS)  # the probe failed
+    assert ch.probe_interval == 8
+    picks = [ch.choose({"dflash": 7}) for _ in range(8)]
+    assert picks[:7] == [(None, 0)] * 7 and picks[7][0] == "dflash"
+
+
+def test_measured_plain_cost_and_verify_scale_enter_the_rates():
+    ch = chooser(flat(), {"dflash": (7, "block", 1 * MS, [0.5])})
+    assert ch.choose({"dflash": 7})[0] == "dflash"
+    ch.observe_plain(2 * MS)  # plain decoding measured 5x cheaper than the calibrated single forward
+    assert ch.rate(None, 0) == pytest.approx(500)
+    assert ch.choose({"dflash": 7}) == (None, 0)
+    ch2 = chooser(flat(), {"dflash": (7, "block", 1 * MS, [0.5])})
+    for _ in range(50):
+        ch2.update("dflash", 3, 1, verify_time=20 * MS)  # verification now runs 2x the calibrated cost
+    assert ch2.scale == pytest.approx(2.0, rel=0.01)
+
+
+def test_timing_spikes_move_estimates_boundedly():
+    from glimmer_mlx.speculative.auto import robust_ema
+
+    assert robust_ema(None, 5.0, 0.2) == 5.0
+    assert robust_ema(1.0, 100.0, 0.2) == pytest.approx(0.8 + 0.2 * 3.0)  # a 100x spike counts as 3x
+    x = 1.0
+    for _ in range(40):  # a lasting 10x change is tracked
+        x = robust_ema(x, 10.0, 0.2)
+    assert x == pytest.approx(10.0, rel=0.01)
+
+
+def test_chooser_rejects_bad_tables():
+    with pytest.raises(ValueError, match="L = 1"):
+        AutoChooser({2: 1.0})
+    with pytest.raises(ValueError, match="at least L = 2"):
+        AutoChooser({1: 1.0}).add("dflash", 4, "block")
+    with pytest.raises(KeyError):
+        AutoChooser(flat()).best({"nope": 3})
+
+
+# -- calibration cache ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    """A tiny target with 1 random MTP layer, and a random DFlash drafter (block 4) for it."""
+    from hf_fixtures import build_hf_drafter, build_hf_mtp, save_mtp_weights
+
+    path, hf = tiny_checkpoint(seed=6, num_mtp_layers=1, mtp_layer_types=["sliding_attention"])
+    save_mtp_weights(build_hf_mtp(hf, 1, seed=2), path)
+    model, _ = glimmer_mlx.load(path)
+    model.eos_token_ids = set()
+    d = path.parent / "dflash_for_auto"
+    if not d.exists():
+        build_hf_drafter(seed=3).save_pretrained(d)
+    return model, path, d
+
+
+def test_calibration_is_cached_per_machine_and_model(tiny, tmp_path, monkeypatch):
+    model, _, _ = tiny
+    monkeypatch.setenv("GLIMMER_MLX_CACHE_DIR", str(tmp_path))
+    costs, info = load_or_calibrate(model, (1, 3), 5)
+    assert not info["cached"] and sorted(costs) == [1, 2, 3, 4, 5]
+    assert all(costs[L] >= costs[L - 1] > 0 for L in range(2, 6))  # a longer forward never costs less
+    files = list(tmp_path.glob("costs-*.json"))
+    assert len(files) == 1 and info["machine"] in files[0].name and info["model"] in files[0].name
+    saved = json.loads(files[0].read_text())
+    assert saved["taps"] == [1, 3] and set(saved["costs_s"]) == {"1", "2", "3", "4", "5"}
+    again, info2 = load_or_calibrate(model, (1, 3), 5)
+    assert info2["cached"] and again == costs
+    _, info3 = load_or_calibrate(model, (1, 3), 7)  # a longer curve than cached: measured again
+    assert not info3["cached"]
+    _, info4 = load_or_calibrate(model, (), 3)  # other taps: another file
+    assert not info4["cached"] and len(list(tmp_path.glob("costs-*.json"))) == 2
+
+
+# -- the drafter and decoder ---------------------------------------------------------------------------------------
+
+
+class Scripted(AutoChooser):
+    """A chooser that cycles through a fixed list of choices (clamped to what is available)."""
+
+    def __init__(self, base: AutoChooser, script):
+        self.__dict__.update(base.__dict__)
+        self.script, self.i = script, 0
+
+    def choose(self, available, regime="greedy"):
+        name, k = self.script[self.i % len(self.script)]
+        self.i += 1
+        if name is None or name not in available:
+            self.chosen[("plain", 0)] += 1
+            return None, 0
+        k = min(k, available[name])
+        self.chosen[(name, k)] += 1
+        return name, k
+
+
+def _auto(model, dpath, tmp_path, **kw):
+    d = glimmer_mlx.load_drafter(dpath, model)
+    m = glimmer_mlx.load_drafter(model.path, model)
+    return make_auto(model, dflash=d, mtp=m, ngram=4, calibration_dir=tmp_path, **kw)
+
+
+def test_auto_drafter_taps_union_and_validation(tiny, tmp_path):
+    model, _, dpath = tiny
+    auto = _auto(model, dpath, tmp_path)
+    assert auto.taps == (1, 3, 5) and auto.max_drafts == 4  # DFlash taps 1, 3; MTP the last layer (5)
+    assert set(auto.drafters) == {"dflash", "mtp", "ngram"}
+    with pytest.raises(ValueError, match="at least one"):
+        AutoDrafter(model, [])
+
+
+@pytest.mark.parametrize("script", [
+    [("dflash", 3), ("mtp", 1), ("ngram", 4), (None, 0), (None, 0), ("mtp", 2), ("dflash", 1)],
+    [(None, 0)],  # plain throughout: the pipelined plain stretch
+])
+def test_auto_greedy_identical_to_plain_with_every_drafter_in_turn(tiny, tmp_path, script):
+    """Drafters take turns (and plain stretches interleave): every one must stay in sync with every committed token,
+    and greedy output must equal plain decoding's."""
+    model, _, dpath = tiny
+    auto = _auto(model, dpath, tmp_path)
+    auto.chooser = Scripted(auto.chooser, script)
+    rng = np.random.RandomState(5)
+    for p in range(3):
+        prompt = [int(x) for x in rng.randint(10, 500, size=12)] * 2  # repeated: n-gram lookup finds matches
+        plain = glimmer_mlx.generate(model, prompt, max_tokens=40).tokens
+        r = glimmer_mlx.generate(model, prompt, max_tokens=40, drafter=auto)
+        assert r.tokens == plain
+        ex = r.stats.extra
+        assert ex["rounds"] >= 1 and "auto" in ex
+        if script == [(None, 0)]:
+            assert ex["plain_rounds"] == 39 and ex["tau"] == 1.0
+    used = {key.split(":")[0] for key in auto.chooser.summary()["chosen"]}
+    assert used == {n or "plain" for n, _ in script}
+
+
+def test_auto_decoder_is_used_and_learns(tiny, tmp_path):
+    model, _, dpath = tiny
+    auto = _auto(model, dpath, tmp_path)
+    from glimmer_mlx.sampling import Sampler, SamplingParams
+    from glimmer_mlx.speculative.engine import make_decoder
+
+    dec = make_decoder(model, auto, Sampler(SamplingParams()))
+    assert isinstance(dec, AutoDecoder)
+    with pytest.raises(ValueError, match="does not apply"):
+        make_decoder(model, auto, Sampler(SamplingParams()), block_size=4)
+    prompt = [7, 8, 9, 10, 11] * 4
+    plain = glimmer_mlx.generate(model, prompt, max_tokens=48).tokens
+    r = glimmer_mlx.generate(model, prompt, max_tokens=48, drafter=auto)
+    assert r.tokens == plain
+    s = r.stats.extra["auto"]
+    assert s["plain_token_ms_now"] is None or s["plain_token_ms_now"] > 0
+    assert sum(s["chosen"].values()) >= 1 and set(s["verify_cost_ms"]) == {1, 2, 3, 4, 5}
+    # sampling runs through the same decoder (acceptance is kept apart from greedy's)
+    a = glimmer_mlx.generate(model, prompt, max_tokens=24, temperature=1.0, seed=3, drafter=auto)
+    assert len(a.tokens) == 24 and all(0 <= t < model.args.vocab_size for t in a.tokens)
+    assert "sampling" in a.stats.extra["auto"]["acceptance"][next(iter(a.stats.extra["auto"]["acceptance"]))] or \
+        all(k.startswith("plain") for k in a.stats.extra["auto"]["chosen"])
+
+
+@pytest.fixture(scope="module")
+def small_vocab_auto(tiny_checkpoint, tmp_path_factory):
+    from hf_fixtures import build_hf_drafter, build_hf_mtp, save_mtp_weights
+    from test_dflash import V_SMALL
+
+    path, hf = tiny_checkpoint(seed=3, vocab_size=V_SMALL, num_mtp_layers=1, mtp_layer_types=["sliding_attention"])
+    save_mtp_weights(build_hf_mtp(hf, 1, seed=2), path)
+    model, _ = glimmer_mlx.load(path)
+    model.eos_token_ids = set()
+    d = tmp_path_factory.mktemp("drafter_auto_v12")
+    build_hf_drafter({"mask_token_id": V_SMALL - 1}, seed=5).save_pretrained(d)
+    return model, d, tmp_path_factory.mktemp("calib")
+
+
+def test_auto_sampling_matches_target_distribution(small_vocab_auto):
+    """T = 1 with the drafters taking turns (DFlash, MTP, n-gram with its one-hot q, plain): the distribution of
+    3 generated tokens equals the target's exact joint distribution (chi-square on the marginals)."""
+    from glimmer_mlx.sampling import SamplingParams
+    from test_dflash import _exact_joint, _marginal_tests, _spec_counts
+
+    model, dpath, calib = small_vocab_auto
+    auto = _auto(model, dpath, calib)
+    auto.chooser = Scripted(auto.chooser, [("ngram", 2), ("dflash", 2), ("mtp", 1), (None, 0), ("ngram", 1)])
+    params = SamplingParams(temperature=1.0)
+    prompt = [3, 7, 2, 3, 7, 2, 3]  # the suffix recurs: n-gram lookup proposes
+    n = 600
+    counts = _spec_counts(model, auto, prompt, params, n)
+    assert _marginal_tests(counts, _exact_joint(model, prompt, params), n) < 1.0
+
+
+def test_generate_cli_auto(tiny_checkpoint, tmp_path, monkeypatch):
+    """`glimmer generate --auto`: DFlash from --draft-model, the target's own MTP layer, n-gram lookup; greedy text
+    identical to plain decoding."""
+    from typer.testing import CliRunner
+
+    from glimmer_mlx.cli import app
+    from hf_fixtures import build_hf_drafter, build_hf_mtp, save_mtp_weights
+
+    path, hf = tiny_checkpoint(seed=9, tokenizer=True, num_mtp_layers=1, mtp_layer_types=["sliding_attention"])
+    save_mtp_weights(build_hf_mtp(hf, 1, seed=2), path)
+    d = tmp_path / "dflash"
+    build_hf_drafter(seed=1).save_pretrained(d)
+    monkeypatch.setenv("GLIMMER_MLX_CACHE_DIR", str(tmp_path / "cache"))
+    args = ["generate", "--model", str(path), "-p", "def add(a, b): return a + b; def add(a, b):", "-m", "24"]
+    r = CliRunner().invoke(app, args + ["--quiet"])
+    assert r.exit_code == 0, r.output
+    ra = CliRunner().invoke(app, args + ["--auto", "--draft-model", str(d)])
+    assert ra.exit_code == 0, ra.output
+    text = r.output.strip("\n")
+    assert text and text in ra.output and "τ" in ra.output  # same text (the calibration note and stats are stderr)
+    bad = CliRunner().invoke(app, args + ["--auto", "--mtp"])
+    assert bad.exit_code == 1 and "--auto chooses" in bad.output

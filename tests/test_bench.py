@@ -1,0 +1,157 @@
+"""`glimmer bench`: settings, prompt sets, and the `--quick` sitting end to end (a tiny model now; the embedded model
+when it is present) writing a valid results.json and chart."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from glimmer_mlx.benchmark import (BenchSettings, encode_prompts, expand_modes, load_prompts, markdown_table,
+                                   render_table)
+from glimmer_mlx.cli import app
+
+CATEGORIES = {"code", "math", "chat", "json", "quote"}
+
+
+def test_prompt_sets_ship_every_category():
+    p = load_prompts()
+    assert set(p) == CATEGORIES
+    assert all(len(v) >= 4 and all(isinstance(x, str) and len(x) > 40 for x in v) for v in p.values())
+
+
+def test_mode_expansion_and_profiles():
+    assert expand_modes(["dflash", "mtp", "auto"], [4, 8, 16, "auto"], [1, 2, 3]) == [
+        "ar", "dflash-b4", "dflash-b8", "dflash-b16", "dflash-auto", "mtp-d1", "mtp-d2", "mtp-d3", "auto"]
+    assert expand_modes(["mtp-d2", "ar", "dflash-b8"], [4], [1]) == ["mtp-d2", "ar", "dflash-b8"]
+    with pytest.raises(ValueError, match="unknown mode"):
+        expand_modes(["dflash-x"], [4], [1])
+    q = BenchSettings.from_profile("quick")
+    assert q.repeats == 1 and q.prompts_per_category == 1 and q.temps == [0.0, 1.0]
+    m5 = BenchSettings.from_profile("m5-max", temps="0")
+    assert m5.repeats == 5 and m5.max_tokens == 256 and m5.temps == [0.0]
+    for bad in (dict(profile="fast"), dict(max_tokens=1), dict(categories="code,poetry"), dict(temps="0,x"),
+                dict(dflash_blocks="1"), dict(modes="ar,foo")):
+        with pytest.raises(ValueError):
+            BenchSettings.from_profile(**{"profile": "quick", **bad})
+
+
+def test_byte_fallback_keeps_ids_in_vocab_and_repetitions():
+    enc, how = encode_prompts({"quote": ["abcabc"]}, None, 48)
+    ids = enc["quote"][0]
+    assert how.startswith("byte fallback") and all(2 <= t < 48 for t in ids) and ids[:3] == ids[3:]
+
+
+def _check_results(res: dict, out: Path, expect_modes: set[str]) -> None:
+    assert res["schema"] == "glimmer-bench/1"
+    m = res["machine"]
+    for k in ("chip", "cpu", "ram_gib", "os", "mlx", "mlx_lm", "blas", "env", "fingerprint", "python"):
+        assert k in m, k
+    assert set(res["results"]) == {"T=0", "T=1"}
+    for tkey, modes in res["results"].items():
+        assert set(modes) == expect_modes, (tkey, set(modes))
+        assert modes["ar"]["speedup"]["median"] == pytest.approx(1.0)
+        for mode, d in modes.items():
+            assert d["tps"]["median"] > 0 and d["runs"] == 5 and d["peak_gb"] > 0 and d["ttft_ms"]["median"] > 0
+            assert set(d["categories"]) == CATEGORIES
+            if mode.startswith(("dflash", "mtp", "ngram", "auto")):
+                assert d["tau"] >= 1.0
+    # greedy output of every speculative mode of ours is token-identical to plain decoding
+    for mode, v in res["lossless_greedy"].items():
+        if not mode.startswith("mlx-lm"):
+            assert v["identical_runs"] == v["runs"] == 5, mode
+    assert len(res["runs"]) == 2 * 5 * len(expect_modes)
+    if "auto" in expect_modes:
+        cal = res["calibration"]
+        assert cal["verify_cost_ms"] and all(v > 0 for v in cal["verify_cost_ms"].values())
+        assert set(res["auto_choices"]) == {"T=0", "T=1"}
+    # the files
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["results"].keys() == res["results"].keys()
+    from PIL import Image
+
+    with Image.open(out / "chart.png") as img:
+        assert img.format == "PNG" and img.size[0] > 300 and img.size[1] > 100
+    assert len(render_table(res)) >= 2
+    assert markdown_table(res, "T=0").count("\n") == len(expect_modes) + 1
+
+
+@pytest.fixture(scope="module")
+def tiny_set(tiny_checkpoint, tmp_path_factory):
+    """A tiny target with a tokenizer and one MTP layer, and a random DFlash drafter (block 4) for it."""
+    from hf_fixtures import build_hf_drafter, build_hf_mtp, save_mtp_weights
+
+    path, hf = tiny_checkpoint(seed=8, tokenizer=True, num_mtp_layers=1, mtp_layer_types=["sliding_attention"])
+    save_mtp_weights(build_hf_mtp(hf, 1, seed=4), path)
+    d = tmp_path_factory.mktemp("bench_dflash")
+    build_hf_drafter(seed=2).save_pretrained(d)
+    return path, d
+
+
+def test_quick_bench_end_to_end_on_a_tiny_model(tiny_set, tmp_path, monkeypatch):
+    path, dflash = tiny_set
+    monkeypatch.setenv("GLIMMER_MLX_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    r = CliRunner().invoke(app, ["bench", "--quick", "--model", str(path), "--dflash", str(dflash),
+                                 "--modes", "ar,dflash,mtp,ngram,auto,mlx-lm", "--dflash-blocks", "4,16,auto",
+                                 "--mtp-depths", "1,2", "--max-tokens", "10", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    res = json.loads((out / "results.json").read_text())
+    _check_results(res, out, {"ar", "dflash-b4", "dflash-auto", "mtp-d1", "mtp-d2", "ngram", "auto"})
+    assert res["tokenization"] == "chat template"
+    assert "trained block size" in res["skipped"]["dflash-b16"]  # the drafter's block is 4
+    assert "mlx-lm" in res["skipped"]  # a transformers checkpoint with a vision tower: mlx-lm refuses it, said so
+    assert res["model"]["embedded"] is False and res["model"]["mtp_layers"] == 1
+    assert "greedy outputs identical to ar" in r.output and "verify cost" in r.output
+
+
+def test_quick_bench_mlx_lm_modes(tmp_path, monkeypatch):
+    """mlx-lm's own generation and its draft-model speculation, on a checkpoint written with mlx-lm's utilities."""
+    from glimmer_mlx.bench import make_random_checkpoint
+
+    ck = tmp_path / "lm"
+    make_random_checkpoint(ck, hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, vocab_size=512, sliding_window=8)
+    monkeypatch.setenv("GLIMMER_MLX_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    r = CliRunner().invoke(app, ["bench", "--quick", "--model", str(ck), "--draft-model", str(ck), "--modes",
+                                 "ar,mlx-lm,mlx-lm-draft", "--max-tokens", "8", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    res = json.loads((out / "results.json").read_text())
+    _check_results(res, out, {"ar", "mlx-lm", "mlx-lm-draft"})
+    assert res["results"]["T=0"]["mlx-lm-draft"]["tau"] >= 1.0
+    # no DFlash / MTP for this checkpoint: the modes say why instead of failing
+    r2 = CliRunner().invoke(app, ["bench", "--quick", "--model", str(ck), "--modes", "ar,dflash-b4,mtp-d1",
+                                  "--max-tokens", "4", "--temps", "0", "--categories", "code", "--out",
+                                  str(tmp_path / "o2")])
+    assert r2.exit_code == 0, r2.output
+    res2 = json.loads((tmp_path / "o2" / "results.json").read_text())
+    assert "--dflash" in res2["skipped"]["dflash-b4"] and "MTP" in res2["skipped"]["mtp-d1"]
+    assert set(res2["results"]["T=0"]) == {"ar"}
+
+
+def test_bench_errors_are_clear(tmp_path):
+    r = CliRunner().invoke(app, ["bench", "--quick", "--modes", "ar,warp", "--out", str(tmp_path)])
+    assert r.exit_code == 1 and "unknown mode" in r.output
+
+
+def test_quick_bench_on_the_embedded_model(tmp_path, monkeypatch):
+    from glimmer_mlx.embedded import embedded_path
+
+    try:
+        embedded_path("target")
+    except FileNotFoundError as e:
+        pytest.skip(f"the embedded model is not built yet: {e}")
+    monkeypatch.setenv("GLIMMER_MLX_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    r = CliRunner().invoke(app, ["bench", "--quick", "--modes", "ar,dflash,mtp,ngram,auto,mlx-lm",
+                                 "--dflash-blocks", "4,auto", "--mtp-depths", "1", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    res = json.loads((out / "results.json").read_text())
+    assert res["model"]["embedded"] is True
+    ran = set(res["results"]["T=0"])
+    assert {"ar", "ngram", "auto"} <= ran and ran <= {"ar", "dflash-b4", "dflash-auto", "mtp-d1", "ngram", "auto",
+                                                       "mlx-lm"}
+    _check_results(res, out, ran)

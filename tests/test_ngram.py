@@ -1,0 +1,105 @@
+"""N-gram prompt lookup: the index, the drafter on the engine (greedy identical to plain decoding; at T = 1 the
+one-hot q keeps rejection sampling exact)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import glimmer_mlx
+from glimmer_mlx.speculative.ngram import NGramDrafter, NGramIndex, point_mass_logprobs
+
+
+def test_lookup_prefers_the_longest_earlier_match():
+    idx = NGramIndex(1, 3)
+    idx.reset([5, 1, 2, 9, 9, 1, 2, 3, 7, 1, 2])
+    # suffix (1, 2): latest earlier occurrence ends at index 7 -> continuation 3, 7, 1
+    assert idx.lookup(3) == ([3, 7, 1], 2)
+    idx.extend([3])  # suffix (1, 2, 3) occurred before: continuation 7, 1, 2, 3
+    assert idx.lookup(10) == ([7, 1, 2, 3], 3)
+    assert idx.lookup(0) == ([], 0)
+
+
+def test_no_match_and_single_token_fallback():
+    idx = NGramIndex(2, 4)
+    idx.reset([1, 2, 3, 4])
+    assert idx.lookup(4) == ([], 0)  # no bigram repeats, unigrams not allowed
+    idx1 = NGramIndex(1, 4)
+    idx1.reset([1, 2, 3, 1])
+    assert idx1.lookup(2) == ([2, 3], 1)
+    with pytest.raises(ValueError):
+        NGramIndex(3, 2)
+
+
+def test_incremental_index_equals_rebuilt():
+    rng = np.random.RandomState(0)
+    toks = [int(x) for x in rng.randint(0, 6, size=300)]
+    inc = NGramIndex(1, 4)
+    inc.reset(toks[:10])
+    for i in range(10, 300, 7):
+        inc.extend(toks[i:i + 7])
+        full = NGramIndex(1, 4)
+        full.reset(toks[: min(i + 7, 300)])
+        assert inc.lookup(5) == full.lookup(5)
+        assert inc.last == full.last and inc.prev == full.prev
+
+
+def test_point_mass_logprobs():
+    q = point_mass_logprobs([2, 0], 4)
+    assert q.shape == (2, 4)
+    assert mx.exp(q).tolist() == [[0, 0, 1, 0], [1, 0, 0, 0]]
+
+
+def test_drafter_validation_and_sync_check():
+    with pytest.raises(ValueError):
+        NGramDrafter(10, max_drafts=0)
+    d = NGramDrafter(10, max_drafts=3)
+    d.start([], [1, 2, 3, 1, 2])
+    from glimmer_mlx.sampling import Sampler, SamplingParams
+
+    s = Sampler(SamplingParams())
+    assert d.propose(2, 4, 5, s, [1, 2, 3, 1]) == ([3, 1, 2], None)  # capped at max_drafts
+    with pytest.raises(RuntimeError, match="out of sync"):
+        d.propose(7, 4, 2, s, [])
+    drafts, q = d.propose(2, 4, 2, Sampler(SamplingParams(temperature=1.0), seed=0), [])
+    assert drafts == [3, 1] and q.shape == (2, 10)
+
+
+@pytest.fixture(scope="module")
+def cyclic_target(tmp_path_factory):
+    """The token-map target of the DFlash tests: its greedy continuations fall into short cycles."""
+    from dflash_training import token_map_target
+
+    path = tmp_path_factory.mktemp("token_map")
+    token_map_target(path)
+    model, _ = glimmer_mlx.load(path)
+    model.eos_token_ids = set()
+    return model
+
+
+def test_ngram_greedy_identical_to_plain_and_accepts(cyclic_target):
+    model = cyclic_target
+    rng = np.random.RandomState(3)
+    taus = []
+    for _ in range(4):
+        prompt = [int(x) for x in rng.randint(10, 48, size=8)]
+        plain = glimmer_mlx.generate(model, prompt, max_tokens=48).tokens
+        r = glimmer_mlx.generate(model, prompt, max_tokens=48, drafter=NGramDrafter(48, max_drafts=6))
+        assert r.tokens == plain
+        taus.append(r.stats.extra["tau"])
+    assert np.mean(taus) > 1.5  # cycles are copied from the context
+
+
+def test_ngram_sampling_matches_target_distribution(tiny_checkpoint):
+    from glimmer_mlx.sampling import SamplingParams
+    from test_dflash import V_SMALL, _exact_joint, _marginal_tests, _spec_counts
+
+    path, _ = tiny_checkpoint(seed=3, vocab_size=V_SMALL)
+    model, _ = glimmer_mlx.load(path)
+    model.eos_token_ids = set()
+    params = SamplingParams(temperature=1.0)
+    prompt = [3, 7, 2, 3, 7, 2, 3]  # the suffix recurs: drafts [7, 2] are proposed from the first round
+    n = 600
+    counts = _spec_counts(model, NGramDrafter(V_SMALL, max_drafts=2), prompt, params, n)
+    assert _marginal_tests(counts, _exact_joint(model, prompt, params), n) < 1.0

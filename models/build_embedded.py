@@ -40,11 +40,11 @@ MARKUP_TOKENS = ["<atem:function_calls>", "</atem:function_calls>", "<atem:invok
                  "<atem:parameter name=\"", "</atem:parameter>"]
 VOCAB = 4096
 SEQ = 512
-TARGET = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=4,
+TARGET = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=640, num_hidden_layers=6, num_attention_heads=4,
               num_key_value_heads=2, head_dim=64, sliding_window=128, max_position_embeddings=2048,
               output_multiplier=1.0, final_logit_softcapping=20.0, bos_token_id=0, eos_token_id=1,
               pad_token_id=6, tie_word_embeddings=False)
-TRAIN = dict(steps=480, batch=16, lr=2e-3, warmup=40, min_lr_ratio=0.05, weight_decay=0.1, seed=0,
+TRAIN = dict(steps=320, batch=16, lr=2e-3, warmup=30, min_lr_ratio=0.05, weight_decay=0.1, seed=0,
              mix={"code": 0.45, "chat": 0.3, "agent": 0.25}, eval_every=40)
 N_CHAT, N_AGENT = 30000, 6000  # synthetic conversations for training (held-out: 1/10 of these counts)
 
@@ -264,6 +264,9 @@ def stage_target(work: Path, steps: int | None) -> None:
             log(f"step {i + 1}/{steps} loss {loss.item():.3f} held-out {rec['heldout']} "
                 f"({(i + 1) * TRAIN['batch'] * SEQ / (time.time() - t0):.0f} tok/s)")
         history.append(rec)
+        if (i + 1) % 10 == 0 and "heldout" not in rec:
+            log(f"step {i + 1}/{steps} loss {loss.item():.3f} "
+                f"({(i + 1) * TRAIN['batch'] * SEQ / (time.time() - t0):.0f} tok/s)")
     save_target(model, tok, work, history, n_params, time.time() - t0, steps)
 
 
@@ -309,38 +312,31 @@ def glimmer(*args) -> None:
     subprocess.run(cmd, check=True)
 
 
-def drafter_data(work: Path) -> Path:
-    """Chat + agent training conversations in one JSONL, and a slice of the code corpus as text."""
-    d = work / "drafter_data"
-    d.mkdir(exist_ok=True)
-    lines = []
-    for kind, n in (("chat", 5000), ("agent", 1000)):
-        lines += (work / "data" / f"{kind}_train.jsonl").read_text(encoding="utf-8").splitlines()[:n]
-    (d / "chats.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    code = (work / "data" / "code_train.txt").read_text(encoding="utf-8")
-    (d / "code.py").write_text(code[:1_500_000], encoding="utf-8")
-    return d
-
-
-def stage_dflash(work: Path, max_steps: int) -> None:
-    d = drafter_data(work)
+def stage_dflash(work: Path, max_steps: int, phase2_steps: int = 400) -> None:
     out = work / "dflash"
     if out.exists():
         shutil.rmtree(out)
-    glimmer("train", "dflash", "--model", MODELS / "glimmer-tiny", "--out", out, "--data", d / "chats.jsonl",
-            "--text", d / "code.py", "--layers", 2, "--block-size", 16, "--max-length", 512, "--batch-size", 8,
-            "--lr", 1e-3, "--max-steps", max_steps, "--epochs", 50, "--val-fraction", 0.02, "--save-every", 500)
-    publish(out, MODELS / "glimmer-tiny-dflash")
+    glimmer("train", "dflash", "--model", MODELS / "glimmer-tiny", "--out", out, "--text", work / "distill",
+            "--layers", 2, "--block-size", 16, "--target-layer-ids", "1,2,3,4,5", "--max-length", 1024,
+            "--batch-size", 8, "--lr", 2e-3, "--max-steps", max_steps, "--epochs", 50, "--val-fraction", 0.02,
+            "--save-every", 1000)
+    # a second phase from the first one's weights, with a fresh (lower) learning-rate schedule
+    out2 = work / "dflash2"
+    if out2.exists():
+        shutil.rmtree(out2)
+    glimmer("train", "dflash", "--model", MODELS / "glimmer-tiny", "--out", out2, "--text", work / "distill",
+            "--init", out, "--max-length", 1024, "--batch-size", 8, "--lr", 1e-3, "--max-steps", phase2_steps,
+            "--epochs", 50, "--val-fraction", 0.02, "--save-every", 1000)
+    publish(out2, MODELS / "glimmer-tiny-dflash")
 
 
 def stage_mtp(work: Path, max_steps: int) -> None:
-    d = drafter_data(work)
     out = work / "mtp"
     if out.exists():
         shutil.rmtree(out)
-    glimmer("train", "mtp", "--model", MODELS / "glimmer-tiny", "--out", out, "--data", d / "chats.jsonl",
-            "--text", d / "code.py", "--mtp-layers", 1, "--max-length", 512, "--batch-size", 8, "--lr", 1e-3,
-            "--max-steps", max_steps, "--epochs", 50, "--val-fraction", 0.02, "--save-every", 500)
+    glimmer("train", "mtp", "--model", MODELS / "glimmer-tiny", "--out", out, "--text", work / "distill",
+            "--mtp-layers", 1, "--max-length", 1024, "--batch-size", 8, "--lr", 1e-3, "--max-steps", max_steps,
+            "--epochs", 50, "--val-fraction", 0.02, "--save-every", 1000)
     publish(out, MODELS / "glimmer-tiny-mtp")
 
 
@@ -363,13 +359,14 @@ def publish(src: Path, dst: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stage", default="all",
-                    choices=["all", "data", "tokenizer", "target", "dflash", "mtp", "measure"])
+                    choices=["all", "data", "tokenizer", "target", "distill", "dflash", "mtp", "drafters", "measure"])
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "embedded")
     ap.add_argument("--target-steps", type=int, default=None)
-    ap.add_argument("--drafter-steps", type=int, default=1500)
+    ap.add_argument("--dflash-steps", type=int, default=500)
+    ap.add_argument("--mtp-steps", type=int, default=300)
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    stages = ["data", "tokenizer", "target", "dflash", "mtp", "measure"] if args.stage == "all" else [args.stage]
+    stages = ["data", "tokenizer", "target", "distill", "drafters", "measure"] if args.stage == "all" else [args.stage]
     for s in stages:
         t = time.time()
         if s == "data":
@@ -378,10 +375,17 @@ def main() -> None:
             stage_tokenizer(args.work)
         elif s == "target":
             stage_target(args.work, args.target_steps)
+        elif s == "distill":
+            stage_distill(args.work)
+        elif s == "drafters":  # both drafters at once, in two processes
+            procs = [subprocess.Popen([sys.executable, __file__, "--stage", d, "--work", str(args.work),
+                                       f"--{d}-steps", str(getattr(args, f"{d}_steps"))]) for d in ("dflash", "mtp")]
+            if any(p.wait() for p in procs):
+                raise SystemExit("a drafter stage failed")
         elif s == "dflash":
-            stage_dflash(args.work, args.drafter_steps)
+            stage_dflash(args.work, args.dflash_steps)
         elif s == "mtp":
-            stage_mtp(args.work, args.drafter_steps)
+            stage_mtp(args.work, args.mtp_steps)
         elif s == "measure":
             from measure_embedded import measure
 

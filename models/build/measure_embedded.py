@@ -76,7 +76,8 @@ def measure(work: Path, max_tokens: int = 96) -> dict:
     results = {"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
                            "LD_PRELOAD": os.environ.get("LD_PRELOAD", "")},
                "heldout_loss": log["history"][-1]["heldout"], "parameters": log["parameters"],
-               "max_tokens": max_tokens, "verify_cost_ratio": verify_costs(model), "runs": {}}
+               "max_tokens": max_tokens, "verify_cost_ratio": verify_costs(model), "runs": {},
+               "prompts": {k: [tok.decode(p) for p in v] for k, v in sets.items()}}
     generate(model, sets["chat"][0], tokenizer=tok, max_tokens=16)  # warm up
     for temp in (0.0, 1.0):
         for cat, ps in sets.items():
@@ -104,6 +105,7 @@ def measure(work: Path, max_tokens: int = 96) -> dict:
     out = ROOT / "benchmarks" / "results" / "embedded_figures.json"
     out.write_text(json.dumps(results, indent=1))
     print(markdown(results))
+    print(f"model card: {write_card(work, results)}")
     return results
 
 
@@ -119,3 +121,47 @@ def markdown(res: dict) -> str:
     lines.append("verify cost (forward over k+1 tokens ÷ one decode step, context 256): "
                  + ", ".join(f"{k}: {v}" for k, v in vc.items() if k != "step_ms") + f"; step {vc['step_ms']} ms")
     return "\n".join(lines)
+
+
+def _size(folder: Path) -> str:
+    return f"{sum(f.stat().st_size for f in folder.iterdir() if f.is_file()) / 1e6:.1f} MB"
+
+
+def write_card(work: Path, res: dict) -> Path:
+    """models/glimmer-tiny/README.md from models/build/model_card.md and the measured figures."""
+    cfg = json.loads((MODELS / "glimmer-tiny" / "config.json").read_text())["text_config"]
+    log = json.loads((MODELS / "glimmer-tiny" / "training_log.json").read_text())
+    stdlib = json.loads((work / "data" / "stdlib.json").read_text())
+    evals = [h for h in log["history"] if "heldout" in h]
+    rows = ["| step | train loss | held-out code | held-out chat | held-out agent |", "|---|---|---|---|---|"]
+    rows += [f"| {h['step']} | {h['train_loss']:.3f} | {h['heldout']['code']:.3f} | {h['heldout']['chat']:.3f} | "
+             f"{h['heldout']['agent']:.3f} |" for h in evals]
+    last, prev = evals[-1]["heldout"], evals[-2]["heldout"]
+    vc = res["verify_cost_ratio"]
+    verify = ("Verify cost measured here (one target forward over L tokens ÷ one decode step, context 256, OpenBLAS "
+              "preloaded): " + ", ".join(f"L={k}: {v}×" for k, v in vc.items() if k != "step_ms")
+              + f"; one decode step = {vc['step_ms']} ms.")
+    note = ("Command: `LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python "
+            "models/build_embedded.py --stage measure` (2-core x86-64, MLX CPU backend, fp32; other jobs were "
+            "running, so compare the ratios within a row, not absolute tok/s across rows). "
+            f"{len(res['prompts']['code'])} held-out code prompts (openings of held-out stdlib files) and "
+            f"{len(res['prompts']['chat'])} held-out chat prompts, {res['max_tokens']} new tokens each, every mode "
+            "run back to back on the same prompt; τ = tokens committed per target forward; speedup = generation "
+            "tok/s ÷ plain tok/s in the same run. Greedy speculative output is token-identical to plain (tested).")
+    text = (MODELS / "build" / "model_card.md").read_text().format(
+        params_m=f"{log['parameters'] / 1e6:.1f}", size_target=_size(MODELS / "glimmer-tiny"),
+        size_dflash=_size(MODELS / "glimmer-tiny-dflash"), size_mtp=_size(MODELS / "glimmer-tiny-mtp"),
+        layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"], heads=cfg["num_attention_heads"],
+        kv_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"], inter=cfg["intermediate_size"],
+        vocab=cfg["vocab_size"], layer_types=", ".join("F" if t == "full_attention" else "S"
+                                                       for t in cfg["layer_types"]),
+        window=cfg["sliding_window"], softcap=cfg["final_logit_softcapping"], seq=log["seq_len"],
+        max_pos=cfg["max_position_embeddings"], python=stdlib["python"], files=stdlib["files"], steps=log["steps"],
+        tokens_m=f"{log['steps'] * log['train']['batch'] * log['seq_len'] / 1e6:.1f}",
+        train_min=f"{log['train_seconds'] / 60:.0f}", loss_table="\n".join(rows),
+        d_code=f"{prev['code'] - last['code']:.3f}", d_chat=f"{prev['chat'] - last['chat']:.3f}",
+        d_agent=f"{prev['agent'] - last['agent']:.3f}", tau_table=markdown(res).split("\n\nverify")[0],
+        verify=verify, speed_note=note)
+    out = MODELS / "glimmer-tiny" / "README.md"
+    out.write_text(text)
+    return out

@@ -335,8 +335,8 @@ def stage_mtp(work: Path, max_steps: int) -> None:
     if out.exists():
         shutil.rmtree(out)
     glimmer("train", "mtp", "--model", MODELS / "glimmer-tiny", "--out", out, "--text", work / "distill",
-            "--mtp-layers", 1, "--max-length", 1024, "--batch-size", 8, "--lr", 1e-3, "--max-steps", max_steps,
-            "--epochs", 50, "--val-fraction", 0.02, "--save-every", 1000)
+            "--mtp-layers", 1, "--max-length", 256, "--batch-size", 8, "--lr", 1e-3, "--max-steps", max_steps,
+            "--epochs", 50, "--val-fraction", 0.02, "--save-every", 1000, "--eval-tokens", 32)
     publish(out, MODELS / "glimmer-tiny-mtp")
 
 
@@ -362,8 +362,8 @@ def main() -> None:
                     choices=["all", "data", "tokenizer", "target", "distill", "dflash", "mtp", "drafters", "measure"])
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "embedded")
     ap.add_argument("--target-steps", type=int, default=None)
-    ap.add_argument("--dflash-steps", type=int, default=500)
-    ap.add_argument("--mtp-steps", type=int, default=300)
+    ap.add_argument("--dflash-steps", type=int, default=600)
+    ap.add_argument("--mtp-steps", type=int, default=150)
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     stages = ["data", "tokenizer", "target", "distill", "drafters", "measure"] if args.stage == "all" else [args.stage]

@@ -46,6 +46,8 @@ TARGET = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=640, num_hidd
               pad_token_id=6, tie_word_embeddings=False)
 TRAIN = dict(steps=320, batch=16, lr=2e-3, warmup=30, min_lr_ratio=0.05, weight_decay=0.1, seed=0,
              mix={"code": 0.45, "chat": 0.3, "agent": 0.25}, eval_every=40)
+# phase 2 continues from phase 1's weights on fresh batches (another seed) with a re-warmed, lower cosine schedule
+TRAIN2 = dict(TRAIN, steps=480, lr=1e-3, warmup=20, seed=1)
 N_CHAT, N_AGENT = 30000, 6000  # synthetic conversations for training (held-out: 1/10 of these counts)
 
 
@@ -202,16 +204,26 @@ def eval_windows(stream: np.ndarray, n: int) -> np.ndarray:
     return np.stack([stream[i * step : i * step + SEQ + 1] for i in range(n)])
 
 
-def stage_target(work: Path, steps: int | None) -> None:
+def stage_target(work: Path, steps: int | None, phase: int = 1) -> None:
+    """Phase 1 trains from scratch (TRAIN); phase 2 continues from phase 1's checkpoint in work/target_hf (TRAIN2)."""
     import torch
     import torch.nn.functional as F
     from transformers import MuseGlimmerForConditionalGeneration
 
+    TRAIN = globals()["TRAIN"] if phase == 1 else TRAIN2
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     torch.manual_seed(TRAIN["seed"])
     tok = load_tok(work)
     streams = token_streams(work)
-    model = MuseGlimmerForConditionalGeneration(hf_config(tok))
+    prior: list[dict] = []
+    if phase == 1:
+        model = MuseGlimmerForConditionalGeneration(hf_config(tok))
+    else:
+        if not (work / "target_hf" / "config.json").exists():
+            raise SystemExit(f"phase 2 needs phase 1's checkpoint in {work / 'target_hf'}: run --stage target first")
+        model = MuseGlimmerForConditionalGeneration.from_pretrained(work / "target_hf", dtype=torch.float32)
+        prior = json.loads((MODELS / "glimmer-tiny" / "training_log.json").read_text())["history"]
+        prior = [r for r in prior if r.get("phase", 1) == 1]
     model.config._attn_implementation = "sdpa"
     model.train()
     params = [p for n, p in model.named_parameters() if "language_model" in n or n.startswith("lm_head")]
@@ -258,7 +270,8 @@ def stage_target(work: Path, steps: int | None) -> None:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        rec = {"step": i + 1, "train_loss": loss.item(), "lr": lr_at(i), "elapsed_s": time.time() - t0}
+        rec = {"step": len(prior) + i + 1, "phase": phase, "train_loss": loss.item(), "lr": lr_at(i),
+               "elapsed_s": time.time() - t0}
         if (i + 1) % TRAIN["eval_every"] == 0 or i + 1 == steps or i == 0:
             rec["heldout"] = evaluate()
             log(f"step {i + 1}/{steps} loss {loss.item():.3f} held-out {rec['heldout']} "
@@ -267,7 +280,8 @@ def stage_target(work: Path, steps: int | None) -> None:
         if (i + 1) % 10 == 0 and "heldout" not in rec:
             log(f"step {i + 1}/{steps} loss {loss.item():.3f} "
                 f"({(i + 1) * TRAIN['batch'] * SEQ / (time.time() - t0):.0f} tok/s)")
-    save_target(model, tok, work, history, n_params, time.time() - t0, steps)
+    seconds = time.time() - t0 + sum(r["elapsed_s"] for r in prior[-1:])
+    save_target(model, tok, work, prior + history, n_params, seconds, len(prior) + steps)
 
 
 def save_target(model, tok, work: Path, history, n_params, seconds, steps) -> None:
@@ -296,13 +310,109 @@ def save_target(model, tok, work: Path, history, n_params, seconds, steps) -> No
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(work / "tokenizer" / f, out / f)
     (out / "training_log.json").write_text(json.dumps(
-        {"parameters": n_params, "train_seconds": seconds, "steps": steps, "train": TRAIN, "seq_len": SEQ,
+        {"parameters": n_params, "train_seconds": seconds, "steps": steps, "train": TRAIN, "train_phase2": TRAIN2,
+         "seq_len": SEQ,
          "config": TARGET, "history": history}, indent=1))
     final = MODELS / "glimmer-tiny"
     if final.exists():
         shutil.rmtree(final)
     out.rename(final)
     log(f"target written to {final}")
+
+
+# -- stage: distill (the target's own outputs, the drafters' training data) ------------------------------------------
+DISTILL = dict(chat=3000, agent=1000, code=1200, code_prompt=160, max_new={"chat": 160, "agent": 160, "code": 192},
+               batch=96, seed=0)
+
+
+def distill_prompts(work: Path, tok) -> list[tuple[str, list[int]]]:
+    """(kind, prompt ids) from the *training* splits (measure uses the held-out ones): first user turns of chat
+    conversations (distinct ones), agent conversations cut before a random assistant turn (so the reply may be a tool
+    call or the answer after tool results), and stdlib code prefixes."""
+    rng = np.random.RandomState(DISTILL["seed"])
+    out, seen = [], set()
+    for line in (work / "data" / "chat_train.jsonl").read_text(encoding="utf-8").splitlines():
+        msgs = json.loads(line)["messages"]
+        first = [m for m in msgs if m["role"] == "user"][:1]
+        if not first or first[0]["content"] in seen:
+            continue
+        seen.add(first[0]["content"])
+        out.append(("chat", tok.apply_chat_template(first, add_generation_prompt=True, tokenize=True)))
+        if len(out) == DISTILL["chat"]:
+            break
+    n = 0
+    for line in (work / "data" / "agent_train.jsonl").read_text(encoding="utf-8").splitlines():
+        rec = json.loads(line)
+        turns = [i for i, m in enumerate(rec["messages"]) if m["role"] == "assistant"]
+        if not turns:
+            continue
+        cut = turns[rng.randint(len(turns))]
+        ids = tok.apply_chat_template(rec["messages"][:cut], tools=rec.get("tools"), add_generation_prompt=True,
+                                      tokenize=True)
+        if len(ids) > 1024 - DISTILL["max_new"]["agent"]:  # prompt + reply within the drafters' --max-length
+            continue
+        out.append(("agent", ids))
+        n += 1
+        if n == DISTILL["agent"]:
+            break
+    n = 0
+    bos = tok.token_to_id("<|begin_of_text|>")
+    for doc in (work / "data" / "code_train.txt").read_text(encoding="utf-8").split("\x00\n"):
+        ids = tok.encode(doc, add_special_tokens=False)
+        if len(ids) < DISTILL["code_prompt"] + 64:
+            continue
+        a = rng.randint(0, len(ids) - DISTILL["code_prompt"] - 63)
+        out.append(("code", [bos] + ids[a : a + DISTILL["code_prompt"]]))
+        n += 1
+        if n == DISTILL["code"]:
+            break
+    return out
+
+
+def stage_distill(work: Path) -> None:
+    """Greedy continuations of the target (transformers' implementation, batched with left padding) →
+    work/distill/distill.jsonl, pre-tokenized `{"prompt_ids", "completion_ids"}` lines for `glimmer train --data`
+    (the loss falls on the target's own tokens only)."""
+    import torch
+    from transformers import MuseGlimmerForConditionalGeneration
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    tok = load_tok(work)
+    model = MuseGlimmerForConditionalGeneration.from_pretrained(work / "target_hf", dtype=torch.float32).eval()
+    pad = TARGET["pad_token_id"]
+    eos = [TARGET["eos_token_id"], tok.token_to_id("<|eot|>")]
+    prompts = distill_prompts(work, tok)
+    out = work / "distill.tmp"
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir()
+    t0, done, generated = time.time(), 0, 0
+    lines = []
+    for kind in ("chat", "agent", "code"):
+        items = sorted((p for k, p in prompts if k == kind), key=len)  # similar lengths share a batch
+        for i in range(0, len(items), DISTILL["batch"]):
+            group = items[i : i + DISTILL["batch"]]
+            L = max(map(len, group))
+            ids = torch.tensor([[pad] * (L - len(p)) + p for p in group])
+            att = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in group])
+            with torch.no_grad():
+                gen = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=DISTILL["max_new"][kind],
+                                     do_sample=False, eos_token_id=eos, pad_token_id=pad)[:, L:].tolist()
+            for p, g in zip(group, gen):
+                g = [t for t in g if t != pad]  # generate pads the rows that stopped early
+                lines.append(json.dumps({"kind": kind, "prompt_ids": p, "completion_ids": g}))
+                generated += len(g)
+            done += len(group)
+            log(f"distill: {done}/{len(prompts)} prompts, {generated} tokens generated ({time.time() - t0:.0f} s)")
+    rng = np.random.RandomState(DISTILL["seed"])
+    (out / "distill.jsonl").write_text("\n".join(lines[i] for i in rng.permutation(len(lines))) + "\n")
+    (work / "distill_summary.json").write_text(json.dumps(dict(DISTILL, prompts=len(prompts),
+                                                               generated_tokens=generated,
+                                                               seconds=round(time.time() - t0)), indent=2))
+    final = work / "distill"
+    if final.exists():
+        shutil.rmtree(final)
+    out.rename(final)
 
 
 # -- stages: drafters, through our own CLI --------------------------------------------------------------------------
@@ -312,31 +422,26 @@ def glimmer(*args) -> None:
     subprocess.run(cmd, check=True)
 
 
-def stage_dflash(work: Path, max_steps: int, phase2_steps: int = 400) -> None:
+def stage_dflash(work: Path, max_steps: int) -> None:
+    """One cosine schedule over `max_steps` optimizer steps of 32 anchor blocks (up to 32 per sequence)."""
     out = work / "dflash"
     if out.exists():
         shutil.rmtree(out)
-    glimmer("train", "dflash", "--model", MODELS / "glimmer-tiny", "--out", out, "--text", work / "distill",
-            "--layers", 2, "--block-size", 16, "--target-layer-ids", "1,2,3,4,5", "--max-length", 1024,
-            "--batch-size", 8, "--lr", 2e-3, "--max-steps", max_steps, "--epochs", 50, "--val-fraction", 0.02,
-            "--save-every", 1000)
-    # a second phase from the first one's weights, with a fresh (lower) learning-rate schedule
-    out2 = work / "dflash2"
-    if out2.exists():
-        shutil.rmtree(out2)
-    glimmer("train", "dflash", "--model", MODELS / "glimmer-tiny", "--out", out2, "--text", work / "distill",
-            "--init", out, "--max-length", 1024, "--batch-size", 8, "--lr", 1e-3, "--max-steps", phase2_steps,
-            "--epochs", 50, "--val-fraction", 0.02, "--save-every", 1000)
-    publish(out2, MODELS / "glimmer-tiny-dflash")
+    glimmer("train", "dflash", "--model", MODELS / "glimmer-tiny", "--out", out, "--data",
+            work / "distill" / "distill.jsonl", "--layers", 2, "--block-size", 16, "--target-layer-ids", "1,2,3,4,5",
+            "--max-length", 1024, "--batch-size", 32, "--anchors-per-seq", 32, "--lr", 2e-3, "--max-steps", max_steps,
+            "--epochs", 50, "--val-fraction", 0.01, "--save-every", 500)
+    publish(out, MODELS / "glimmer-tiny-dflash")
 
 
 def stage_mtp(work: Path, max_steps: int) -> None:
     out = work / "mtp"
     if out.exists():
         shutil.rmtree(out)
-    glimmer("train", "mtp", "--model", MODELS / "glimmer-tiny", "--out", out, "--text", work / "distill",
-            "--mtp-layers", 1, "--max-length", 256, "--batch-size", 8, "--lr", 1e-3, "--max-steps", max_steps,
-            "--epochs", 50, "--val-fraction", 0.02, "--save-every", 1000, "--eval-tokens", 32)
+    glimmer("train", "mtp", "--model", MODELS / "glimmer-tiny", "--out", out, "--data",
+            work / "distill" / "distill.jsonl", "--mtp-layers", 1, "--max-length", 384, "--batch-size", 8, "--lr", 1e-3,
+            "--max-steps", max_steps, "--epochs", 50, "--val-fraction", 0.01, "--save-every", 500,
+            "--eval-tokens", 32)
     publish(out, MODELS / "glimmer-tiny-mtp")
 
 
@@ -359,14 +464,15 @@ def publish(src: Path, dst: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stage", default="all",
-                    choices=["all", "data", "tokenizer", "target", "distill", "dflash", "mtp", "drafters", "measure"])
+                    choices=["all", "data", "tokenizer", "target", "target2", "distill", "dflash", "mtp", "drafters", "measure"])
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "embedded")
     ap.add_argument("--target-steps", type=int, default=None)
-    ap.add_argument("--dflash-steps", type=int, default=600)
-    ap.add_argument("--mtp-steps", type=int, default=150)
+    ap.add_argument("--target2-steps", type=int, default=None)
+    ap.add_argument("--dflash-steps", type=int, default=2000)
+    ap.add_argument("--mtp-steps", type=int, default=250)
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    stages = ["data", "tokenizer", "target", "distill", "drafters", "measure"] if args.stage == "all" else [args.stage]
+    stages = ["data", "tokenizer", "target", "target2", "distill", "drafters", "measure"] if args.stage == "all" else [args.stage]
     for s in stages:
         t = time.time()
         if s == "data":
@@ -375,6 +481,8 @@ def main() -> None:
             stage_tokenizer(args.work)
         elif s == "target":
             stage_target(args.work, args.target_steps)
+        elif s == "target2":
+            stage_target(args.work, args.target2_steps, phase=2)
         elif s == "distill":
             stage_distill(args.work)
         elif s == "drafters":  # both drafters at once, in two processes

@@ -339,3 +339,36 @@ def test_generate_cli_auto(tiny_checkpoint, tmp_path, monkeypatch):
     assert text and text in ra.output and "τ" in ra.output  # same text (the calibration note and stats are stderr)
     bad = CliRunner().invoke(app, args + ["--auto", "--mtp"])
     assert bad.exit_code == 1 and "--auto chooses" in bad.output
+
+
+def test_measured_tau_sets_the_starting_acceptance(tmp_path):
+    """A drafter's own eval.json τ (as `glimmer train` writes it) is auto's starting estimate: a weak drafter is not
+    tried first where the α = 0.5 default would try it; a strong one is; without eval.json the default stays."""
+    from glimmer_mlx.speculative.auto import alpha_from_tau, read_measured_tau
+
+    for tau, w in [(1.0, 15), (1.2, 15), (2.5, 4), (5.0, 4)]:
+        a = alpha_from_tau(tau, w)
+        assert sum(a**i for i in range(w + 1)) == pytest.approx(tau, abs=1e-6)
+    (tmp_path / "eval.json").write_text(json.dumps({"width": 16, "after": {"tau_greedy": 1.2, "tau_t1": 1.3}}))
+    weak = read_measured_tau(tmp_path, "dflash")  # block size 16: 15 drafts per round
+    assert weak == {"width": 15, "greedy": 1.2, "sampling": 1.3}
+    assert read_measured_tau(tmp_path, "mtp")["width"] == 16 and read_measured_tau(tmp_path / "x", "mtp") is None
+    costs = {L: 10 * MS * (1 + 0.05 * (L - 1)) for L in range(1, 17)}
+    default = AutoChooser(costs)
+    default.add("dflash", 15, "block", draft_prior=2 * MS)
+    assert default.choose({"dflash": 15})[0] == "dflash"  # α = 0.5 looks worth it
+    ch = AutoChooser(costs)
+    ch.add("dflash", 15, "block", draft_prior=2 * MS, measured_tau=weak)
+    assert ch.choose({"dflash": 15}) == (None, 0)
+    assert ch.options["dflash"].acceptance("sampling").alpha(0) == pytest.approx(alpha_from_tau(1.3, 15))
+    strong = AutoChooser(costs)
+    strong.add("dflash", 15, "block", draft_prior=2 * MS, measured_tau={"width": 15, "greedy": 6.0, "sampling": 4})
+    assert strong.choose({"dflash": 15})[0] == "dflash"
+    # the embedded model set's drafters carry their eval.json figures
+    from glimmer_mlx.embedded import embedded_path
+    from glimmer_mlx.speculative import load_drafter
+
+    target, _ = glimmer_mlx.load(embedded_path("target"))
+    for kind in ("dflash", "mtp"):
+        d = load_drafter(embedded_path(kind), target)
+        assert d.measured_tau == read_measured_tau(embedded_path(kind), kind) and d.measured_tau["greedy"] >= 1

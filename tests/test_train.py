@@ -214,3 +214,53 @@ def test_tool_call_conversations_are_training_data(tmp_path):
     assert trained == (' to=functions<|message|><atem:function_calls><atem:invoke name="read_file"><atem:parameter '
                        'name="path">a.py</atem:parameter></atem:invoke></atem:function_calls><|eot|>'
                        ' to=user<|message|>It sets x.<|eot|>')
+
+
+def test_dflash_batch_context_trimmed_to_the_window_gives_the_same_loss_and_gradients(tmp_path):
+    """Items carry only the context rows their block can see (the sliding window): loss and gradients equal those
+    with the whole context before each anchor, and the context tensor is window-sized."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from dflash_training import token_map_target
+    from glimmer_mlx.models.assistant import Assistant
+    from glimmer_mlx.train.data import Sequence
+    from glimmer_mlx.train.recipes import dflash_batch, dflash_loss, new_assistant_config
+
+    token_map_target(tmp_path / "t")
+    model, _ = glimmer_mlx.load(tmp_path / "t")
+    rng = np.random.RandomState(3)
+    seqs = [Sequence([int(x) for x in rng.randint(10, 48, size=n)], [i > 2 for i in range(n)]) for n in (60, 45)]
+    cfg = new_assistant_config(model, None, layers=2, block_size=4, target_layer_ids=[1, 3], mask_token_id=8,
+                               window=7)
+    mx.random.seed(0)
+    assistant = Assistant(cfg)
+    items = [(0, 50), (1, 30), (0, 5), (1, 40), (0, 12)]
+    loss_fn = nn.value_and_grad(assistant, dflash_loss(model, 4.0))
+    full = dflash_batch(model, cfg, seqs, items, trim=False)
+    trimmed = dflash_batch(model, cfg, seqs, items)
+    assert full["ctx"].shape[1] == 50 and trimmed["ctx"].shape[1] == 7
+    (l_full, g_full), (l_trim, g_trim) = loss_fn(assistant, full), loss_fn(assistant, trimmed)
+    assert abs(float(l_full) - float(l_trim)) < 1e-5
+    for (k, a), (_, b) in zip(tree_flatten(g_full), tree_flatten(g_trim)):
+        np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-5, err_msg=k)
+
+
+def test_pre_tokenized_lines_train_on_the_completion_only(target_dir, tmp_path):
+    """`{"prompt_ids", "completion_ids"}` lines: the ids are used as given, the mask covers the completion; malformed
+    lines are skipped and counted; ids outside the vocabulary are an error naming the file."""
+    from glimmer_mlx.train.data import DataError, build_sequences
+
+    path, _ = target_dir
+    _, tok = glimmer_mlx.load(path)
+    f = tmp_path / "distill.jsonl"
+    f.write_text("\n".join([json.dumps({"prompt_ids": [0, 40, 41], "completion_ids": [42, 43, 44, 2]}),
+                            json.dumps({"prompt_ids": [0, 40], "completion_ids": ["x", 3]}),
+                            json.dumps({"prompt_ids": [0], "completion_ids": [50, 51, 52]})]) + "\n")
+    seqs, report = build_sequences(tok, chats=f, max_length=64)
+    assert [s.ids for s in seqs] == [[0, 40, 41, 42, 43, 44, 2], [0, 50, 51, 52]]
+    assert seqs[0].mask == [False] * 3 + [True] * 4 and seqs[1].mask == [False] + [True] * 3
+    assert report.skipped == {"pre-tokenized lines without integer 'prompt_ids' and 'completion_ids' lists": 1}
+    f.write_text(json.dumps({"prompt_ids": [0], "completion_ids": [tok.vocab_size, 1]}) + "\n")
+    with pytest.raises(DataError, match="distill.jsonl: token id .* outside the tokenizer's vocabulary"):
+        build_sequences(tok, chats=f, max_length=64)

@@ -76,6 +76,35 @@ class AcceptanceStats:
                 self.acc[j] += 1
 
 
+PRIOR_WEIGHT = 4.0  # a drafter's own measured τ (its eval.json) counts as this many observed rounds
+
+
+def alpha_from_tau(tau: float, width: int) -> float:
+    """The per-position acceptance α with 1 + α + … + α^width = τ (τ measured at `width` drafts per round)."""
+    tau = min(max(float(tau), 1.0), width + 1.0)
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid**i for i in range(width + 1)) < tau:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def read_measured_tau(folder, kind: str) -> dict | None:
+    """{"width": drafts per round, "greedy", "sampling"} from a trained drafter's eval.json (τ after training, on its
+    validation prompts, as `glimmer train` writes it: "width" there is the block size for DFlash, the depth for
+    MTP), or None when there is none or it cannot be read."""
+    try:
+        ev = json.loads((Path(folder) / "eval.json").read_text())
+        after = ev["after"]
+        drafts = int(ev["width"]) - (1 if kind == "dflash" else 0)
+        return {"width": drafts, "greedy": float(after["tau_greedy"]), "sampling": float(after["tau_t1"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def robust_ema(old: float | None, x: float, w: float, clip: float = 3.0) -> float:
     """EMA step with the new sample clipped to [old/clip, old·clip]: a timing spike (another process taking the
     CPU/GPU for a moment) moves the estimate by at most a factor (1 + w·(clip − 1)), while a lasting change still
@@ -120,10 +149,13 @@ class Option:
     cost: DraftCost
     stats: dict = field(default_factory=dict)  # "greedy" | "sampling" -> AcceptanceStats
     decay: float = 0.97
+    prior_alpha: dict = field(default_factory=dict)  # regime -> α from the drafter's measured τ (else 0.5)
 
     def acceptance(self, regime: str) -> AcceptanceStats:
         if regime not in self.stats:
-            self.stats[regime] = AcceptanceStats(self.max_k, self.decay)
+            a = self.prior_alpha.get(regime)
+            prior = (1.0, 2.0) if a is None else (a * PRIOR_WEIGHT, PRIOR_WEIGHT)
+            self.stats[regime] = AcceptanceStats(self.max_k, self.decay, prior=prior)
         return self.stats[regime]
 
 
@@ -146,12 +178,18 @@ class AutoChooser:
         self._probing = False
         self.chosen: Counter = Counter()  # (name or "plain", k) -> rounds
 
-    def add(self, name: str, max_k: int, shape: str, draft_prior: float | None = None, decay: float = 0.97) -> Option:
+    def add(self, name: str, max_k: int, shape: str, draft_prior: float | None = None, decay: float = 0.97,
+            measured_tau: dict | None = None) -> Option:
+        """measured_tau: {"width", "greedy", "sampling"} τ measured for this drafter (`read_measured_tau`): the
+        acceptance estimates start from it instead of α = 0.5, so a weak drafter is not tried blindly first."""
         max_k = min(max_k, max(self.costs) - 1)
         if max_k < 1:
             raise ValueError(f"option {name!r}: the verify cost curve must cover at least L = 2")
         prior = draft_prior if draft_prior is not None else (0.0 if shape == "free" else 0.3 * self.costs[1])
-        opt = Option(name, max_k, DraftCost(shape, prior), decay=decay)
+        alphas = {} if not measured_tau else {
+            regime: alpha_from_tau(measured_tau[regime], int(measured_tau["width"]))
+            for regime in ("greedy", "sampling") if measured_tau.get(regime) is not None}
+        opt = Option(name, max_k, DraftCost(shape, prior), decay=decay, prior_alpha=alphas)
         self.options[name] = opt
         return opt
 
@@ -379,7 +417,7 @@ class AutoDrafter:
                                                                log=log)
         self.chooser = AutoChooser(verify_costs, probe_every=probe_every)
         for n, d in self.drafters.items():
-            self.chooser.add(n, d.max_drafts, _SHAPES[n])
+            self.chooser.add(n, d.max_drafts, _SHAPES[n], measured_tau=getattr(d, "measured_tau", None))
         self._pending = None
         self._decided = None  # (name, k) chosen ahead by `plan`
         self._backlog = {n: 0 for n in self.drafters}  # tokens committed since each drafter last proposed

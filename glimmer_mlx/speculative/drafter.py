@@ -32,6 +32,7 @@ class DFlashDrafter:
         self.config = assistant.config
         self.block_size = self.config.block_size
         self.taps = tuple(self.config.target_layer_ids)
+        self.measured_tau: dict | None = None  # {"width", "greedy", "sampling"} from the folder's eval.json
 
     @property
     def max_drafts(self) -> int:
@@ -179,4 +180,8 @@ def load_drafter(path_or_repo, target, *, dtype=None, draft_logits: str = "targe
                             for k, v in weights.items()], strict=True)
     mx.eval(assistant.parameters())
     assistant.eval()
-    return DFlashDrafter(assistant, target, draft_logits)
+    d = DFlashDrafter(assistant, target, draft_logits)
+    from .auto import read_measured_tau
+
+    d.measured_tau = read_measured_tau(path, "dflash")  # τ measured when it was trained (auto's starting estimate)
+    return d

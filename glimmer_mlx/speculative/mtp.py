@@ -33,6 +33,7 @@ class MTPDrafter:
         self.head, self.target, self.draft_logits = head, target, draft_logits
         self.set_depth(depth or head.num_layers)
         self.taps = (target.args.num_hidden_layers - 1,)  # the final-normed hidden state
+        self.measured_tau: dict | None = None  # {"width", "greedy", "sampling"} from the folder's eval.json
 
     @property
     def max_drafts(self) -> int:
@@ -195,4 +196,9 @@ def load_mtp(path_or_repo, target, *, depth=None, dtype=None, draft_logits: str 
                        for k, v in weights.items()], strict=True)
     mx.eval(head.parameters())
     head.eval()
-    return MTPDrafter(head, target, depth, draft_logits)
+    d = MTPDrafter(head, target, depth, draft_logits)
+    if where is not None and not isinstance(where, str):  # a folder of its own: τ measured when it was trained
+        from .auto import read_measured_tau
+
+        d.measured_tau = read_measured_tau(where, "mtp")
+    return d

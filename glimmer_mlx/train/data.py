@@ -60,10 +60,26 @@ def _valid_message(m) -> bool:
                     and isinstance(c.get("function", c).get("arguments", {}), dict) for c in calls))
 
 
-def read_conversations(path: Path, report: DataReport) -> list[tuple[list[dict], list | None]]:
+@dataclass
+class Tokenized:
+    """A pre-tokenized line `{"prompt_ids": [...], "completion_ids": [...]}`: ids in the target's vocabulary, the loss
+    on the completion only. For data the target produced itself (distillation): no re-tokenization, so the trained
+    ids are exactly the ones it generated."""
+    prompt_ids: list[int]
+    completion_ids: list[int]
+
+
+def _tokenized(obj) -> Tokenized | None:
+    p, c = obj.get("prompt_ids"), obj.get("completion_ids")
+    if isinstance(p, list) and isinstance(c, list) and all(type(t) is int and t >= 0 for t in p + c):
+        return Tokenized(p, c)
+    return None
+
+
+def read_conversations(path: Path, report: DataReport) -> list:
     """Conversations from a JSONL file: one `{"messages": [{"role", "content"}, …], "tools": [...]?}` per line, as
-    (messages, tools) pairs. Malformed lines and conversations without an assistant turn are skipped and counted,
-    not fatal."""
+    (messages, tools) pairs, or a pre-tokenized `{"prompt_ids", "completion_ids"}` line (`Tokenized`). Malformed
+    lines and conversations without an assistant turn are skipped and counted, not fatal."""
     if not path.exists():
         raise DataError(f"{path}: no such file")
     convs = []
@@ -75,6 +91,13 @@ def read_conversations(path: Path, report: DataReport) -> list[tuple[list[dict],
                 obj = json.loads(line)
             except json.JSONDecodeError:
                 report.skip("malformed JSON lines")
+                continue
+            if isinstance(obj, dict) and ("prompt_ids" in obj or "completion_ids" in obj):
+                t = _tokenized(obj)
+                if t is None:
+                    report.skip("pre-tokenized lines without integer 'prompt_ids' and 'completion_ids' lists")
+                else:
+                    convs.append(t)
                 continue
             msgs = obj.get("messages") if isinstance(obj, dict) else None
             if not isinstance(msgs, list) or not all(_valid_message(m) for m in msgs):
@@ -147,7 +170,11 @@ def regenerate(model, tokenizer, convs: list[tuple[list[dict], list | None]], ca
                 continue  # a line cut by an interruption: that conversation is regenerated
     out = []
     with open(cache_path, "a", encoding="utf-8") as f:
-        for i, (msgs, tools) in enumerate(convs):
+        for i, item in enumerate(convs):
+            if isinstance(item, Tokenized):  # already the target's own tokens
+                out.append(item)
+                continue
+            msgs, tools = item
             if i in done:
                 out.append(done[i])
             elif tools or any(m.get("tool_calls") for m in msgs):
@@ -181,8 +208,16 @@ def build_sequences(tokenizer, *, chats: Path | None = None, texts: list[Path] =
         convs = read_conversations(Path(chats), report)
         if model is not None and regen_cache is not None:
             convs = regenerate(model, tokenizer, convs, regen_cache, progress=progress, **(regen_kwargs or {}))
-        for msgs, tools in convs:
-            s = tokenize_conversation(tokenizer, msgs, tools)
+        vocab = tokenizer.vocab_size if hasattr(tokenizer, "vocab_size") else None
+        for item in convs:
+            if isinstance(item, Tokenized):
+                ids = item.prompt_ids + item.completion_ids
+                if vocab is not None and ids and max(ids) >= vocab:
+                    raise DataError(f"{chats}: token id {max(ids)} is outside the tokenizer's vocabulary "
+                                    f"({vocab} tokens); pre-tokenized lines must use the target's tokenizer")
+                s = Sequence(ids, [False] * len(item.prompt_ids) + [True] * len(item.completion_ids))
+            else:
+                s = tokenize_conversation(tokenizer, *item)
             if len(s.ids) > max_length:
                 s = Sequence(s.ids[:max_length], s.mask[:max_length])
                 report.truncated += 1

@@ -110,8 +110,18 @@ def _anchor_items(seqs: list[Sequence], per_seq: int, block: int, rng) -> list[t
     return items
 
 
-def dflash_batch(target, drafter_cfg: AssistantConfig, seqs: list[Sequence], items, pad_id: int = 0) -> dict:
-    """Tensors for a batch of (sequence, anchor) items; target taps computed here, without gradients."""
+def context_reach(cfg: AssistantConfig) -> int | None:
+    """How many context rows before the anchor a block query can see: the widest sliding window (`|q − k| ≤ W`:
+    the anchor's own query reaches W rows back, later block queries fewer), None when a layer is global."""
+    windows = [cfg.window(i) for i in range(cfg.num_hidden_layers)]
+    return None if any(w is None for w in windows) else max(windows)
+
+
+def dflash_batch(target, drafter_cfg: AssistantConfig, seqs: list[Sequence], items, pad_id: int = 0,
+                 trim: bool = True) -> dict:
+    """Tensors for a batch of (sequence, anchor) items; target taps computed here, without gradients. With `trim`,
+    each item carries only the context rows its block can attend to (`context_reach`), not everything before the
+    anchor: the loss is the same and the drafter's cost no longer grows with the sequence length."""
     used = sorted({s for s, _ in items})
     where = {s: i for i, s in enumerate(used)}
     ids, mask, lens = pad_batch([seqs[s] for s in used], pad_id)
@@ -122,6 +132,9 @@ def dflash_batch(target, drafter_cfg: AssistantConfig, seqs: list[Sequence], ite
     anchors = np.array([a for _, a in items])
     rows = np.array([where[s] for s, _ in items])
     n_ctx = int(anchors.max())
+    reach = context_reach(drafter_cfg) if trim else None
+    if reach is not None:
+        n_ctx = min(n_ctx, reach)
     src = np.arange(n_ctx)[None, :] - (n_ctx - anchors[:, None])  # right-align each context (positions < anchor)
     ctx_mask = src >= 0
     flat = rows[:, None] * T + np.clip(src, 0, None)

@@ -218,22 +218,28 @@ def _quantize_model(model: nn.Module, quant: dict, weights: dict[str, mx.array],
     )
 
 
-def check_weights(model: nn.Module, weights: dict[str, mx.array], where: Path, quant_cfg: dict | None = None) -> None:
+TARGET_NAMES_HINT = "checkpoint names are shown after mapping 'model.language_model.' → 'model.'"
+
+
+def check_weights(model: nn.Module, weights: dict[str, mx.array], where, quant_cfg: dict | None = None, *,
+                  kind: str = "", prefix: str = "", names_hint: str | None = TARGET_NAMES_HINT) -> None:
+    """The checkpoint's tensors against the module built from config.json: none missing, none extra, every shape
+    equal. kind ("drafter ", "MTP ") and prefix (prepended to the names shown) say whose tensors they are."""
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(set(expected) - set(weights))
     extra = sorted(set(weights) - set(expected))
+
+    def names(keys):
+        return f"{[prefix + k for k in keys[:8]]}{' …' if len(keys) > 8 else ''}"
+
     if missing:
-        raise CheckpointError(
-            f"{where}: missing tensor(s) {missing[:8]}{' …' if len(missing) > 8 else ''} "
-            f"({len(missing)} missing; checkpoint names are shown after mapping 'model.language_model.' → 'model.')"
-        )
+        hint = f"; {names_hint}" if names_hint else ""
+        raise CheckpointError(f"{where}: missing {kind}tensor(s) {names(missing)} ({len(missing)} missing{hint})")
     if extra:
         hint = ""
         if quant_cfg is None and any(k.endswith((".scales", ".biases")) for k in extra):
             hint = "; the checkpoint looks quantized (.scales/.biases) but config.json has no 'quantization' entry"
-        raise CheckpointError(
-            f"{where}: unexpected tensor(s) {extra[:8]}{' …' if len(extra) > 8 else ''} ({len(extra)} extra){hint}"
-        )
+        raise CheckpointError(f"{where}: unexpected {kind}tensor(s) {names(extra)} ({len(extra)} extra){hint}")
     for k, v in expected.items():
         if tuple(weights[k].shape) != tuple(v.shape):
             quant = ""
@@ -241,9 +247,8 @@ def check_weights(model: nn.Module, weights: dict[str, mx.array], where: Path, q
                 quant = (f" (quantized with bits={quant_cfg.get('bits')}, group_size={quant_cfg.get('group_size', 64)} "
                          "per config.json 'quantization')")
             raise CheckpointError(
-                f"{where}: tensor '{k}' has shape {tuple(weights[k].shape)}, expected {tuple(v.shape)} from "
-                f"config.json{quant}"
-            )
+                f"{where}: {kind}tensor '{prefix}{k}' has shape {tuple(weights[k].shape)}, expected {tuple(v.shape)} "
+                f"from config.json{quant}")
 
 
 def check_vision(config: ModelConfig, vision: dict[str, mx.array], where: Path) -> None:

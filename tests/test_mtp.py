@@ -155,7 +155,7 @@ def test_mtp_checkpoint_errors(mtp_pair, tmp_path):
     d2 = tmp_path / "no_weights"
     shutil.copytree(path, d2)
     (d2 / "mtp.safetensors").unlink()
-    with pytest.raises(CheckpointError, match=r"MTP weights missing: \['mtp.layers.0"):
+    with pytest.raises(CheckpointError, match=r"missing MTP tensor\(s\) \['mtp.layers.0"):
         glimmer_mlx.load_drafter(d2, model)
 
 

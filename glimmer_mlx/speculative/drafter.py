@@ -5,10 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from ..config import ConfigError
-from ..loading import CheckpointError, load_weights, parse_dtype, read_json, resolve_path
+from ..loading import CheckpointError, check_weights, load_weights, parse_dtype, read_json, resolve_path
 from ..models.assistant import Assistant, AssistantConfig
 from .verify import draft_tokens
 
@@ -165,16 +164,7 @@ def load_drafter(path_or_repo, target, *, dtype=None, draft_logits: str = "targe
         from ..loading import _quantize_model
 
         _quantize_model(assistant, raw["quantization"], weights)
-    expected = dict(tree_flatten(assistant.parameters()))
-    missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
-    if missing:
-        raise CheckpointError(f"{path}: drafter checkpoint is missing tensor(s) {missing[:8]}")
-    if extra:
-        raise CheckpointError(f"{path}: drafter checkpoint has unexpected tensor(s) {extra[:8]}")
-    for k, v in expected.items():
-        if tuple(weights[k].shape) != tuple(v.shape):
-            raise CheckpointError(f"{path}: drafter tensor '{k}' has shape {tuple(weights[k].shape)}, "
-                                  f"expected {tuple(v.shape)} from config.json")
+    check_weights(assistant, weights, path, raw.get("quantization"), kind="drafter ", names_hint=None)
     dt = parse_dtype(dtype) or target.model.norm.weight.dtype
     assistant.load_weights([(k, v.astype(dt) if mx.issubdtype(v.dtype, mx.floating) else v)
                             for k, v in weights.items()], strict=True)

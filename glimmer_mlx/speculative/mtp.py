@@ -13,10 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from ..config import ConfigError
-from ..loading import CheckpointError, load_weights, parse_dtype, read_json, resolve_path
+from ..loading import CheckpointError, check_weights, load_weights, parse_dtype, read_json, resolve_path
 from ..models.mtp import MTPHead, mtp_text_config
 from .verify import draft_tokens
 
@@ -181,16 +180,7 @@ def load_mtp(path_or_repo, target, *, depth=None, dtype=None, draft_logits: str 
         from ..loading import _quantize_model
 
         _quantize_model(head, raw["quantization"], weights, prefix="mtp.")
-    expected = dict(tree_flatten(head.parameters()))
-    missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
-    if missing:
-        raise CheckpointError(f"{where}: MTP weights missing: {['mtp.' + k for k in missing[:8]]}")
-    if extra:
-        raise CheckpointError(f"{where}: unexpected MTP weights: {['mtp.' + k for k in extra[:8]]}")
-    for k, v in expected.items():
-        if tuple(weights[k].shape) != tuple(v.shape):
-            raise CheckpointError(f"{where}: tensor 'mtp.{k}' has shape {tuple(weights[k].shape)}, expected "
-                                  f"{tuple(v.shape)}")
+    check_weights(head, weights, where, raw.get("quantization"), kind="MTP ", prefix="mtp.", names_hint=None)
     dt = parse_dtype(dtype) or target.model.norm.weight.dtype
     head.load_weights([(k, v.astype(dt) if mx.issubdtype(v.dtype, mx.floating) else v)
                        for k, v in weights.items()], strict=True)

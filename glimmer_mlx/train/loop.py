@@ -84,6 +84,9 @@ def run(module: nn.Module, loss_fn: Callable, batches: Callable[[int], Iterator]
         state = load_training_state(ckpt, opt)
     grad_fn = nn.value_and_grad(module, loss_fn)
     tokens, t0 = 0, time.perf_counter()
+    # a progress bar is only redrawn on a terminal: into a log file, print a line every 30 s instead
+    log_lines = console is not None and not console.is_terminal
+    last_line = t0
     acc, acc_n = None, 0
     with Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                   TimeRemainingColumn(), console=console, transient=False, disable=console is None) as prog:
@@ -110,6 +113,10 @@ def run(module: nn.Module, loss_fn: Callable, batches: Callable[[int], Iterator]
                 state["losses"].append(float(loss))
                 tps = tokens / max(time.perf_counter() - t0, 1e-9)
                 prog.update(task, advance=1, info=f"loss {float(loss):.4f} · {tps:,.0f} tok/s")
+                if log_lines and time.perf_counter() - last_line >= 30:
+                    last_line = time.perf_counter()
+                    console.print(f"{label}: step {state['step']}/{total} loss {float(loss):.4f} · {tps:,.0f} tok/s "
+                                  f"· {last_line - t0:.0f} s", highlight=False)
                 if cfg.save_every and state["step"] % cfg.save_every == 0:
                     save_training_state(ckpt, module, opt, dict(state, epoch=epoch), save_weights)
                 if state["step"] >= total:

@@ -321,6 +321,7 @@ def save_target(model, tok, work: Path, history, n_params, seconds, steps) -> No
 
 
 # -- stage: distill (the target's own outputs, the drafters' training data) ------------------------------------------
+# chat: at most this many *distinct* first turns (the synthetic set has fewer); the counts used are in distill.jsonl
 DISTILL = dict(chat=3000, agent=1000, code=1200, code_prompt=160, max_new={"chat": 160, "agent": 160, "code": 192},
                batch=96, seed=0)
 

@@ -128,7 +128,8 @@ def run(module: nn.Module, loss_fn: Callable, batches: Callable[[int], Iterator]
     save_training_state(ckpt, module, opt, state, save_weights)
     summary = {"steps": state["step"], "final_loss": state["losses"][-1] if state["losses"] else None,
                "first_loss": state["losses"][0] if state["losses"] else None,
-               "tokens_per_s": tokens / max(time.perf_counter() - t0, 1e-9), "train_config": asdict(cfg)}
+               "tokens_per_s": tokens / max(time.perf_counter() - t0, 1e-9),
+               "train_seconds": round(time.perf_counter() - t0, 1), "train_config": asdict(cfg)}
     if val_fn is not None:
         summary["val_loss"] = val_fn()
     return summary

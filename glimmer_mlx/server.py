@@ -20,6 +20,7 @@ import json
 import math
 import queue
 import re
+import signal
 import sys
 import threading
 import time
@@ -130,6 +131,8 @@ class GlimmerServer:
         self._get_parser = get_parser
         self._http: threading.Thread | None = None
         self._stopped = threading.Event()
+        self._current = None  # the job whose generation is running
+        self._closing, self._closed = threading.Lock(), False
         self.httpd = ThreadingHTTPServer((host, port), _make_handler(self))
         self.httpd.daemon_threads = True
         self.host, self.port = self.httpd.server_address[:2]
@@ -146,13 +149,29 @@ class GlimmerServer:
         return self._http
 
     def serve_forever(self) -> None:
-        """Serve until Ctrl-C (KeyboardInterrupt) or `shutdown()`; generations run in this thread."""
+        """Serve until Ctrl-C (SIGINT) or `shutdown()`; generations run in this thread.
+
+        In the main thread Ctrl-C is a flag, not an exception: a KeyboardInterrupt raised inside the job queue's
+        condition wait can leave the queue's lock held, and `shutdown()` then blocks on it forever. The flag stops
+        the job loop and cancels the running generation at its next token; a second Ctrl-C raises as usual."""
         self.start_http()
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            def on_sigint(signum, frame):
+                signal.signal(signal.SIGINT, previous)
+                self._stopped.set()
+                job = self._current
+                if job is not None:
+                    job.cancel.set()
+
+            previous = signal.signal(signal.SIGINT, on_sigint)
         try:
             self.run_jobs()
         except KeyboardInterrupt:
             pass
         finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
             self.shutdown()
 
     def run_jobs(self, until: threading.Event | None = None) -> None:
@@ -164,15 +183,20 @@ class GlimmerServer:
                 continue
             if job is None or job.cancel.is_set():
                 continue
+            self._current = job
             try:
                 self._run(job)
             except BaseException:  # Ctrl-C mid-generation: tell the waiting request before leaving
                 job.events.put(("error", APIError(503, "the server is shutting down", type="server_error")))
                 raise
+            finally:
+                self._current = None
 
     def shutdown(self) -> None:
-        if self._stopped.is_set():
-            return
+        with self._closing:
+            if self._closed:
+                return
+            self._closed = True
         self._stopped.set()
         if self._http is not None:
             self.httpd.shutdown()
@@ -209,6 +233,9 @@ class GlimmerServer:
         finally:
             if it is not None:
                 it.close()
+        if job.cancel.is_set() and self._stopped.is_set():  # Ctrl-C cut it short: an error, not a cut answer
+            job.events.put(("error", APIError(503, "the server is shutting down", type="server_error")))
+            return
         job.events.put(("done", stats))
 
     def submit(self, ids: list[int], kw: dict) -> "_Job":

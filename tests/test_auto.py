@@ -372,3 +372,20 @@ def test_measured_tau_sets_the_starting_acceptance(tmp_path):
     for kind in ("dflash", "mtp"):
         d = load_drafter(embedded_path(kind), target)
         assert d.measured_tau == read_measured_tau(embedded_path(kind), kind) and d.measured_tau["greedy"] >= 1
+
+
+def test_round_overhead_is_charged_to_drafting_and_capped():
+    """Time a speculative round spends outside its draft and verify windows counts against drafting: an option that
+    wins on draft + verify alone loses once the measured overhead is added; a single stall moves it by at most
+    0.1 × two plain steps."""
+    costs = {L: 10 * MS * (1 + 0.05 * (L - 1)) for L in range(1, 17)}
+    ch = chooser(costs, {"ngram": (8, "free", 0.0, [0.3])})
+    assert ch.choose({"ngram": 8})[0] == "ngram" and ch.round_overhead == 0.0
+    ch.observe_plain(10 * MS)
+    ch.observe_round_overhead(1.0)  # a one-second stall
+    assert ch.round_overhead == pytest.approx(0.1 * 20 * MS)
+    for _ in range(60):
+        ch.observe_round_overhead(8 * MS)
+    assert ch.round_overhead == pytest.approx(8 * MS, rel=1e-2)
+    assert ch.choose({"ngram": 8}) == (None, 0)
+    assert ch.summary()["round_overhead_ms"] == pytest.approx(8.0, rel=1e-2)

@@ -47,6 +47,19 @@ class Tmux:
             time.sleep(0.2)
         raise AssertionError(f"timed out waiting for {pattern!r} (x{count}); screen:\n{self.screen()}")
 
+    def idle(self, prompt: str = "you ›", timeout: float = 90, quiet: float = 1.0) -> str:
+        """Wait until the screen ends with the input prompt and stays unchanged for `quiet` seconds: the app is
+        waiting for input, so the next keys reach the prompt (not the output still being drawn)."""
+        t0, last, since = time.time(), None, time.time()
+        while time.time() - t0 < timeout:
+            s = self.screen().rstrip()
+            if s != last:
+                last, since = s, time.time()
+            elif s.endswith(prompt) and time.time() - since >= quiet:
+                return s
+            time.sleep(0.1)
+        raise AssertionError(f"the prompt did not come back within {timeout} s; screen:\n{self.screen()}")
+
     def close(self) -> None:
         subprocess.run(self.t + ["kill-server"], capture_output=True)
 
@@ -143,6 +156,7 @@ def test_chat_session_in_a_terminal(chat_model, tmp_path):
         tm.wait(r"error: context full: the prompt is \d+ tokens and the context limit is 160")
         tm.line("/stats")
         tm.wait(r"4 messages", count=1)
+        tm.idle()  # the stats are drawn and the prompt is back: Ctrl-D now reaches the prompt
         tm.send("C-d")
         s = tm.wait(r"EXITED \d+")
         assert "bye" in s and "EXITED 0" in s and "Traceback" not in s

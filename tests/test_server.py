@@ -476,7 +476,8 @@ def test_client_gone_mid_stream(served):
 def test_cli_serve_subprocess(tiny_checkpoint, tmp_path):
     """`glimmer serve --port 0` in a subprocess: prints its address, answers, stops cleanly on Ctrl-C (SIGINT)."""
     path, _ = tiny_checkpoint(seed=22, tokenizer=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", GLIMMER_MLX_CACHE_DIR=str(tmp_path / "cache"))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", GLIMMER_MLX_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONFAULTHANDLER="1")  # a hang below is aborted with every thread's stack on stderr
     p = subprocess.Popen([sys.executable, "-m", "glimmer_mlx.cli", "serve", "--model", str(path), "--port", "0"],
                          stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
@@ -497,8 +498,14 @@ def test_cli_serve_subprocess(tiny_checkpoint, tmp_path):
         p.send_signal(signal.SIGINT)
         # communicate() drains both pipes while waiting (a full pipe must not look like a hang); a loaded CI
         # machine gets a generous limit
-        out, err = p.communicate(timeout=90)
+        try:
+            out, err = p.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGABRT)  # faulthandler prints where each thread is stuck
+            out, err = p.communicate(timeout=30)
+            raise AssertionError("glimmer serve did not stop within 90 s of SIGINT:\n" + err[-6000:]) from None
         assert p.returncode == 0, err[-2000:]
+        assert "stopped" in err
     finally:
         if p.poll() is None:
             p.kill()

@@ -172,6 +172,9 @@ class AutoChooser:
         self.probe_every, self.scale_ema = probe_every, scale_ema
         self.scale = 1.0  # measured verify time / calibrated, EMA
         self.plain_cost: float | None = None  # measured seconds per plain (pipelined) token, EMA
+        # seconds a speculative round spends outside its measured draft and verify windows (choosing, committing,
+        # the drafters' bookkeeping), EMA: in plain stretches the same work hides behind the pipelined forward
+        self.round_overhead = 0.0
         self._plain_run = 0
         self.probe_interval = probe_every  # doubles (up to max_probe_every) while probes keep losing to plain
         self.max_probe_every = 16 * probe_every
@@ -201,7 +204,8 @@ class AutoChooser:
         if name is None or k == 0:
             return 1.0 / (self.plain_cost if self.plain_cost is not None else self.verify_cost(1))
         opt = self.options[name]
-        return opt.acceptance(regime).expected_tokens(k) / (opt.cost(k) + self.verify_cost(k + 1))
+        return opt.acceptance(regime).expected_tokens(k) / (opt.cost(k) + self.verify_cost(k + 1)
+                                                             + self.round_overhead)
 
     def best(self, available: dict[str, int], regime: str = "greedy") -> tuple[str | None, int, float]:
         """The best (name, k, rate) over the options in `available` ({name: most drafts it can give now})."""
@@ -252,6 +256,14 @@ class AutoChooser:
         elif verify_time is not None and L in self.costs and self.costs[L] > 0:
             self.scale = robust_ema(self.scale, verify_time / self.costs[L], self.scale_ema)
 
+    def observe_round_overhead(self, seconds: float) -> None:
+        """Measured wall time of a speculative round minus its measured draft and verify time. An EMA from 0, each
+        sample capped at two plain steps: one stall (another process, a first-call kernel build) cannot lock the
+        drafters out, a lasting overhead comes through within ~20 speculative rounds."""
+        cap = 2.0 * (self.plain_cost if self.plain_cost is not None else self.verify_cost(1))
+        x = min(max(seconds, 0.0), cap)
+        self.round_overhead = (1 - self.scale_ema) * self.round_overhead + self.scale_ema * x
+
     def observe_plain(self, seconds: float) -> None:
         """Measured seconds of one plain token (what plain decoding costs now, pipelining included)."""
         self.plain_cost = robust_ema(self.plain_cost, seconds, self.scale_ema)
@@ -262,6 +274,7 @@ class AutoChooser:
             "verify_cost_ms": {L: round(1000 * c, 3) for L, c in sorted(self.costs.items())},
             "verify_cost_ratio": {L - 1: round(c / self.costs[1], 3) for L, c in sorted(self.costs.items())},
             "verify_scale_now": round(self.scale, 3),
+            "round_overhead_ms": round(1000 * self.round_overhead, 3),
             "chosen": {f"{n}:{k}": c for (n, k), c in sorted(self.chosen.items(), key=lambda x: (x[0][0], x[0][1]))},
             "acceptance": {n: {reg: [round(s.alpha(j), 3) for j in range(s.max_k)] for reg, s in o.stats.items()}
                            for n, o in self.options.items()},
@@ -419,13 +432,14 @@ class AutoDrafter:
         for n, d in self.drafters.items():
             self.chooser.add(n, d.max_drafts, _SHAPES[n], measured_tau=getattr(d, "measured_tau", None))
         self._pending = None
+        self._measured = None  # draft + verify seconds of the last speculative round (steady ones only)
         self._decided = None  # (name, k) chosen ahead by `plan`
         self._backlog = {n: 0 for n in self.drafters}  # tokens committed since each drafter last proposed
 
     def start(self, taps: list[mx.array], ids: list[int]) -> None:
         for n, d in self.drafters.items():
             d.start([taps[i] for i in self._tap_idx[n]], ids)
-        self._pending = self._decided = None
+        self._pending = self._decided = self._measured = None
         self._backlog = {n: 0 for n in self.drafters}
 
     def _available(self, k: int) -> dict[str, int]:
@@ -472,10 +486,18 @@ class AutoDrafter:
         if self._pending is not None:
             name, k, regime, t_draft, t1 = self._pending
             self.chooser.update(name if k else None, k, len(new_tokens) - 1, regime, t_draft, now - t1)
+            self._measured = None if (not k or t_draft is None) else t_draft + (now - t1)
             self._pending = None
         for n, d in self.drafters.items():
             d.accept([taps[i] for i in self._tap_idx[n]], new_tokens)
             self._backlog[n] += len(new_tokens)
+
+    def end_round(self, seconds: float) -> None:
+        """The whole round took `seconds` (AutoDecoder: from deciding it to committing its tokens): what its draft
+        and verify windows did not cover is overhead every speculative round pays."""
+        if self._measured is not None:
+            self.chooser.observe_round_overhead(seconds - self._measured)
+        self._measured = None
 
     # -- prompt-cache reuse (session.Session) -------------------------------------------------------------------------
     def context_length(self) -> int:
@@ -559,9 +581,12 @@ class AutoDecoder(_engine().SpeculativeDecoder):
 
     def step(self, budget: int) -> list[int]:
         if self._queued is None:
+            t_round = time.perf_counter()
             if (self._first is not None or budget <= 1 or self.drafter._decided is not None
                     or not self.drafter.plan(min(self.max_k, budget - 1), self._regime())):
-                return super().step(budget)  # a speculative round (decided by plan, or propose decides)
+                out = super().step(budget)  # a speculative round (decided by plan, or propose decides)
+                self.drafter.end_round(time.perf_counter() - t_round)
+                return out
             self._queued = self._forward(self.history[-1])
         t0 = time.perf_counter()
         y, taps = self._queued

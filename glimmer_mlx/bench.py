@@ -182,22 +182,44 @@ def blas_in_use() -> str:
     return f"bundled reference BLAS ({', '.join(mlx_libs)})" if mlx_libs else "bundled"
 
 
-def machine_info() -> dict:
-    import mlx_lm
-
-    cpu = platform.processor()
+def cpu_model() -> str | None:
+    """The CPU's model name from /proc/cpuinfo (Linux), or None."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    mem = None
+    return None
+
+
+def apple_chip() -> str | None:
+    """The chip's name on macOS (`sysctl machdep.cpu.brand_string`, e.g. "Apple M5 Max"), or None elsewhere."""
+    if platform.system() != "Darwin":
+        return None
+    import subprocess
+
     try:
-        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                              timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def total_memory() -> int | None:
+    """Physical memory in bytes, or None when the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
-        pass
+        return None
+
+
+def machine_info() -> dict:
+    import mlx_lm
+
+    cpu = cpu_model() or platform.processor()
+    mem = total_memory()
+    mem = mem / 2**30 if mem else None
     from importlib.metadata import version
 
     return {
@@ -472,4 +494,4 @@ def format_plain(res: dict) -> str:
 
 
 __all__ = ["glimmer_config", "make_random_checkpoint", "compare_logits", "bench_plain", "decode_step_profile",
-           "format_plain", "machine_info", "blas_in_use"]
+           "format_plain", "machine_info", "blas_in_use", "cpu_model", "apple_chip", "total_memory"]

@@ -210,9 +210,9 @@ def stage_target(work: Path, steps: int | None, phase: int = 1) -> None:
     import torch.nn.functional as F
     from transformers import MuseGlimmerForConditionalGeneration
 
-    TRAIN = globals()["TRAIN"] if phase == 1 else TRAIN2
+    train = TRAIN if phase == 1 else TRAIN2
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    torch.manual_seed(TRAIN["seed"])
+    torch.manual_seed(train["seed"])
     tok = load_tok(work)
     streams = token_streams(work)
     prior: list[dict] = []
@@ -230,16 +230,16 @@ def stage_target(work: Path, steps: int | None, phase: int = 1) -> None:
     n_params = sum(p.numel() for p in params)
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": TRAIN["weight_decay"]},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=TRAIN["lr"], betas=(0.9, 0.95))
-    steps = steps or TRAIN["steps"]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": train["weight_decay"]},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=train["lr"], betas=(0.9, 0.95))
+    steps = steps or train["steps"]
 
     def lr_at(i):
-        if i < TRAIN["warmup"]:
-            return TRAIN["lr"] * (i + 1) / TRAIN["warmup"]
-        t = (i - TRAIN["warmup"]) / max(1, steps - TRAIN["warmup"])
-        r = TRAIN["min_lr_ratio"]
-        return TRAIN["lr"] * (r + (1 - r) * 0.5 * (1 + math.cos(math.pi * t)))
+        if i < train["warmup"]:
+            return train["lr"] * (i + 1) / train["warmup"]
+        t = (i - train["warmup"]) / max(1, steps - train["warmup"])
+        r = train["min_lr_ratio"]
+        return train["lr"] * (r + (1 - r) * 0.5 * (1 + math.cos(math.pi * t)))
 
     def loss_of(x):
         logits = model(input_ids=x[:, :-1]).logits
@@ -256,10 +256,10 @@ def stage_target(work: Path, steps: int | None, phase: int = 1) -> None:
         model.train()
         return out
 
-    rng = np.random.RandomState(TRAIN["seed"])
-    gen = batches(streams["train"], rng, TRAIN["batch"], TRAIN["mix"])
+    rng = np.random.RandomState(train["seed"])
+    gen = batches(streams["train"], rng, train["batch"], train["mix"])
     history = []
-    log(f"target: {n_params / 1e6:.2f} M parameters, {steps} steps of {TRAIN['batch']}×{SEQ} tokens")
+    log(f"target: {n_params / 1e6:.2f} M parameters, {steps} steps of {train['batch']}×{SEQ} tokens")
     t0 = time.time()
     for i in range(steps):
         for g in opt.param_groups:
@@ -272,14 +272,14 @@ def stage_target(work: Path, steps: int | None, phase: int = 1) -> None:
         opt.zero_grad(set_to_none=True)
         rec = {"step": len(prior) + i + 1, "phase": phase, "train_loss": loss.item(), "lr": lr_at(i),
                "elapsed_s": time.time() - t0}
-        if (i + 1) % TRAIN["eval_every"] == 0 or i + 1 == steps or i == 0:
+        if (i + 1) % train["eval_every"] == 0 or i + 1 == steps or i == 0:
             rec["heldout"] = evaluate()
             log(f"step {i + 1}/{steps} loss {loss.item():.3f} held-out {rec['heldout']} "
-                f"({(i + 1) * TRAIN['batch'] * SEQ / (time.time() - t0):.0f} tok/s)")
+                f"({(i + 1) * train['batch'] * SEQ / (time.time() - t0):.0f} tok/s)")
         history.append(rec)
         if (i + 1) % 10 == 0 and "heldout" not in rec:
             log(f"step {i + 1}/{steps} loss {loss.item():.3f} "
-                f"({(i + 1) * TRAIN['batch'] * SEQ / (time.time() - t0):.0f} tok/s)")
+                f"({(i + 1) * train['batch'] * SEQ / (time.time() - t0):.0f} tok/s)")
     seconds = time.time() - t0 + sum(r["elapsed_s"] for r in prior[-1:])
     save_target(model, tok, work, prior + history, n_params, seconds, len(prior) + steps)
 

@@ -34,23 +34,11 @@ class BenchError(RuntimeError):
 # environment
 
 
-def _chip() -> str | None:
-    if platform.system() != "Darwin":
-        return None
-    import subprocess
-
-    try:
-        return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
-                              timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def machine_fingerprint_info() -> dict:
     """bench.machine_info() + chip (Apple), Python, glimmer-mlx version, relevant environment, fingerprint hash."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from ..bench import machine_info
+    from ..bench import apple_chip, machine_info
     from ..speculative.auto import machine_fingerprint
 
     info = machine_info()
@@ -60,7 +48,7 @@ def machine_fingerprint_info() -> dict:
         ours = None
     env = {k: v for k, v in os.environ.items()
            if k.startswith(("MLX_", "OMP_", "OPENBLAS_", "GLIMMER_")) or k in ("LD_PRELOAD", "VECLIB_MAXIMUM_THREADS")}
-    info.update(chip=_chip() or info.get("cpu"), python=platform.python_version(), glimmer_mlx=ours, env=env,
+    info.update(chip=apple_chip() or info.get("cpu"), python=platform.python_version(), glimmer_mlx=ours, env=env,
                 fingerprint=machine_fingerprint())
     if platform.system() == "Darwin":
         info["os"] = f"macOS {platform.mac_ver()[0]}"

@@ -297,27 +297,10 @@ def machine_fingerprint() -> str:
     the BLAS in use."""
     from importlib.metadata import version
 
-    from ..bench import blas_in_use
+    from ..bench import apple_chip, blas_in_use, cpu_model, total_memory
 
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        if platform.system() == "Darwin":
-            import subprocess
-
-            try:
-                cpu = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
-                                     timeout=5).stdout.strip() or cpu
-            except (OSError, subprocess.SubprocessError):
-                pass
-    try:
-        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        mem = 0
+    cpu = cpu_model() or apple_chip() or platform.processor()
+    mem = total_memory() or 0
     parts = [platform.system(), platform.machine(), cpu, str(os.cpu_count()), str(mem // 2**30),
              str(mx.default_device()), version("mlx"), blas_in_use()]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:12]

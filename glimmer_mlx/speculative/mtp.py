@@ -162,10 +162,11 @@ def load_mtp(path_or_repo, target, *, depth=None, dtype=None, draft_logits: str 
     own = getattr(target, "path", None)
     if path_or_repo is None or (own is not None and Path(str(path_or_repo)).resolve() == Path(own).resolve()):
         weights, raw, where = dict(target.mtp_weights.weights), target.config.raw, getattr(target, "path", "target")
+        folder = None  # part of the target's checkpoint: no eval.json of its own
     else:
-        path = Path(resolve_path(path_or_repo))
-        raw, where = read_json(path / "config.json"), path
-        weights = {k: v for k, v in load_weights(path).items() if k.startswith(("mtp.", "model.mtp."))}
+        folder = where = Path(resolve_path(path_or_repo))
+        raw = read_json(folder / "config.json")
+        weights = {k: v for k, v in load_weights(folder).items() if k.startswith(("mtp.", "model.mtp."))}
     raw_text = raw.get("text_config", raw)
     try:
         cfg, opts = mtp_text_config(target.args, raw_text, where=str(where))
@@ -187,8 +188,8 @@ def load_mtp(path_or_repo, target, *, depth=None, dtype=None, draft_logits: str 
     mx.eval(head.parameters())
     head.eval()
     d = MTPDrafter(head, target, depth, draft_logits)
-    if where is not None and not isinstance(where, str):  # a folder of its own: τ measured when it was trained
+    if folder is not None:  # a folder of its own: τ measured when it was trained
         from .auto import read_measured_tau
 
-        d.measured_tau = read_measured_tau(where, "mtp")
+        d.measured_tau = read_measured_tau(folder, "mtp")
     return d

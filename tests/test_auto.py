@@ -119,10 +119,30 @@ def test_choice_is_never_worse_than_plain_on_random_tables():
         ch = chooser(costs, opts, probe_every=10 ** 9)
         avail = {"dflash": 15, "mtp": 3, "ngram": int(rng.integers(0, 9))}
         avail = {k: v for k, v in avail.items() if v > 0}
-        name, k = ch.choose(avail)
+        name, k = ch.choose(avail)  # after a plain round: a drafter must beat plain by the switch margin
         assert ch.rate(name, k) >= ch.rate(None, 0)
-        best = max([ch.rate(None, 0)] + [ch.rate(n, j) for n, c in avail.items() for j in range(1, c + 1)])
-        assert ch.rate(name, k) == pytest.approx(best)
+        best = max([ch.rate(n, j) for n, c in avail.items() for j in range(1, c + 1)])
+        plain = ch.rate(None, 0)
+        if best > plain * (1 + ch.switch_margin) * (1 + 1e-6):
+            assert ch.rate(name, k) == pytest.approx(best)
+        elif best < plain * (1 + ch.switch_margin) * (1 - 1e-6):
+            assert name is None
+        ch._spec_last = True  # inside a speculative stretch: the best option, plain included, whatever the margin
+        name, k = ch.choose(avail)
+        assert ch.rate(name, k) == pytest.approx(max(best, plain))
+
+
+def test_a_plain_stretch_is_only_interrupted_for_a_clear_gain():
+    """Hysteresis: a drafter 5 % better than plain (within estimation noise) does not interrupt plain decoding, but
+    a speculative stretch already running goes on with it; 20 % better wins either way."""
+    costs = {L: 10 * MS for L in range(1, 17)}
+    ch = chooser(costs, {"mtp": (1, "chain", 0.0, [0.05])}, probe_every=10 ** 9)  # E = 1.05 per 10 ms
+    assert ch.rate("mtp", 1) == pytest.approx(1.05 * ch.rate(None, 0))
+    assert ch.choose({"mtp": 1}) == (None, 0)
+    ch._spec_last = True
+    assert ch.choose({"mtp": 1}) == ("mtp", 1)
+    ch = chooser(costs, {"mtp": (1, "chain", 0.0, [0.2])}, probe_every=10 ** 9)
+    assert ch.choose({"mtp": 1}) == ("mtp", 1)
 
 
 def test_probe_after_plain_run_and_backoff():
@@ -130,21 +150,54 @@ def test_probe_after_plain_run_and_backoff():
     picks = [ch.choose({"dflash": 7}) for _ in range(4)]
     assert picks[:3] == [(None, 0)] * 3 and picks[3] == ("dflash", 4)  # the 4th plain round becomes a probe
     ch.update("dflash", 4, 0, draft_time=5 * MS, verify_time=50 * MS)  # the probe failed
-    assert ch.probe_interval == 8
+    assert ch.options["dflash"].probe_interval == 8
     picks = [ch.choose({"dflash": 7}) for _ in range(8)]
     assert picks[:7] == [(None, 0)] * 7 and picks[7][0] == "dflash"
 
 
-def test_measured_plain_cost_and_verify_scale_enter_the_rates():
+def test_another_drafter_winning_does_not_reset_a_losers_probe_backoff():
+    """n-gram lookup winning whenever the context repeats must not bring back frequent probes of a drafter whose
+    probes keep losing (each costs about a plain step on this kind of machine)."""
+    costs = {L: 10 * MS * (1 + 0.05 * (L - 1)) for L in range(1, 17)}
+    ch = chooser(costs, {"mtp": (2, "chain", 8 * MS, [0.1]), "ngram": (8, "free", 0.0, [0.99])}, probe_every=4)
+    probes = []
+    for i in range(400):
+        avail = {"mtp": 2, "ngram": 6} if i % 5 == 0 else {"mtp": 2}
+        name, k = ch.choose(avail)
+        if name == "ngram":
+            ch.update("ngram", k, k, verify_time=costs[k + 1])
+        elif name == "mtp":
+            probes.append(i)
+            ch.update("mtp", k, 0, draft_time=8 * MS * k, verify_time=costs[k + 1])
+    gaps = np.diff(probes)
+    assert list(gaps[:4]) == [8, 16, 32, 64] and ch.options["mtp"].probe_interval == ch.max_probe_every
+    assert ch.chosen[("ngram", 6)] >= 70  # n-gram kept winning meanwhile
+
+
+def test_calibrated_plain_cost_and_one_speed_scale_enter_the_rates():
     ch = chooser(flat(), {"dflash": (7, "block", 1 * MS, [0.5])})
+    assert ch.plain_cost == 10 * MS and ch.choose({"dflash": 7})[0] == "dflash"
+    # plain decoding calibrated 5x cheaper than a single unpipelined forward: drafting no longer pays
+    ch = AutoChooser(flat(), plain_cost=2 * MS)
+    ch.add("dflash", 7, "block", draft_prior=1 * MS).acceptance("greedy").set_alphas([0.5])
+    assert ch.rate(None, 0) == pytest.approx(500) and ch.choose({"dflash": 7}) == (None, 0)
+    # the machine slows down 2x while decoding plainly: plain and drafting costs scale alike, the choice holds
+    ch = chooser(flat(), {"dflash": (7, "block", 1 * MS, [0.5])})
+    before = {k: ch.rate("dflash", k) / ch.rate(None, 0) for k in range(1, 8)}
+    for _ in range(60):
+        ch.observe_plain(20 * MS)
+    assert ch.scale == pytest.approx(2.0, rel=0.01) and ch.plain_cost == pytest.approx(20 * MS, rel=0.01)
+    assert all(ch.rate("dflash", k) / ch.rate(None, 0) == pytest.approx(r) for k, r in before.items())
     assert ch.choose({"dflash": 7})[0] == "dflash"
-    ch.observe_plain(2 * MS)  # plain decoding measured 5x cheaper than the calibrated single forward
-    assert ch.rate(None, 0) == pytest.approx(500)
-    assert ch.choose({"dflash": 7}) == (None, 0)
+    # measured while slow, a draft cost is stored in calibrated units: back at full speed it costs half
+    ch.update("dflash", 3, 1, draft_time=4 * MS)
+    slow = ch.options["dflash"].cost(3)
     ch2 = chooser(flat(), {"dflash": (7, "block", 1 * MS, [0.5])})
     for _ in range(50):
-        ch2.update("dflash", 3, 1, verify_time=20 * MS)  # verification now runs 2x the calibrated cost
-    assert ch2.scale == pytest.approx(2.0, rel=0.01)
+        ch2.update("dflash", 3, 1, verify_time=20 * MS)  # a verify round takes 2x the calibrated forward
+    assert ch2.verify_factor["greedy"] == pytest.approx(2.0, rel=0.01) and ch2.scale == 1.0
+    assert ch2.rate("dflash", 3) == pytest.approx(ch2.options["dflash"].acceptance("greedy").expected_tokens(3) / (21 * MS), rel=0.02)
+    assert slow == pytest.approx(0.8 * 1 * MS + 0.2 * 2 * MS, rel=1e-3)
 
 
 def test_timing_spikes_move_estimates_boundedly():
@@ -389,3 +442,41 @@ def test_round_overhead_is_charged_to_drafting_and_capped():
     assert ch.round_overhead == pytest.approx(8 * MS, rel=1e-2)
     assert ch.choose({"ngram": 8}) == (None, 0)
     assert ch.summary()["round_overhead_ms"] == pytest.approx(8.0, rel=1e-2)
+
+
+def test_switch_cost_is_charged_only_to_a_round_that_starts_a_speculative_stretch():
+    """A drafter with E = 1.5 tokens per 10 ms round beats 10 ms plain steps inside a speculative stretch; once a
+    stretch is measured to cost 10 ms more than its rounds (the plain tokens around it, a drafter catching up), it
+    no longer pays to start one."""
+    costs = {L: 10 * MS for L in range(1, 17)}
+    ch = chooser(costs, {"mtp": (1, "chain", 0.0, [0.5])}, probe_every=10 ** 9)
+    assert ch.choose({"mtp": 1}) == ("mtp", 1)
+    for _ in range(40):
+        ch.observe_switch(10 * MS)
+    assert ch.switch_cost == pytest.approx(10 * MS, rel=1e-3)
+    assert ch.rate("mtp", 1) == pytest.approx(1.5 / (10 * MS))  # the last choice was a drafter: no switch
+    ch._spec_last = False
+    assert ch.rate("mtp", 1) == pytest.approx(1.5 / (20 * MS), rel=1e-4)
+    assert ch.choose({"mtp": 1}) == (None, 0)  # a plain stretch is not interrupted
+    ch._spec_last, ch._memo = True, {}
+    assert ch.choose({"mtp": 1}) == ("mtp", 1)  # a running stretch goes on
+    ch.observe_switch(1.0)  # a one-second stall moves it by at most 0.25 × 8 plain steps
+    assert ch.switch_cost <= 0.75 * 10 * MS + 0.25 * 80 * MS + 1e-12
+
+
+def test_stretch_accounting_adds_lead_catch_up_and_restart(tiny, tmp_path):
+    """AutoDrafter: the plain token before a stretch (`lead`), each round's catch-up and the plain token after it
+    (`restart`) make one switch-cost sample; round overheads go to `round_overhead`."""
+    model, _, _ = tiny
+    auto = make_auto(model, ngram=4, calibration_dir=tmp_path)
+    ch = auto.chooser
+    P = ch.plain_cost
+    auto.lead(-0.9 * P)  # no next forward to wait for: shorter than a pipelined token
+    auto._round = (0.010, 0.004)  # measured draft + verify, catch-up of a drafter that sat idle
+    assert auto.end_round(0.0105)
+    assert ch.round_overhead * ch.scale == pytest.approx(0.1 * 0.0005)
+    auto._round = (0.010, 0.0)
+    assert auto.end_round(0.010)
+    assert not auto.end_round(0.010)  # no speculative round measured since: nothing to charge
+    auto.restart(1.1 * P)  # the first plain token after: its forward could not be queued early
+    assert ch.switch_cost * ch.scale == pytest.approx(0.25 * (-0.9 * P + 0.004 + 1.1 * P))

@@ -1,18 +1,24 @@
 """`auto`: per round, choose which drafter proposes (DFlash, MTP, n-gram prompt lookup) and how many drafts — or none,
 a plain step — to maximise expected committed tokens per second on *this* machine.
 
-Rate of an option (drafter d, k drafts):  E_d(k) / (draft_d(k) + s·C(k+1)),  plain: 1 / (s·C(1)), where
+Rate of an option (drafter d, k drafts):  E_d(k) / s·(draft_d(k) + C(k+1) + o [+ w]),  plain: 1 / (s·P), where
 - E_d(k) = 1 + Σ_{i≤k} Π_{j≤i} α_{d,j}: expected tokens per round, α_{d,j} the running (exponentially decayed,
   Beta(1,1)-prior) conditional acceptance of draft position j for drafter d, kept separately for greedy and sampling;
-- C(L): seconds of one target forward over L tokens, calibrated once per machine and model
-  (`load_or_calibrate`, cached as JSON) — the shape of the verify cost curve;
-- s: how much slower verification runs now than at calibration (measured every round: context length, load);
-- draft_d(k): the drafter's own measured seconds per round (constant in k for DFlash, which drafts a whole block in
-  one forward; linear for MTP's chain; ~0 for n-gram lookup).
-n-gram lookup is only an option in a round where the context's suffix occurred before (its drafts are known in
-advance: `peek`). Because plain is always one of the options and every option is scored in the same time unit,
-`auto` decodes plainly whenever no drafter pays (up to the cost of occasional probes: after `probe_every` plain
-rounds in a row, the best-scoring drafter is tried once so that its acceptance estimate can recover).
+- C(L): seconds of one target forward over L tokens and P: seconds per pipelined plain token, calibrated once per
+  machine and model (`load_or_calibrate`, cached as JSON);
+- s: how much slower the machine runs now than at calibration (every plain token and verify forward measures it:
+  context length, load); every other time is kept in calibrated units, so comparisons never mix speeds;
+- draft_d(k): the drafter's own measured time per round (constant in k for DFlash, which drafts a whole block in
+  one forward; linear for MTP's chain; ~0 for n-gram lookup);
+- o: a speculative round's measured time outside its draft and verify windows; w, charged only to a round that would
+  interrupt a plain stretch: what a speculative stretch measurably costs beyond its rounds (the plain tokens either
+  side lose their pipelining; a drafter that sat idle catches up on the tokens since it last drafted).
+After a plain round a drafter must also beat plain by `switch_margin` (10 %): every estimate is noisy and the best
+looking option is the one most likely overestimated. n-gram lookup is only an option in a round where the context's
+suffix occurred before (its drafts are known in advance: `peek`). Because plain is always one of the options and
+every option is scored in the same time unit, `auto` decodes plainly whenever no drafter pays (up to the cost of
+occasional probes: after `probe_every` plain rounds in a row, the best-scoring drafter is tried once so that its
+acceptance estimate can recover; the interval doubles while probes keep losing).
 
 `AutoChooser` is the pure decision logic (unit-tested against synthetic cost/acceptance tables); `AutoDrafter` is the
 engine-facing drafter holding several drafters in sync (all see every committed token and the union of their taps).
@@ -150,6 +156,8 @@ class Option:
     stats: dict = field(default_factory=dict)  # "greedy" | "sampling" -> AcceptanceStats
     decay: float = 0.97
     prior_alpha: dict = field(default_factory=dict)  # regime -> α from the drafter's measured τ (else 0.5)
+    idle: int = 0  # rounds since this option last drafted
+    probe_interval: int = 16  # idle rounds before a probe; doubles while its probes keep losing to plain
 
     def acceptance(self, regime: str) -> AcceptanceStats:
         if regime not in self.stats:
@@ -162,23 +170,44 @@ class Option:
 class AutoChooser:
     """Per round: the (option, k) with the highest expected tokens per second, or (None, 0) for a plain step.
 
-    verify_costs: {L: seconds of a target forward over L tokens} for L = 1..max_k+1 (the calibrated curve)."""
+    verify_costs: {L: seconds of a target forward over L tokens} for L = 1..max_k+1 (the calibrated curve);
+    plain_cost: calibrated seconds per pipelined plain token (default: the single forward, verify_costs[1]).
 
-    def __init__(self, verify_costs: dict[int, float], probe_every: int = 16, scale_ema: float = 0.1):
+    Every time is kept in calibrated units: one running `scale` (how much slower the machine runs now than at
+    calibration, measured by every plain token) converts each measurement when it comes in. A slowdown seen while
+    decoding plainly (another process, a longer context) then raises the drafters' costs too, and every comparison
+    stays between figures measured at the same speed. A verify round does more than the calibrated forward
+    (sampling the target's distributions, the acceptance test, rewinding): `verify_factor` (per regime) is its
+    measured time over the calibrated forward's."""
+
+    def __init__(self, verify_costs: dict[int, float], probe_every: int = 16, scale_ema: float = 0.1,
+                 switch_margin: float = 0.1, plain_cost: float | None = None):
         if 1 not in verify_costs:
             raise ValueError("verify_costs needs L = 1 (a plain step)")
         self.costs = {int(L): float(c) for L, c in verify_costs.items()}
+        self.plain_cal = float(plain_cost) if plain_cost else self.costs[1]
         self.options: dict[str, Option] = {}
         self.probe_every, self.scale_ema = probe_every, scale_ema
-        self.scale = 1.0  # measured verify time / calibrated, EMA
-        self.plain_cost: float | None = None  # measured seconds per plain (pipelined) token, EMA
-        # seconds a speculative round spends outside its measured draft and verify windows (choosing, committing,
-        # the drafters' bookkeeping), EMA: in plain stretches the same work hides behind the pipelined forward
+        # to interrupt a plain stretch a drafter must promise this much more than plain decoding: every estimate
+        # is noisy, and the option that looks best is the one most likely overestimated (inside a speculative
+        # stretch it only has to beat plain)
+        self.switch_margin = switch_margin
+        self._spec_last = False  # the latest choice was a drafter
+        self.scale = 1.0  # measured / calibrated time of a plain token, EMA
+        self.verify_factor: dict[str, float] = {}  # regime -> measured verify round / calibrated forward, EMA
+        # calibrated seconds a speculative round spends outside its measured draft and verify windows (choosing,
+        # committing, the drafters' bookkeeping), EMA
         self.round_overhead = 0.0
-        self._plain_run = 0
-        self.probe_interval = probe_every  # doubles (up to max_probe_every) while probes keep losing to plain
-        self.max_probe_every = 16 * probe_every
+        # calibrated seconds a speculative stretch costs beyond its rounds, EMA over stretches: what the plain tokens
+        # on either side of it lost to the interrupted pipeline and what the drafter spent catching up on the tokens
+        # it had not drafted from; charged to the round that would start a stretch
+        self.switch_cost = 0.0
+        self.max_probe_every = 64 * probe_every  # each option's probe interval doubles up to this
         self._probing = False
+        # best choice per (regime, after a drafter?, available caps), kept until an estimate changes: inside a plain
+        # stretch only the machine's speed moves, which scales every rate alike, so a plain round does not pay for
+        # scoring every option and width again (on a small model that Python work is a measurable share of a step)
+        self._memo: dict = {}
         self.chosen: Counter = Counter()  # (name or "plain", k) -> rounds
 
     def add(self, name: str, max_k: int, shape: str, draft_prior: float | None = None, decay: float = 0.97,
@@ -192,93 +221,130 @@ class AutoChooser:
         alphas = {} if not measured_tau else {
             regime: alpha_from_tau(measured_tau[regime], int(measured_tau["width"]))
             for regime in ("greedy", "sampling") if measured_tau.get(regime) is not None}
-        opt = Option(name, max_k, DraftCost(shape, prior), decay=decay, prior_alpha=alphas)
+        opt = Option(name, max_k, DraftCost(shape, prior), decay=decay, prior_alpha=alphas,
+                     probe_interval=self.probe_every)
         self.options[name] = opt
+        self._memo.clear()
         return opt
 
-    def verify_cost(self, L: int) -> float:
-        return self.scale * self.costs[L]
+    @property
+    def plain_cost(self) -> float:
+        """Seconds per pipelined plain token now."""
+        return self.scale * self.plain_cal
 
     def rate(self, name: str | None, k: int, regime: str = "greedy") -> float:
-        """Expected committed tokens per second of `k` drafts from option `name` (None or k = 0: a plain step)."""
+        """Expected committed tokens per second of `k` drafts from option `name` (None or k = 0: a plain step) if
+        chosen now: after a plain round a drafter's round also carries the cost of switching to it."""
         if name is None or k == 0:
-            return 1.0 / (self.plain_cost if self.plain_cost is not None else self.verify_cost(1))
+            return 1.0 / self.plain_cost
+        return self.rates(name, k, regime)[k - 1]
+
+    def rates(self, name: str, cap: int, regime: str = "greedy") -> list[float]:
+        """[rate(name, k) for k = 1..min(cap, max_k)] in one pass (called every round, plain ones included)."""
         opt = self.options[name]
-        return opt.acceptance(regime).expected_tokens(k) / (opt.cost(k) + self.verify_cost(k + 1)
-                                                             + self.round_overhead)
+        stats = opt.acceptance(regime)
+        fixed = max(0.0, self.round_overhead) + (0.0 if self._spec_last else max(0.0, self.switch_cost))
+        vf = self.verify_factor.get(regime, 1.0)
+        out, e, p = [], 1.0, 1.0
+        for k in range(1, min(cap, opt.max_k) + 1):
+            p *= stats.alpha(k - 1)
+            e += p
+            out.append(e / (self.scale * (opt.cost(k) + vf * self.costs[k + 1] + fixed)))
+        return out
 
     def best(self, available: dict[str, int], regime: str = "greedy") -> tuple[str | None, int, float]:
-        """The best (name, k, rate) over the options in `available` ({name: most drafts it can give now})."""
-        best_name, best_k, best_rate = None, 0, self.rate(None, 0)
+        """The best (name, k, rate) over the options in `available` ({name: most drafts it can give now}); after a
+        plain round a drafter has to beat plain decoding by `switch_margin`."""
+        plain = self.rate(None, 0)
+        best_name, best_k, best_rate = None, 0, plain
+        bar = plain * (1 + 1e-9 + (0.0 if self._spec_last else self.switch_margin))
         for name, cap in available.items():
             if name not in self.options:
                 raise KeyError(f"unknown option {name!r}")
-            for k in range(1, min(cap, self.options[name].max_k) + 1):
-                r = self.rate(name, k, regime)
-                if r > best_rate * (1 + 1e-9):
+            for k, r in enumerate(self.rates(name, cap, regime), start=1):
+                if r > bar and r > best_rate * (1 + 1e-9):
                     best_name, best_k, best_rate = name, k, r
         return best_name, best_k, best_rate
 
     def choose(self, available: dict[str, int], regime: str = "greedy") -> tuple[str | None, int]:
-        name, k, _ = self.best(available, regime)
+        """The best option now; when that is a plain step, an option idle for its `probe_interval` rounds is tried
+        once instead (the best-scoring one of those due) so that its acceptance estimate can recover."""
+        key = (regime, self._spec_last, tuple(available.items()))
+        if key not in self._memo:
+            self._memo[key] = self.best(available, regime)[:2]
+        name, k = self._memo[key]
+        for opt in self.options.values():
+            opt.idle += 1
         if name is None:
-            self._plain_run += 1
-            if self._plain_run >= self.probe_interval and available:  # probe the best-scoring drafter once
-                cands = [(max(self.rate(n, j, regime) for j in range(1, min(c, self.options[n].max_k) + 1)), n, c)
-                         for n, c in available.items() if min(c, self.options[n].max_k) >= 1]
-                if cands:
-                    _, name, cap = max(cands)
-                    k = min(cap, self.options[name].max_k, 4)
-                    self._plain_run = 0
-                    self._probing = True
+            due = [(max(self.rates(n, c, regime)), n, c) for n, c in available.items()
+                   if self.options[n].idle >= self.options[n].probe_interval and min(c, self.options[n].max_k) >= 1]
+            if due:
+                _, name, cap = max(due)
+                k = min(cap, self.options[name].max_k, 4)
+                self._probing = True
         else:
-            self._plain_run = 0
-            self.probe_interval = self.probe_every  # a drafter wins on its own: probing at the base rate again
+            self.options[name].probe_interval = self.probe_every  # it wins on its own: probed at the base rate
+        if name is not None:
+            self.options[name].idle = 0
         self.chosen[(name or "plain", k)] += 1
+        self._spec_last = name is not None
         return name, k
 
     def update(self, name: str | None, k: int, n_accepted: int, regime: str = "greedy",
                draft_time: float | None = None, verify_time: float | None = None) -> None:
         """After a round: k drafts of `name` proposed, n accepted; measured draft and verify seconds."""
+        self._memo.clear()
         if name is not None and k > 0:
             opt = self.options[name]
             opt.acceptance(regime).update(k, n_accepted)
             if draft_time is not None:
-                opt.cost.observe(k, draft_time)
-            if self._probing:  # a probe that still loses to plain: probe half as often
+                opt.cost.observe(k, draft_time / self.scale)
+            if self._probing:  # a probe that still loses to plain: probe it half as often
                 wins = self.best({name: opt.max_k}, regime)[0] is not None
-                self.probe_interval = self.probe_every if wins else min(2 * self.probe_interval,
-                                                                         self.max_probe_every)
+                opt.probe_interval = self.probe_every if wins else min(2 * opt.probe_interval, self.max_probe_every)
         self._probing = False
-        L = k + 1 if name is not None else 1
-        if verify_time is not None and L == 1:
-            self.observe_plain(verify_time)
-        elif verify_time is not None and L in self.costs and self.costs[L] > 0:
-            self.scale = robust_ema(self.scale, verify_time / self.costs[L], self.scale_ema)
+        if verify_time is None:
+            return
+        if name is None or k == 0:  # a plain step through the speculative engine (not pipelined)
+            self.scale = robust_ema(self.scale, verify_time / self.costs[1], self.scale_ema)
+        elif k + 1 in self.costs and self.costs[k + 1] > 0:
+            x = verify_time / (self.scale * self.costs[k + 1])
+            self.verify_factor[regime] = robust_ema(self.verify_factor.get(regime, 1.0), x, self.scale_ema)
 
     def observe_round_overhead(self, seconds: float) -> None:
-        """Measured wall time of a speculative round minus its measured draft and verify time. An EMA from 0, each
-        sample capped at two plain steps: one stall (another process, a first-call kernel build) cannot lock the
-        drafters out, a lasting overhead comes through within ~20 speculative rounds."""
-        cap = 2.0 * (self.plain_cost if self.plain_cost is not None else self.verify_cost(1))
-        x = min(max(seconds, 0.0), cap)
+        """Measured wall time of a speculative round (from the previous round's commit to its own) minus its
+        measured draft and verify time. An EMA from 0, each sample capped at two plain steps: one stall (another
+        process, a first-call kernel build) cannot lock the drafters out, a lasting overhead comes through within
+        ~20 speculative rounds."""
+        x = min(max(seconds / self.scale, 0.0), 2.0 * self.plain_cal)
         self.round_overhead = (1 - self.scale_ema) * self.round_overhead + self.scale_ema * x
+        self._memo.clear()
+
+    def observe_switch(self, seconds: float, ema: float = 0.25) -> None:
+        """What one speculative stretch cost beyond its rounds (`switch_cost`). Samples may be negative (the plain
+        token before a stretch had no next forward to wait for); each is clipped to ±8 plain steps."""
+        cap = 8.0 * self.plain_cal
+        self.switch_cost = (1 - ema) * self.switch_cost + ema * min(max(seconds / self.scale, -cap), cap)
+        self._memo.clear()
 
     def observe_plain(self, seconds: float) -> None:
-        """Measured seconds of one plain token (what plain decoding costs now, pipelining included)."""
-        self.plain_cost = robust_ema(self.plain_cost, seconds, self.scale_ema)
+        """Measured seconds of one pipelined plain token: how fast the machine runs now."""
+        self.scale = robust_ema(self.scale, seconds / self.plain_cal, self.scale_ema)
 
     def summary(self) -> dict:
         return {
-            "plain_token_ms_now": None if self.plain_cost is None else round(1000 * self.plain_cost, 3),
+            "plain_token_ms_now": round(1000 * self.plain_cost, 3),
+            "plain_token_ms_calibrated": round(1000 * self.plain_cal, 3),
             "verify_cost_ms": {L: round(1000 * c, 3) for L, c in sorted(self.costs.items())},
             "verify_cost_ratio": {L - 1: round(c / self.costs[1], 3) for L, c in sorted(self.costs.items())},
-            "verify_scale_now": round(self.scale, 3),
-            "round_overhead_ms": round(1000 * self.round_overhead, 3),
+            "speed_scale_now": round(self.scale, 3),
+            "verify_factor": {r: round(v, 3) for r, v in sorted(self.verify_factor.items())},
+            "round_overhead_ms": round(1000 * self.scale * self.round_overhead, 3),
+            "switch_cost_ms": round(1000 * self.scale * self.switch_cost, 3),
             "chosen": {f"{n}:{k}": c for (n, k), c in sorted(self.chosen.items(), key=lambda x: (x[0][0], x[0][1]))},
             "acceptance": {n: {reg: [round(s.alpha(j), 3) for j in range(s.max_k)] for reg, s in o.stats.items()}
                            for n, o in self.options.items()},
-            "draft_cost_ms": {n: {k: round(1000 * v, 3) for k, v in sorted(o.cost.by_k.items())}
+            "draft_cost_ms": {n: {k: round(1000 * self.scale * v, 3) for k, v in sorted(o.cost.by_k.items())}
                               for n, o in self.options.items()},
         }
 
@@ -321,12 +387,34 @@ def model_fingerprint(model) -> str:
     return h.hexdigest()[:12]
 
 
-def calibrate(model, taps, max_len: int, context: int = CALIBRATION_CONTEXT, repeats: int = 5) -> dict[int, float]:
-    """Seconds of a target forward over L = 1..max_len tokens (with `taps`) after `context` cached tokens."""
+def pipelined_step_cost(model, cache, taps, n: int = 16) -> float:
+    """Seconds per token of plain decoding at the cache's current length, each step queued (async) before the
+    previous token is read back, as `PlainDecoder` and auto's plain stretches run (the cache is rewound after)."""
+    from ..cache import rewind_cache
+
+    y = mx.zeros((1,), dtype=mx.int32)
+    times = []
+    for i in range(n + 1):
+        t0 = time.perf_counter()
+        logits, tapped = model(y.reshape(1, 1), cache, taps=taps)
+        nxt = mx.argmax(logits[:, -1], axis=-1).astype(mx.int32)
+        mx.async_eval(nxt, *tapped)
+        int(y.item())
+        y = nxt
+        times.append(time.perf_counter() - t0)
+    mx.eval(y)
+    rewind_cache(cache, n + 1)
+    return sorted(times[1:])[n // 2]  # the median: the first step had nothing to overlap with
+
+
+def calibrate(model, taps, max_len: int, context: int = CALIBRATION_CONTEXT,
+              repeats: int = 5) -> tuple[dict[int, float], float]:
+    """({L: seconds of a target forward over L tokens (with `taps`)}, seconds per pipelined plain token), both
+    after `context` cached tokens."""
     from ..generate import prefill
     from .adaptive import measure_verify_costs
 
-    cache = model.make_cache(max_rewind=max(64, max_len))
+    cache = model.make_cache(max_rewind=max(64, max_len, 17))
     ids = [int(x) for x in (mx.arange(context) % max(2, model.args.vocab_size - 2) + 2).tolist()]
     logits, tapped = prefill(model, cache, ids, taps=tuple(taps))
     mx.eval(logits, tapped)
@@ -341,14 +429,16 @@ def calibrate(model, taps, max_len: int, context: int = CALIBRATION_CONTEXT, rep
     for L in sorted(raw):
         top = max(top, raw[L])
         costs[L] = top
-    return costs
+    plain = min(pipelined_step_cost(model, cache, tuple(taps)) for _ in range(2))
+    return costs, min(plain, costs[1])
 
 
 def load_or_calibrate(model, taps, max_len: int, *, directory=None, recalibrate: bool = False,
                       log=None) -> tuple[dict[int, float], dict]:
     """The verify cost curve for this machine and model, from the cache file or measured now (then cached).
 
-    Returns ({L: seconds}, info) with info = {"path", "cached", "machine", "model", "context"}."""
+    Returns ({L: seconds}, info) with info = {"path", "cached", "machine", "model", "context", "plain_token_s"}
+    (plain_token_s: seconds per token of pipelined plain decoding, measured with the curve)."""
     d = Path(directory) if directory is not None else cache_dir()
     machine, mod = machine_fingerprint(), model_fingerprint(model)
     taps = sorted(int(t) for t in taps)
@@ -359,19 +449,20 @@ def load_or_calibrate(model, taps, max_len: int, *, directory=None, recalibrate:
             raw = json.loads(path.read_text())
             costs = {int(L): float(c) for L, c in raw["costs_s"].items()}
             if all(L in costs for L in range(1, max_len + 1)):
-                return costs, {**info, "cached": True}
+                return costs, {**info, "cached": True, "plain_token_s": float(raw["plain_token_s"])}
         except (OSError, ValueError, KeyError, TypeError):
             pass  # unreadable or too short: measure again
     if log:
         log(f"calibrating the verify cost curve (L = 1..{max_len}) for this machine and model → {path}")
-    costs = calibrate(model, taps, max_len)
+    costs, plain = calibrate(model, taps, max_len)
     d.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"machine": machine, "model": mod, "taps": taps, "context": CALIBRATION_CONTEXT,
                                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                               "costs_s": {str(L): c for L, c in costs.items()}}, indent=2))
+                               "costs_s": {str(L): c for L, c in costs.items()}, "plain_token_s": plain},
+                              indent=2))
     tmp.replace(path)
-    return costs, {**info, "cached": False}
+    return costs, {**info, "cached": False, "plain_token_s": plain}
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -411,19 +502,40 @@ class AutoDrafter:
             verify_costs, self.calibration = load_or_calibrate(target, self.taps, self.max_drafts + 1,
                                                                directory=calibration_dir, recalibrate=recalibrate,
                                                                log=log)
-        self.chooser = AutoChooser(verify_costs, probe_every=probe_every)
+        self.chooser = AutoChooser(verify_costs, probe_every=probe_every,
+                                   plain_cost=self.calibration.get("plain_token_s"))
         for n, d in self.drafters.items():
             self.chooser.add(n, d.max_drafts, _SHAPES[n], measured_tau=getattr(d, "measured_tau", None))
         self._pending = None
-        self._measured = None  # draft + verify seconds of the last speculative round (steady ones only)
+        self._round = None  # (draft + verify seconds, catch-up seconds) of the last speculative round
+        self._stretch = 0.0  # the running speculative stretch's cost beyond its rounds (`lead`, catch-ups)
         self._decided = None  # (name, k) chosen ahead by `plan`
         self._backlog = {n: 0 for n in self.drafters}  # tokens committed since each drafter last proposed
+        # committed (taps, tokens) not yet handed to a drafter: in a plain stretch DFlash and MTP get them in one
+        # batch when they next draft (`_sync`), instead of paying per-token bookkeeping for every plain token
+        self._held = {n: [] for n in self.drafters}
 
     def start(self, taps: list[mx.array], ids: list[int]) -> None:
         for n, d in self.drafters.items():
             d.start([taps[i] for i in self._tap_idx[n]], ids)
-        self._pending = self._decided = self._measured = None
+        self._pending = self._decided = self._round = None
+        self._stretch = 0.0
         self._backlog = {n: 0 for n in self.drafters}
+        self._held = {n: [] for n in self.drafters}
+
+    def _sync(self, name: str | None = None) -> None:
+        """Hand drafter `name` (None: every drafter) what it was held back, in one `accept`."""
+        for n in [name] if name is not None else list(self.drafters):
+            held = self._held[n]
+            if not held:
+                continue
+            if len(held) == 1:
+                taps, toks = held[0]
+            else:
+                taps = [mx.concatenate([h[0][j] for h in held], axis=1) for j in range(len(held[0][0]))]
+                toks = [t for h in held for t in h[1]]
+            self.drafters[n].accept(taps, toks)
+            held.clear()
 
     def _available(self, k: int) -> dict[str, int]:
         """{drafter: most drafts it can give now}; n-gram lookup only where the context's suffix occurred before."""
@@ -458,32 +570,56 @@ class AutoDrafter:
         else:
             # a drafter that sat idle catches up on its backlog while drafting: not its steady-state cost
             steady = self._backlog[name] <= self.drafters[name].max_drafts + 1
+            self._sync(name)
             drafts, q = self.drafters[name].propose(anchor, pos, kk, sampler, history)
             self._backlog[name] = 0
         t1 = time.perf_counter()
-        self._pending = (name, len(drafts), regime, t1 - t0 if steady else None, t1)
+        self._pending = (name, len(drafts), regime, t1 - t0, steady, t1)
         return drafts, q
 
     def accept(self, taps: list[mx.array], new_tokens: list[int]) -> None:
         now = time.perf_counter()
         if self._pending is not None:
-            name, k, regime, t_draft, t1 = self._pending
-            self.chooser.update(name if k else None, k, len(new_tokens) - 1, regime, t_draft, now - t1)
-            self._measured = None if (not k or t_draft is None) else t_draft + (now - t1)
+            name, k, regime, t_draft, steady, t1 = self._pending
+            self.chooser.update(name if k else None, k, len(new_tokens) - 1, regime, t_draft if steady else None,
+                                now - t1)
+            catch_up = 0.0 if steady or not k else t_draft - self.chooser.scale * self.chooser.options[name].cost(k)
+            self._round = (t_draft + now - t1, catch_up) if k else None
             self._pending = None
         for n, d in self.drafters.items():
-            d.accept([taps[i] for i in self._tap_idx[n]], new_tokens)
+            mine = [taps[i] for i in self._tap_idx[n]]
+            if n == "ngram":  # its index is read every round (`peek`): kept current
+                d.accept(mine, new_tokens)
+            else:
+                self._held[n].append((mine, list(new_tokens)))
             self._backlog[n] += len(new_tokens)
 
-    def end_round(self, seconds: float) -> None:
-        """The whole round took `seconds` (AutoDecoder: from deciding it to committing its tokens): what its draft
-        and verify windows did not cover is overhead every speculative round pays."""
-        if self._measured is not None:
-            self.chooser.observe_round_overhead(seconds - self._measured)
-        self._measured = None
+    def end_round(self, seconds: float) -> bool:
+        """The whole round took `seconds` (AutoDecoder: from the previous round's commit to this one's): what its
+        draft and verify windows did not cover is overhead every speculative round pays; what its drafter spent
+        catching up goes to the stretch. True if this was a speculative round."""
+        if self._round is None:
+            return False
+        measured, catch_up = self._round
+        self.chooser.observe_round_overhead(seconds - measured)
+        self._stretch += catch_up
+        self._round = None
+        return True
+
+    def lead(self, extra: float) -> None:
+        """A speculative stretch starts after a plain token that took `extra` seconds more than a pipelined one
+        (negative when less: it had no next forward to queue)."""
+        self._stretch = extra
+
+    def restart(self, extra: float) -> None:
+        """The stretch ended: the plain token after it took `extra` seconds more than a pipelined one (its forward
+        could not be queued behind the previous round's). Its whole cost beyond its rounds is then known."""
+        self.chooser.observe_switch(self._stretch + extra)
+        self._stretch = 0.0
 
     # -- prompt-cache reuse (session.Session) -------------------------------------------------------------------------
     def context_length(self) -> int:
+        self._sync()
         return min(d.context_length() for d in self.drafters.values())
 
     def rewind_context(self, keep: int) -> int:
@@ -494,6 +630,7 @@ class AutoDrafter:
         for d in self.drafters.values():
             if not hasattr(d, "rewind_context"):
                 raise CacheRewindError(f"the {d.kind} drafter cannot extend its state")
+        self._sync()
         self._rewound = {n: d.rewind_context(keep) for n, d in self.drafters.items()}
         self._pending = self._decided = None
         return min(self._rewound.values())
@@ -541,6 +678,8 @@ class AutoDecoder(_engine().SpeculativeDecoder):
         super().__init__(model, drafter, sampler, None, prefill_step, cache)
         self._queued = None
         self.plain_rounds = 0
+        self._t_commit = None  # when the previous round's tokens were committed (None before the first)
+        self._after = None  # what that round was: "plain", "spec" (a measured speculative round) or None
 
     def _regime(self) -> str:
         return "greedy" if self.sampler.params.greedy else "sampling"
@@ -563,25 +702,46 @@ class AutoDecoder(_engine().SpeculativeDecoder):
         return y, taps
 
     def step(self, budget: int) -> list[int]:
+        """One round. Timing is commit to commit (everything between two rounds' results, the consumer's work
+        included): a plain token inside a plain stretch is what plain decoding costs now; a speculative round is
+        charged what its draft and verify windows missed; a speculative stretch, what the plain tokens on either
+        side of it cost beyond pipelined ones and what its drafters spent catching up (`AutoChooser.switch_cost`)."""
+        auto, t_prev = self.drafter, self._t_commit
+        if self._first is not None and budget > 1 and (budget == 2 or auto.plan(min(self.max_k, budget - 2),
+                                                                                 self._regime())):
+            t, self._first = self._first, None  # the prefill's token, and a plain round follows: queue its
+            self.history.append(t)  # forward now, as plain decoding does, while the caller handles this token
+            self._queued = self._forward(t)
+            self._t_commit = time.perf_counter()
+            return [t]
         if self._queued is None:
-            t_round = time.perf_counter()
-            if (self._first is not None or budget <= 1 or self.drafter._decided is not None
-                    or not self.drafter.plan(min(self.max_k, budget - 1), self._regime())):
+            if (self._first is not None or budget <= 1 or auto._decided is not None
+                    or not auto.plan(min(self.max_k, budget - 1), self._regime())):
                 out = super().step(budget)  # a speculative round (decided by plan, or propose decides)
-                self.drafter.end_round(time.perf_counter() - t_round)
+                now = time.perf_counter()
+                spec = t_prev is not None and auto.end_round(now - t_prev)
+                self._after, self._t_commit = ("spec" if spec else None), now
                 return out
             self._queued = self._forward(self.history[-1])
         t0 = time.perf_counter()
         y, taps = self._queued
         self._queued = None
         left = budget - 1  # after this token
-        if left == 1 or (left > 1 and self.drafter.plan(min(self.max_k, left - 1), self._regime())):
+        if left == 1 or (left > 1 and auto.plan(min(self.max_k, left - 1), self._regime())):
             self._queued = self._forward(y)  # the next round is plain too: queue it before reading y
         t = int(y.item())
-        self.drafter.accept(taps, [t])
-        dt = time.perf_counter() - t0
-        self.drafter.chooser.observe_plain(dt)
-        self.t_verify += dt
+        auto.accept(taps, [t])
+        now = time.perf_counter()
+        if t_prev is not None:
+            excess = now - t_prev - auto.chooser.plain_cost
+            if self._after == "spec":  # the first plain token after a speculative stretch
+                auto.restart(excess)
+            elif self._after == "plain" and self._queued is not None:  # inside a plain stretch
+                auto.chooser.observe_plain(now - t_prev)
+            elif self._after == "plain":  # the last plain token before a speculative round
+                auto.lead(excess)
+        self._after, self._t_commit = "plain", now
+        self.t_verify += now - t0
         self.plain_rounds += 1
         return self._commit([t])
 

@@ -58,7 +58,7 @@ def render_table(res: dict) -> list:
             tot = sum(ch.values()) or 1
             by = {}
             for key, v in ch.items():
-                name = key.split(":")[0]
+                name = key.split(":")[0].split("@")[0]  # n-gram options are per matched size
                 by[name] = by.get(name, 0) + v
             parts.append(f"{c}: " + " ".join(f"{n} {100 * v / tot:.0f}%" for n, v in sorted(by.items())))
         notes.append(f"auto's rounds by drafter, {tkey}: " + "; ".join(parts))

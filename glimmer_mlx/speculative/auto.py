@@ -477,7 +477,11 @@ class AutoDrafter:
 
     Every sub-drafter sees every committed token (`accept`) with its own taps out of the union, so any of them can
     propose in any round. Keep one AutoDrafter per target for a process: what it learns (acceptance, draft costs)
-    carries over between requests, decaying as it goes."""
+    carries over between requests, decaying as it goes.
+
+    n-gram lookup is one option per matched n-gram size ("ngram@1" … "ngram@4"): a continuation found after a
+    4-gram is far more often right than one found after a single token, and pooling them would hide the good
+    matches behind the many poor ones."""
 
     kind = "auto"
     width_name = "auto drafts"
@@ -504,8 +508,12 @@ class AutoDrafter:
                                                                log=log)
         self.chooser = AutoChooser(verify_costs, probe_every=probe_every,
                                    plain_cost=self.calibration.get("plain_token_s"))
+        self._kind_of: dict[str, str] = {}  # option name -> drafter kind
         for n, d in self.drafters.items():
-            self.chooser.add(n, d.max_drafts, _SHAPES[n], measured_tau=getattr(d, "measured_tau", None))
+            names = [n] if n != "ngram" else [f"ngram@{m}" for m in range(d.index.min_n, d.index.max_n + 1)]
+            for name in names:
+                self.chooser.add(name, d.max_drafts, _SHAPES[n], measured_tau=getattr(d, "measured_tau", None))
+                self._kind_of[name] = n
         self._pending = None
         self._round = None  # (draft + verify seconds, catch-up seconds) of the last speculative round
         self._stretch = 0.0  # the running speculative stretch's cost beyond its rounds (`lead`, catch-ups)
@@ -538,12 +546,14 @@ class AutoDrafter:
             held.clear()
 
     def _available(self, k: int) -> dict[str, int]:
-        """{drafter: most drafts it can give now}; n-gram lookup only where the context's suffix occurred before."""
+        """{option: most drafts it can give now}; n-gram lookup only where the context's suffix occurred before, as
+        the option of the matched size."""
         available = {}
         for n, d in self.drafters.items():
             cap = min(k, d.max_drafts)
             if n == "ngram":
-                cap = len(d.peek(cap)[0])
+                drafts, m = d.peek(cap)
+                cap, n = len(drafts), f"ngram@{m}"
             if cap >= 1:
                 available[n] = cap
         return available
@@ -569,10 +579,11 @@ class AutoDrafter:
             drafts, q = [], None
         else:
             # a drafter that sat idle catches up on its backlog while drafting: not its steady-state cost
-            steady = self._backlog[name] <= self.drafters[name].max_drafts + 1
-            self._sync(name)
-            drafts, q = self.drafters[name].propose(anchor, pos, kk, sampler, history)
-            self._backlog[name] = 0
+            kind = self._kind_of[name]
+            steady = self._backlog[kind] <= self.drafters[kind].max_drafts + 1
+            self._sync(kind)
+            drafts, q = self.drafters[kind].propose(anchor, pos, kk, sampler, history)
+            self._backlog[kind] = 0
         t1 = time.perf_counter()
         self._pending = (name, len(drafts), regime, t1 - t0, steady, t1)
         return drafts, q

@@ -482,3 +482,21 @@ def test_stretch_accounting_adds_lead_catch_up_and_restart(tiny, tmp_path):
     assert not auto.end_round(0.010)  # no speculative round measured since: nothing to charge
     auto.restart(1.1 * P)  # the first plain token after: its forward could not be queued early
     assert ch.switch_cost * ch.scale == pytest.approx(0.25 * (-0.9 * P + 0.004 + 1.1 * P))
+
+
+def test_adaptive_block_width_takes_the_cached_calibration(tiny, tmp_path, monkeypatch):
+    """`block_size="auto"` (per-round width for one drafter) reads the verify cost curve `auto` calibrates once per
+    machine and model instead of measuring it after every prefill (it used to cost each request ~0.7 s of TTFT)."""
+    import glimmer_mlx.speculative.auto as auto_mod
+
+    model, _, dpath = tiny
+    monkeypatch.setenv("GLIMMER_MLX_CACHE_DIR", str(tmp_path))
+    calls, real = [], auto_mod.calibrate
+    monkeypatch.setattr(auto_mod, "calibrate", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    d = glimmer_mlx.load_drafter(dpath, model)
+    prompt = [5, 6, 7, 8, 9] * 3
+    plain = glimmer_mlx.generate(model, prompt, max_tokens=12).tokens
+    for _ in range(3):
+        r = glimmer_mlx.generate(model, prompt, max_tokens=12, drafter=d, block_size="auto")
+        assert r.tokens == plain and r.stats.extra["adaptive"]
+    assert calls == [1] and len(list(tmp_path.glob("costs-*.json"))) == 1

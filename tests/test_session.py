@@ -99,7 +99,7 @@ def test_common_prefix():
 
 @pytest.mark.parametrize("mode,width", [("ar", None), ("dflash", None), ("dflash", 3), ("dflash", "auto"),
                                         ("mtp", 2), ("mtp", 3), ("auto", None)])
-def test_reuse_matches_fresh_generation(spec_models, monkeypatch, mode, width):
+def test_reuse_matches_fresh_generation(spec_models, monkeypatch, tmp_path, mode, width):
     """Four turns of a growing conversation: every turn prefills only what is new (counted at the prefill), the
     output equals a fresh generation on the whole prompt, and the resumed drafter proposes exactly the drafts a
     freshly started one does (drafter state extended, not restarted)."""
@@ -108,6 +108,11 @@ def test_reuse_matches_fresh_generation(spec_models, monkeypatch, mode, width):
     # auto: speculative.auto's per-round choice among DFlash, MTP and n-gram lookup (all extended each turn)
     drafter = {"ar": None, "dflash": dflash, "mtp": mtp, "auto": session.auto_drafter()}[mode]
     reference = copy.copy(drafter) if mode in ("dflash", "mtp") else None  # same weights, its own state
+    if width == "auto":  # the verify cost curve is calibrated once per machine and model (cached): not per turn
+        from glimmer_mlx.speculative.auto import load_or_calibrate
+
+        monkeypatch.setenv("GLIMMER_MLX_CACHE_DIR", str(tmp_path))
+        load_or_calibrate(model, drafter.taps, drafter.max_drafts + 1)
     counter = Counter(monkeypatch)
     starts = []
     if drafter is not None:

@@ -18,7 +18,7 @@ import mlx.core as mx
 from ..cache import rewind_cache
 from ..generate import DEFAULT_PREFILL_STEP, prefill
 from ..sampling import Sampler
-from .adaptive import AdaptiveWidth, measure_verify_costs
+from .adaptive import AdaptiveWidth
 from .verify import target_distribution, verify_greedy, verify_sampling
 from ..kernels import install_block_kernels
 
@@ -62,7 +62,9 @@ class SpeculativeDecoder:
         else:
             self.drafter.start(taps, self.history + [self._first])
         if self.adaptive and self.chooser is None:  # a session may hand over the chooser of its previous turn
-            costs = measure_verify_costs(self.model, self.cache, self.taps, self.max_k)
+            from .auto import load_or_calibrate  # the verify cost curve measured once per machine and model, cached
+
+            costs, _ = load_or_calibrate(self.model, self.taps, self.max_k + 1)
             self.chooser = AdaptiveWidth(self.max_k, costs)
 
     def _hist(self):

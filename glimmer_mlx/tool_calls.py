@@ -484,6 +484,23 @@ def _bare_call(text: str) -> bool | None:
     return bool(objs) and all(isinstance(o, dict) and ("name" in o or "function" in o) for o in objs)
 
 
+def _tool_call_blocks(body: str) -> tuple[str, list[str], str | None]:
+    """(the text outside `<tool_call>…</tool_call>` blocks, the blocks' payloads in order, the payload of a last
+    block never closed — None if every block was closed)."""
+    out, blocks, pos = [], [], 0
+    while True:
+        j = body.find(_TC_OPEN, pos)
+        if j < 0:
+            out.append(body[pos:])
+            return "".join(out), blocks, None
+        out.append(body[pos:j])
+        e = body.find(_TC_CLOSE, j)
+        if e < 0:
+            return "".join(out), blocks, body[j + len(_TC_OPEN):]
+        blocks.append(body[j + len(_TC_OPEN):e])
+        pos = e + len(_TC_CLOSE)
+
+
 class JsonToolParser(ToolParser):
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Hermes/Qwen style), or an output that is
     nothing but a JSON call object / list of them (optionally in a ```json fence)."""
@@ -495,21 +512,12 @@ class JsonToolParser(ToolParser):
         body, reasoning, _ = _strip_think(text)
         for t in _TERMINATORS:
             body = body.replace(t, "")
-        calls, out, pos = [], [], 0
-        while True:
-            j = body.find(_TC_OPEN, pos)
-            if j < 0:
-                out.append(body[pos:])
-                break
-            out.append(body[pos:j])
-            e = body.find(_TC_CLOSE, j)
-            if e < 0:
-                errors.append(f"<tool_call> is not closed with </tool_call> (output truncated?): "
-                              f"{_snip(body[j + len(_TC_OPEN):])}; it was not run")
-                break
-            calls += _json_calls(body[j + len(_TC_OPEN):e].strip(), errors, "<tool_call>")
-            pos = e + len(_TC_CLOSE)
-        content = "".join(out).strip()
+        outside, blocks, unclosed = _tool_call_blocks(body)
+        calls = [c for b in blocks for c in _json_calls(b.strip(), errors, "<tool_call>")]
+        if unclosed is not None:
+            errors.append(f"<tool_call> is not closed with </tool_call> (output truncated?): {_snip(unclosed)}; "
+                          "it was not run")
+        content = outside.strip()
         if not calls and _TC_OPEN not in body:
             bare = _unfence(content)
             if _bare_call(bare):
@@ -519,18 +527,7 @@ class JsonToolParser(ToolParser):
 
     def visible(self, text_so_far: str) -> str:
         body, _, _ = _strip_think(text_so_far)
-        out, pos = [], 0
-        while True:
-            j = body.find(_TC_OPEN, pos)
-            if j < 0:
-                out.append(body[pos:])
-                break
-            out.append(body[pos:j])
-            e = body.find(_TC_CLOSE, j)
-            if e < 0:
-                break
-            pos = e + len(_TC_CLOSE)
-        text = "".join(out)
+        text = _tool_call_blocks(body)[0]
         for t in _TERMINATORS:
             text = text.replace(t, "")
         text = text[:len(text) - _held_back(text, (_TC_OPEN, _THINK_OPEN, *_TERMINATORS))]

@@ -90,31 +90,17 @@ class BenchSettings:
         if profile not in PROFILES:
             raise ValueError(f"unknown profile {profile!r}; one of {', '.join(PROFILES)}")
         s = cls(profile=profile, seed=seed, num_draft_tokens=num_draft_tokens, **PROFILES[profile])
-        if isinstance(modes, str):
-            modes = _csv(modes, str, "--modes")
-        if modes is not None:
-            s.modes = list(modes)
-        if isinstance(categories, str):
-            categories = _csv(categories, str, "--categories")
-        s.categories = list(categories) if categories is not None else None
-        if prompts_per_category is not None:
-            s.prompts_per_category = prompts_per_category
-        if max_tokens is not None:
-            s.max_tokens = max_tokens
-        if isinstance(temps, str):
-            temps = _csv(temps, float, "--temps")
-        if temps is not None:
-            s.temps = list(temps)
-        if repeats is not None:
-            s.repeats = repeats
-        if isinstance(dflash_blocks, str):
-            dflash_blocks = _csv(dflash_blocks, _block, "--dflash-blocks")
-        if dflash_blocks is not None:
-            s.dflash_blocks = list(dflash_blocks)
-        if isinstance(mtp_depths, str):
-            mtp_depths = _csv(mtp_depths, int, "--mtp-depths")
-        if mtp_depths is not None:
-            s.mtp_depths = list(mtp_depths)
+        lists = {"modes": (modes, str), "categories": (categories, str), "temps": (temps, float),
+                 "dflash_blocks": (dflash_blocks, _block), "mtp_depths": (mtp_depths, int)}
+        for field_name, (value, parse) in lists.items():
+            if isinstance(value, str):
+                value = _csv(value, parse, "--" + field_name.replace("_", "-"))
+            if value is not None:
+                setattr(s, field_name, list(value))
+        for field_name, value in (("prompts_per_category", prompts_per_category), ("max_tokens", max_tokens),
+                                  ("repeats", repeats)):
+            if value is not None:
+                setattr(s, field_name, value)
         s.validate()
         return s
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import List, Optional
+from typing import Annotated, List, Optional
 
 import typer
 from rich.console import Console
@@ -576,17 +576,38 @@ def _train(kind, model, out, data, text, regenerate, regen_max_tokens, regen_tem
                   f"T=1 {ev['before'] and ev['before']['tau_t1']} → {ev['after']['tau_t1']}; written to {out}")
 
 
+# options `glimmer train dflash` and `glimmer train mtp` share (same flags, same defaults)
+_TrainModel = Annotated[Optional[str], typer.Option("--model", help="Target checkpoint (folder or Hub id; default: "
+                                                    "the embedded glimmer-tiny).")]
+_TrainData = Annotated[Optional[str], typer.Option("--data", help="Chat JSONL ({'messages': [...]} per line), or "
+                                                   "pre-tokenized {'prompt_ids', 'completion_ids'} lines.")]
+_TrainText = Annotated[List[str], typer.Option("--text", help="Plain-text / code file or folder (repeatable).")]
+_RegenMaxTokens = Annotated[int, typer.Option("--regen-max-tokens")]
+_RegenTemp = Annotated[float, typer.Option("--regen-temp")]
+_MaxLength = Annotated[int, typer.Option("--max-length")]
+_ValFraction = Annotated[float, typer.Option("--val-fraction")]
+_BatchSize = Annotated[int, typer.Option("--batch-size")]
+_Lr = Annotated[float, typer.Option("--lr")]
+_Warmup = Annotated[float, typer.Option("--warmup")]
+_GradAccum = Annotated[int, typer.Option("--grad-accum")]
+_SaveEvery = Annotated[int, typer.Option("--save-every")]
+_MaxSteps = Annotated[Optional[int], typer.Option("--max-steps")]
+_TrainSeed = Annotated[int, typer.Option("--seed")]
+_Resume = Annotated[bool, typer.Option("--resume")]
+_DraftLogits = Annotated[str, typer.Option("--draft-logits", help="target | raw: which logits the loss uses.")]
+_EvalTokens = Annotated[int, typer.Option("--eval-tokens")]
+
+
 @train_app.command("dflash")
 def train_dflash_cmd(
-    model: Optional[str] = typer.Option(None, "--model", help="Target checkpoint (folder or Hub id; default: the "
-                                        "embedded glimmer-tiny)."),
+    model: _TrainModel = None,
     out: str = typer.Option(..., "--out", help="Output folder (official muse_glimmer_assistant layout)."),
-    data: Optional[str] = typer.Option(None, "--data", help="Chat JSONL ({'messages': [...]} per line)."),
-    text: List[str] = typer.Option([], "--text", help="Plain-text / code file or folder (repeatable)."),
+    data: _TrainData = None,
+    text: _TrainText = [],
     regenerate: bool = typer.Option(False, "--regenerate", help="Rewrite assistant replies with the target "
                                     "(resumable, cached in OUT/regenerated.jsonl)."),
-    regen_max_tokens: int = typer.Option(256, "--regen-max-tokens"),
-    regen_temp: float = typer.Option(0.0, "--regen-temp"),
+    regen_max_tokens: _RegenMaxTokens = 256,
+    regen_temp: _RegenTemp = 0.0,
     init: Optional[str] = typer.Option(None, "--init", help="Fine-tune this drafter instead of a new one."),
     layers: int = typer.Option(1, "--layers", help="New drafter: decoder layers."),
     block_size: int = typer.Option(16, "--block-size", help="New drafter: block size B."),
@@ -595,19 +616,19 @@ def train_dflash_cmd(
     mask_token_id: Optional[int] = typer.Option(None, "--mask-token-id", help="Default: <|mask|> or 201818."),
     anchors_per_seq: int = typer.Option(16, "--anchors-per-seq"),
     gamma: Optional[float] = typer.Option(None, "--gamma", help="Loss decay (default 7 for B=16)."),
-    max_length: int = typer.Option(1024, "--max-length"),
-    val_fraction: float = typer.Option(0.1, "--val-fraction"),
+    max_length: _MaxLength = 1024,
+    val_fraction: _ValFraction = 0.1,
     epochs: int = typer.Option(6, "--epochs"),
-    batch_size: int = typer.Option(8, "--batch-size"),
-    lr: float = typer.Option(6e-4, "--lr"),
-    warmup: float = typer.Option(0.04, "--warmup"),
-    grad_accum: int = typer.Option(1, "--grad-accum"),
-    save_every: int = typer.Option(200, "--save-every"),
-    max_steps: Optional[int] = typer.Option(None, "--max-steps"),
-    seed: int = typer.Option(0, "--seed"),
-    resume: bool = typer.Option(False, "--resume"),
-    draft_logits: str = typer.Option("target", "--draft-logits", help="target | raw: which logits the loss uses."),
-    eval_tokens: int = typer.Option(64, "--eval-tokens"),
+    batch_size: _BatchSize = 8,
+    lr: _Lr = 6e-4,
+    warmup: _Warmup = 0.04,
+    grad_accum: _GradAccum = 1,
+    save_every: _SaveEvery = 200,
+    max_steps: _MaxSteps = None,
+    seed: _TrainSeed = 0,
+    resume: _Resume = False,
+    draft_logits: _DraftLogits = "target",
+    eval_tokens: _EvalTokens = 64,
 ):
     """Train a DFlash drafter (the paper's recipe) against a frozen target."""
     _train("dflash", model, out, data, text, regenerate, regen_max_tokens, regen_temp, init, layers, block_size,
@@ -617,30 +638,29 @@ def train_dflash_cmd(
 
 @train_app.command("mtp")
 def train_mtp_cmd(
-    model: Optional[str] = typer.Option(None, "--model", help="Target checkpoint (folder or Hub id; default: the "
-                                        "embedded glimmer-tiny)."),
+    model: _TrainModel = None,
     out: str = typer.Option(..., "--out", help="Output folder (mtp.safetensors + config.json)."),
-    data: Optional[str] = typer.Option(None, "--data", help="Chat JSONL ({'messages': [...]} per line)."),
-    text: List[str] = typer.Option([], "--text", help="Plain-text / code file or folder (repeatable)."),
-    regenerate: bool = typer.Option(False, "--regenerate"),
-    regen_max_tokens: int = typer.Option(256, "--regen-max-tokens"),
-    regen_temp: float = typer.Option(0.0, "--regen-temp"),
+    data: _TrainData = None,
+    text: _TrainText = [],
+    regenerate: bool = typer.Option(False, "--regenerate", help="Rewrite assistant replies with the target."),
+    regen_max_tokens: _RegenMaxTokens = 256,
+    regen_temp: _RegenTemp = 0.0,
     init: Optional[str] = typer.Option(None, "--init", help="Fine-tune these MTP layers instead of new ones."),
     mtp_layers: int = typer.Option(1, "--mtp-layers", help="New MTP layers (blocks start as the target's last "
                                    "layer)."),
-    max_length: int = typer.Option(1024, "--max-length"),
-    val_fraction: float = typer.Option(0.1, "--val-fraction"),
+    max_length: _MaxLength = 1024,
+    val_fraction: _ValFraction = 0.1,
     epochs: int = typer.Option(3, "--epochs"),
-    batch_size: int = typer.Option(8, "--batch-size"),
-    lr: float = typer.Option(6e-4, "--lr"),
-    warmup: float = typer.Option(0.04, "--warmup"),
-    grad_accum: int = typer.Option(1, "--grad-accum"),
-    save_every: int = typer.Option(200, "--save-every"),
-    max_steps: Optional[int] = typer.Option(None, "--max-steps"),
-    seed: int = typer.Option(0, "--seed"),
-    resume: bool = typer.Option(False, "--resume"),
-    draft_logits: str = typer.Option("target", "--draft-logits"),
-    eval_tokens: int = typer.Option(64, "--eval-tokens"),
+    batch_size: _BatchSize = 8,
+    lr: _Lr = 6e-4,
+    warmup: _Warmup = 0.04,
+    grad_accum: _GradAccum = 1,
+    save_every: _SaveEvery = 200,
+    max_steps: _MaxSteps = None,
+    seed: _TrainSeed = 0,
+    resume: _Resume = False,
+    draft_logits: _DraftLogits = "target",
+    eval_tokens: _EvalTokens = 64,
 ):
     """Train MTP layers (transformers' generic layout) against a frozen target."""
     _train("mtp", model, out, data, text, regenerate, regen_max_tokens, regen_temp, init, 1, 16, None, None,

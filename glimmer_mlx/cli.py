@@ -730,13 +730,20 @@ def _width(block_size: Optional[str]):
         _fail(f"--block-size must be an integer or 'auto', got {block_size!r}")
 
 
+# the model options of `glimmer chat` and `glimmer serve` (one session: target + drafters)
+_SessionModel = Annotated[Optional[str], typer.Option("--model", help="Checkpoint (default: the embedded model, "
+                                                      "with its DFlash drafter and MTP layer).")]
+_SessionDraft = Annotated[Optional[str], typer.Option("--draft-model", help="DFlash drafter (or MTP layers) to load.")]
+_SessionMtp = Annotated[bool, typer.Option("--mtp", help="Load the target checkpoint's own MTP layers.")]
+_SessionMtpModel = Annotated[Optional[str], typer.Option("--mtp-model", help="MTP layers from another folder.")]
+
+
 @app.command()
 def chat(
-    model: Optional[str] = typer.Option(None, "--model", help="Checkpoint (default: the embedded model, with its "
-                                        "DFlash drafter and MTP layer)."),
-    draft_model: Optional[str] = typer.Option(None, "--draft-model", help="DFlash drafter (or MTP layers) to load."),
-    mtp: bool = typer.Option(False, "--mtp", help="Load the target checkpoint's own MTP layers."),
-    mtp_model: Optional[str] = typer.Option(None, "--mtp-model", help="MTP layers from another folder."),
+    model: _SessionModel = None,
+    draft_model: _SessionDraft = None,
+    mtp: _SessionMtp = False,
+    mtp_model: _SessionMtpModel = None,
     mode: Optional[str] = typer.Option(None, "--mode", help="ar | dflash | mtp | auto (default: dflash, else mtp, "
                                        "else ar — whatever is loaded). Same output in every mode."),
     block_size: Optional[str] = typer.Option(None, "--block-size", help="DFlash block size / MTP depth, or 'auto'."),
@@ -778,11 +785,10 @@ def chat(
 
 @app.command()
 def serve(
-    model: Optional[str] = typer.Option(None, "--model", help="Checkpoint (default: the embedded model, with its "
-                                        "DFlash drafter and MTP layer)."),
-    draft_model: Optional[str] = typer.Option(None, "--draft-model", help="DFlash drafter (or MTP layers) to load."),
-    mtp: bool = typer.Option(False, "--mtp", help="Load the target checkpoint's own MTP layers."),
-    mtp_model: Optional[str] = typer.Option(None, "--mtp-model", help="MTP layers from another folder."),
+    model: _SessionModel = None,
+    draft_model: _SessionDraft = None,
+    mtp: _SessionMtp = False,
+    mtp_model: _SessionMtpModel = None,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (127.0.0.1: this machine only)."),
     port: int = typer.Option(8080, "--port", help="Port (0: any free port, printed at start)."),
     mode: Optional[str] = typer.Option(None, "--mode", help="Default decoding mode: ar | dflash | mtp | auto "

@@ -13,8 +13,8 @@ Rate of an option (drafter d, k drafts):  E_d(k) / s·(draft_d(k) + C(k+1) + o [
 - o: a speculative round's measured time outside its draft and verify windows; w, charged only to a round that would
   interrupt a plain stretch: what a speculative stretch measurably costs beyond its rounds (the plain tokens either
   side lose their pipelining; a drafter that sat idle catches up on the tokens since it last drafted).
-After a plain round a drafter must also beat plain by `switch_margin` (10 %): every estimate is noisy and the best
-looking option is the one most likely overestimated. n-gram lookup is only an option in a round where the context's
+A drafter must also beat plain by `switch_margin` (10 %): every estimate is noisy and the best looking option is
+the one most likely overestimated. n-gram lookup is only an option in a round where the context's
 suffix occurred before (its drafts are known in advance: `peek`). Because plain is always one of the options and
 every option is scored in the same time unit, `auto` decodes plainly whenever no drafter pays (up to the cost of
 occasional probes: after `probe_every` plain rounds in a row, the best-scoring drafter is tried once so that its
@@ -188,9 +188,8 @@ class AutoChooser:
         self.plain_cal = float(plain_cost) if plain_cost else self.costs[1]
         self.options: dict[str, Option] = {}
         self.probe_every, self.scale_ema = probe_every, scale_ema
-        # to interrupt a plain stretch a drafter must promise this much more than plain decoding: every estimate
-        # is noisy, and the option that looks best is the one most likely overestimated (inside a speculative
-        # stretch it only has to beat plain)
+        # a drafter must promise this much more than plain decoding: every estimate is noisy, and the option that
+        # looks best is the one most likely overestimated
         self.switch_margin = switch_margin
         self._spec_last = False  # the latest choice was a drafter
         self.scale = 1.0  # measured / calibrated time of a plain token, EMA
@@ -253,11 +252,11 @@ class AutoChooser:
         return out
 
     def best(self, available: dict[str, int], regime: str = "greedy") -> tuple[str | None, int, float]:
-        """The best (name, k, rate) over the options in `available` ({name: most drafts it can give now}); after a
-        plain round a drafter has to beat plain decoding by `switch_margin`."""
+        """The best (name, k, rate) over the options in `available` ({name: most drafts it can give now}); a drafter
+        has to beat plain decoding by `switch_margin`."""
         plain = self.rate(None, 0)
         best_name, best_k, best_rate = None, 0, plain
-        bar = plain * (1 + 1e-9 + (0.0 if self._spec_last else self.switch_margin))
+        bar = plain * (1 + 1e-9 + self.switch_margin)
         for name, cap in available.items():
             if name not in self.options:
                 raise KeyError(f"unknown option {name!r}")
@@ -282,8 +281,8 @@ class AutoChooser:
                 _, name, cap = max(due)
                 k = min(cap, self.options[name].max_k, 4)
                 self._probing = True
-        else:
-            self.options[name].probe_interval = self.probe_every  # it wins on its own: probed at the base rate
+        elif not self._spec_last:  # it wins on its own against plain (margin and switch cost included): probed at the
+            self.options[name].probe_interval = self.probe_every  # base rate again (a win inside a stretch is not that)
         if name is not None:
             self.options[name].idle = 0
         self.chosen[(name or "plain", k)] += 1

@@ -52,6 +52,21 @@ def test_acceptance_update_counts_positions_up_to_first_rejection():
     assert s.acc == [2, 2, 0, 0] and s.tried == [2, 2, 1, 0]
 
 
+def test_unreached_positions_follow_the_position_before_not_the_prior():
+    """Drafts whose first token is mostly rejected (n-gram at T = 1): the deeper positions, rarely reached, are
+    estimated like the first rather than at the prior's 0.5 — which made such rounds look ~25 % better than they
+    were."""
+    s = AcceptanceStats(6)
+    for i in range(60):
+        s.update(6, 1 if i % 5 == 0 else 0)  # the first draft accepted 1 time in 5, the second never
+    a = s.alphas()
+    assert a[0] == pytest.approx(0.2, abs=0.05)
+    assert a[1] < 0.1  # measured: never accepted
+    assert all(abs(x - a[1]) < 0.05 for x in a[2:])  # never reached: like position 1, not 0.5
+    fresh = AcceptanceStats(3, prior=(0.8 * 4, 4))  # a drafter's measured τ as the prior: every position starts there
+    assert fresh.alphas() == pytest.approx([0.8, 0.8, 0.8])
+
+
 def test_draft_cost_shapes():
     block, chain, free = DraftCost("block", 1.0), DraftCost("chain", 1.0), DraftCost("free", 0.0)
     assert block(1) == block(7) == 1.0 and chain(3) == 3.0 and free(5) == 0.0  # priors

@@ -47,26 +47,38 @@ COST_SHAPES = ("block", "chain", "free")
 
 
 class AcceptanceStats:
-    """Decayed accepted/tried counts per draft position (prior: 1 of 2, i.e. α = 0.5 until measured)."""
+    """Decayed accepted/tried counts per draft position. Position 0 starts from the prior (1 of 2, i.e. α = 0.5,
+    unless given); a deeper position j is shrunk toward position j−1's estimate with the prior's weight (decaying
+    with the counts), not toward 0.5: a position rarely reached keeps what the earlier ones measured instead of
+    leaning on an optimistic constant (n-gram drafts at T = 1 rarely get past the first)."""
 
     def __init__(self, max_k: int, decay: float = 0.97, prior: tuple[float, float] = (1.0, 2.0)):
         self.max_k, self.decay, self.prior = max_k, decay, prior
-        self.acc = [prior[0]] * max_k
-        self.tried = [prior[1]] * max_k
+        self.acc = [prior[0]] + [0.0] * (max_k - 1)
+        self.tried = [prior[1]] + [0.0] * (max_k - 1)
+        self.shrink = prior[1]  # weight of "like the position before" for positions >= 1
+
+    def alphas(self) -> list[float]:
+        out = [self.acc[0] / self.tried[0] if self.tried[0] > 0 else 0.5]
+        for j in range(1, self.max_k):
+            w = self.tried[j] + self.shrink
+            out.append((self.acc[j] + self.shrink * out[-1]) / w if w > 0 else out[-1])
+        return out
 
     def alpha(self, j: int) -> float:
-        return self.acc[j] / self.tried[j]
+        return self.alphas()[j]
 
     def set_alphas(self, alphas: list[float], weight: float = 1000.0) -> None:
         """Pin the estimates (synthetic tables, tests): α_j with the weight of `weight` observations."""
         for j in range(self.max_k):
             a = alphas[min(j, len(alphas) - 1)]
             self.acc[j], self.tried[j] = a * weight, weight
+        self.shrink = 0.0
 
     def expected_tokens(self, k: int) -> float:
         e, p = 1.0, 1.0
-        for j in range(min(k, self.max_k)):
-            p *= self.alpha(j)
+        for a in self.alphas()[:k]:
+            p *= a
             e += p
         return e
 
@@ -76,6 +88,7 @@ class AcceptanceStats:
         for j in range(self.max_k):
             self.acc[j] *= self.decay
             self.tried[j] *= self.decay
+        self.shrink *= self.decay
         for j in range(min(n_accepted + 1, k, self.max_k)):  # positions up to the first rejection were tried
             self.tried[j] += 1
             if j < n_accepted:
@@ -245,8 +258,9 @@ class AutoChooser:
         fixed = max(0.0, self.round_overhead) + (0.0 if self._spec_last else max(0.0, self.switch_cost))
         vf = self.verify_factor.get(regime, 1.0)
         out, e, p = [], 1.0, 1.0
+        alphas = stats.alphas()
         for k in range(1, min(cap, opt.max_k) + 1):
-            p *= stats.alpha(k - 1)
+            p *= alphas[k - 1]
             e += p
             out.append(e / (self.scale * (opt.cost(k) + vf * self.costs[k + 1] + fixed)))
         return out
@@ -341,7 +355,7 @@ class AutoChooser:
             "round_overhead_ms": round(1000 * self.scale * self.round_overhead, 3),
             "switch_cost_ms": round(1000 * self.scale * self.switch_cost, 3),
             "chosen": {f"{n}:{k}": c for (n, k), c in sorted(self.chosen.items(), key=lambda x: (x[0][0], x[0][1]))},
-            "acceptance": {n: {reg: [round(s.alpha(j), 3) for j in range(s.max_k)] for reg, s in o.stats.items()}
+            "acceptance": {n: {reg: [round(a, 3) for a in s.alphas()] for reg, s in o.stats.items()}
                            for n, o in self.options.items()},
             "draft_cost_ms": {n: {k: round(1000 * self.scale * v, 3) for k, v in sorted(o.cost.by_k.items())}
                               for n, o in self.options.items()},

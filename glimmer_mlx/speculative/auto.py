@@ -1,24 +1,27 @@
 """`auto`: per round, choose which drafter proposes (DFlash, MTP, n-gram prompt lookup) and how many drafts — or none,
 a plain step — to maximise expected committed tokens per second on *this* machine.
 
-Rate of an option (drafter d, k drafts):  E_d(k) / s·(draft_d(k) + C(k+1) + o [+ w]),  plain: 1 / (s·P), where
-- E_d(k) = 1 + Σ_{i≤k} Π_{j≤i} α_{d,j}: expected tokens per round, α_{d,j} the running (exponentially decayed,
-  Beta(1,1)-prior) conditional acceptance of draft position j for drafter d, kept separately for greedy and sampling;
+Rate of an option (drafter d, k drafts):  E_d(k) / s·(draft_d(k) + v·C(k+1) + o [+ w]),  plain: 1 / (s·P), where
+- E_d(k) = 1 + Σ_{i≤k} Π_{j≤i} α_{d,j}: expected tokens per round, α_{d,j} the running (exponentially decayed)
+  conditional acceptance of draft position j for drafter d, kept separately for greedy and sampling (`AcceptanceStats`:
+  position 0 from a prior or the drafter's measured τ, a rarely reached position like the one before it);
 - C(L): seconds of one target forward over L tokens and P: seconds per pipelined plain token, calibrated once per
   machine and model (`load_or_calibrate`, cached as JSON);
-- s: how much slower the machine runs now than at calibration (every plain token and verify forward measures it:
-  context length, load); every other time is kept in calibrated units, so comparisons never mix speeds;
+- s: how much slower the machine runs now than at calibration, measured by every plain token (context length,
+  load); every other time is kept in calibrated units, so comparisons never mix speeds;
+- v: what a verify round measurably costs over the bare calibrated forward (sampling, the acceptance test), per regime;
 - draft_d(k): the drafter's own measured time per round (constant in k for DFlash, which drafts a whole block in
   one forward; linear for MTP's chain; ~0 for n-gram lookup);
 - o: a speculative round's measured time outside its draft and verify windows; w, charged only to a round that would
   interrupt a plain stretch: what a speculative stretch measurably costs beyond its rounds (the plain tokens either
   side lose their pipelining; a drafter that sat idle catches up on the tokens since it last drafted).
 A drafter must also beat plain by `switch_margin` (10 %): every estimate is noisy and the best looking option is
-the one most likely overestimated. n-gram lookup is only an option in a round where the context's
-suffix occurred before (its drafts are known in advance: `peek`). Because plain is always one of the options and
-every option is scored in the same time unit, `auto` decodes plainly whenever no drafter pays (up to the cost of
-occasional probes: after `probe_every` plain rounds in a row, the best-scoring drafter is tried once so that its
-acceptance estimate can recover; the interval doubles while probes keep losing).
+the one most likely overestimated. n-gram lookup is only an option in a round where the context's suffix occurred
+before (its drafts are known in advance: `peek`), one option per matched n-gram size. Because plain is always one of
+the options and every option is scored in the same time unit, `auto` decodes plainly whenever no drafter pays (up
+to the cost of occasional probes: an option idle for its probe interval is tried once in a round that would
+otherwise be plain, so that its acceptance estimate can recover; its interval doubles, 16 → 1024 rounds, while its
+probes keep losing).
 
 `AutoChooser` is the pure decision logic (unit-tested against synthetic cost/acceptance tables); `AutoDrafter` is the
 engine-facing drafter holding several drafters in sync (all see every committed token and the union of their taps).

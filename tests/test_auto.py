@@ -146,6 +146,40 @@ def test_choice_is_never_worse_than_plain_on_random_tables():
                 assert name is None
 
 
+def test_relevant_options_choose_as_all_options_do():
+    """After a plain round `relevant` names the options that could make a round anything but plain; choosing over
+    the available ones among them is choosing over all (random tables, probes falling due along the way)."""
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        costs = {L: 10 * MS * (1 + rng.uniform(0, 0.3) * (L - 1)) for L in range(1, 17)}
+        opts = {"dflash": (15, "block", rng.uniform(0, 2) * 10 * MS, list(rng.uniform(0, 1, 15))),
+                "mtp": (3, "chain", rng.uniform(0, 1) * 10 * MS, list(rng.uniform(0, 1, 3))),
+                "ngram@2": (8, "free", 0.0, list(rng.uniform(0, 1, 8))),
+                "ngram@4": (8, "free", 0.0, list(rng.uniform(0, 1, 8)))}
+        ch = chooser(costs, opts, probe_every=int(rng.integers(1, 6)))
+        ch.round = int(rng.integers(0, 12))
+        avail = {"dflash": int(rng.integers(1, 16)), "mtp": 3, f"ngram@{rng.choice([2, 4])}": int(rng.integers(1, 9))}
+        rel = ch.relevant()
+        assert ch.pick({n: c for n, c in avail.items() if n in rel}) == ch.pick(avail)
+        winners = {n for n, (mk, *_rest) in opts.items() if ch.best({n: mk})[0] is not None}
+        assert winners <= rel
+        ch._spec_last = True
+        assert ch.relevant() is None  # inside a speculative stretch every option counts
+
+
+def test_relevant_is_empty_when_nothing_beats_plain_until_a_probe_falls_due():
+    ch = chooser(flat(), {"mtp": (2, "chain", 8 * MS, [0.1]), "ngram@3": (8, "free", 0.0, [0.05])}, probe_every=4)
+    seen = []
+    for _ in range(4):
+        seen.append(ch.relevant())
+        if not seen[-1]:
+            ch.count_plain()
+    assert seen[:3] == [frozenset()] * 3 and seen[3] == {"mtp", "ngram@3"}  # the 4th round: both probes due
+    assert ch.chosen[("plain", 0)] == 3 and ch.round == 3
+    assert ch.choose({"mtp": 2}) == ("mtp", 2)  # the probe (n-gram had nothing to offer this round)
+    assert ch.round == 4 and ch.options["mtp"].last == 4
+
+
 def test_a_plain_stretch_is_only_interrupted_for_a_clear_gain():
     """A drafter 5 % better than plain (within estimation noise) is not chosen, after a plain round or inside a
     speculative stretch; 20 % better is."""
@@ -274,23 +308,36 @@ def test_calibration_is_cached_per_machine_and_model(tiny, tmp_path, monkeypatch
 
 
 class Scripted(AutoChooser):
-    """A chooser that cycles through a fixed list of choices (clamped to what is available)."""
+    """A chooser that cycles through a fixed list of choices (clamped to what is available). `plan` reads the next
+    choice (`pick`) and counts it when plain (`count_plain`); `propose` takes it (`choose`)."""
 
     def __init__(self, base: AutoChooser, script):
         self.__dict__.update(base.__dict__)
         self.script, self.i = script, 0
 
-    def choose(self, available, regime="greedy"):
+    def relevant(self, regime="greedy"):
+        return None  # every drafter is asked for its offer
+
+    def _next(self, available):
         name, k = self.script[self.i % len(self.script)]
-        self.i += 1
         if name == "ngram":  # whichever matched size n-gram lookup offers now
             name = next((n for n in available if n.startswith("ngram@")), None)
         if name is None or name not in available:
-            self.chosen[("plain", 0)] += 1
             return None, 0
-        k = min(k, available[name])
-        self.chosen[(name, k)] += 1
+        return name, min(k, available[name])
+
+    def pick(self, available, regime="greedy"):
+        return (*self._next(available), False)
+
+    def choose(self, available, regime="greedy"):
+        name, k = self._next(available)
+        self.i += 1
+        self.chosen[(name or "plain", k)] += 1
         return name, k
+
+    def count_plain(self):
+        self.i += 1
+        self.chosen[("plain", 0)] += 1
 
 
 def _auto(model, dpath, tmp_path, **kw):
@@ -330,6 +377,50 @@ def test_auto_greedy_identical_to_plain_with_every_drafter_in_turn(tiny, tmp_pat
             assert ex["plain_rounds"] == 39 and ex["tau"] == 1.0
     used = {key.split(":")[0].split("@")[0] for key in auto.chooser.summary()["chosen"]}
     assert used == {n or "plain" for n, _ in script}
+
+
+def _ngram_auto(model, alphas: dict, probe_every=16):
+    auto = make_auto(model, ngram=4, verify_costs=flat(), probe_every=probe_every)
+    for name, opt in auto.chooser.options.items():
+        opt.acceptance("greedy").set_alphas([alphas.get(name, 0.0)])
+    return auto
+
+
+def test_plan_in_a_plain_stretch_does_not_ask_drafters_that_cannot_win(tiny, monkeypatch):
+    """Nothing beats plain: `plan` counts plain rounds without an n-gram lookup (on a 2-core machine that
+    per-token bookkeeping was a measurable share of a small model's step) until a probe falls due."""
+    model, _, _ = tiny
+    auto = _ngram_auto(model, {}, probe_every=8)
+    ng = auto.drafters["ngram"]
+    peeks, real = [], ng.peek
+    monkeypatch.setattr(ng, "peek", lambda k: (peeks.append(k), real(k))[1])
+    auto.start([], [1, 2, 1, 2])
+    plans = []
+    for i in range(8):
+        plans.append(auto.plan(4, "greedy"))
+        auto.accept([], [1 if i % 2 == 0 else 2])
+    assert plans == [True] * 7 + [False]  # the 8th round probes an n-gram option (1 2 1 2 … always matches)
+    assert len(peeks) == 1 and auto.chooser.chosen[("plain", 0)] == 7
+    assert ng.index.tokens == [1, 2] * 5 + [1]  # the lookup saw every token committed before it
+
+
+def test_a_speculative_plan_is_chosen_afresh_with_the_token_it_could_not_see(tiny):
+    """`plan` decides on the n-gram index one token behind; `propose` chooses again once that token is known,
+    so a match the token broke is not drafted from, and a match it extended is."""
+    from glimmer_mlx.sampling import Sampler, SamplingParams
+
+    model, _, _ = tiny
+    sampler = Sampler(SamplingParams())
+    ids = [1, 2, 3, 4, 9, 8, 1, 2]  # the suffix "1 2" occurred before, followed by 3 4 9 8
+    for nxt, expected in ((7, []), (3, [4, 9, 8, 1])):
+        auto = _ngram_auto(model, {"ngram@2": 0.9, "ngram@3": 0.9, "ngram@4": 0.9})
+        ch = auto.chooser
+        auto.start([], ids)
+        assert auto.plan(4, "greedy") is False and ch.round == 0  # speculative: not counted yet
+        auto.accept([], [nxt])
+        drafts, _ = auto.propose(nxt, len(ids), 4, sampler, ids + [nxt])
+        assert drafts == expected and ch.round == 1
+        assert ch.chosen == ({("plain", 0): 1} if not expected else {("ngram@3", 4): 1})
 
 
 def test_auto_decoder_is_used_and_learns(tiny, tmp_path):

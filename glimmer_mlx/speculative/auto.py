@@ -172,7 +172,7 @@ class Option:
     stats: dict = field(default_factory=dict)  # "greedy" | "sampling" -> AcceptanceStats
     decay: float = 0.97
     prior_alpha: dict = field(default_factory=dict)  # regime -> α from the drafter's measured τ (else 0.5)
-    idle: int = 0  # rounds since this option last drafted
+    last: int = 0  # the chooser's round in which this option last drafted (or was added)
     probe_interval: int = 16  # idle rounds before a probe; doubles while its probes keep losing to plain
 
     def acceptance(self, regime: str) -> AcceptanceStats:
@@ -219,9 +219,12 @@ class AutoChooser:
         self.switch_cost = 0.0
         self.max_probe_every = 64 * probe_every  # each option's probe interval doubles up to this
         self._probing = False
-        # best choice per (regime, after a drafter?, available caps), kept until an estimate changes: inside a plain
-        # stretch only the machine's speed moves, which scales every rate alike, so a plain round does not pay for
-        # scoring every option and width again (on a small model that Python work is a measurable share of a step)
+        self.round = 0  # rounds chosen so far: the probe clock
+        self._next_probe = None  # the first round in which some option's probe falls due (None: recompute)
+        # per (regime, after a drafter?, option) its best width for each cap (`_leaders`), and per regime the options
+        # that can beat plain at all (`relevant`), kept until an estimate changes: inside a plain stretch only the
+        # machine's speed moves, which scales every rate alike, so a plain round does not pay for scoring every
+        # option and width again (on a small model that Python work is a measurable share of a step)
         self._memo: dict = {}
         self.chosen: Counter = Counter()  # (name or "plain", k) -> rounds
 
@@ -236,10 +239,11 @@ class AutoChooser:
         alphas = {} if not measured_tau else {
             regime: alpha_from_tau(measured_tau[regime], int(measured_tau["width"]))
             for regime in ("greedy", "sampling") if measured_tau.get(regime) is not None}
-        opt = Option(name, max_k, DraftCost(shape, prior), decay=decay, prior_alpha=alphas,
+        opt = Option(name, max_k, DraftCost(shape, prior), decay=decay, prior_alpha=alphas, last=self.round,
                      probe_interval=self.probe_every)
         self.options[name] = opt
         self._memo.clear()
+        self._next_probe = None
         return opt
 
     @property
@@ -268,43 +272,97 @@ class AutoChooser:
             out.append(e / (self.scale * (opt.cost(k) + vf * self.costs[k + 1] + fixed)))
         return out
 
+    def _leaders(self, name: str, regime: str) -> list[tuple[int, float]]:
+        """[(best k, its rate × scale) among k = 1..cap for cap = 1..max_k] of option `name`, kept until an estimate
+        changes. In units of the speed scale, so a plain token moving the scale leaves it valid (every rate, plain's
+        included, scales alike)."""
+        key = (regime, self._spec_last, name)
+        out = self._memo.get(key)
+        if out is None:
+            out, bk, br = [], 0, 0.0
+            for k, r in enumerate(self.rates(name, self.options[name].max_k, regime), start=1):
+                if r * self.scale > br * (1 + 1e-9):
+                    bk, br = k, r * self.scale
+                out.append((bk, br))
+            self._memo[key] = out
+        return out
+
     def best(self, available: dict[str, int], regime: str = "greedy") -> tuple[str | None, int, float]:
         """The best (name, k, rate) over the options in `available` ({name: most drafts it can give now}); a drafter
         has to beat plain decoding by `switch_margin`."""
-        plain = self.rate(None, 0)
+        plain = 1.0 / self.plain_cal  # × scale, as `_leaders`
         best_name, best_k, best_rate = None, 0, plain
         bar = plain * (1 + 1e-9 + self.switch_margin)
         for name, cap in available.items():
             if name not in self.options:
                 raise KeyError(f"unknown option {name!r}")
-            for k, r in enumerate(self.rates(name, cap, regime), start=1):
-                if r > bar and r > best_rate * (1 + 1e-9):
-                    best_name, best_k, best_rate = name, k, r
-        return best_name, best_k, best_rate
+            if cap < 1:
+                continue
+            leaders = self._leaders(name, regime)
+            k, r = leaders[min(cap, len(leaders)) - 1]
+            if r > bar and r > best_rate * (1 + 1e-9):
+                best_name, best_k, best_rate = name, k, r
+        return best_name, best_k, best_rate / self.scale
 
-    def choose(self, available: dict[str, int], regime: str = "greedy") -> tuple[str | None, int]:
-        """The best option now; when that is a plain step, an option idle for its `probe_interval` rounds is tried
-        once instead (the best-scoring one of those due) so that its acceptance estimate can recover."""
-        key = (regime, self._spec_last, tuple(available.items()))
-        if key not in self._memo:
-            self._memo[key] = self.best(available, regime)[:2]
-        name, k = self._memo[key]
-        for opt in self.options.values():
-            opt.idle += 1
+    def pick(self, available: dict[str, int], regime: str = "greedy") -> tuple[str | None, int, bool]:
+        """What `choose` would choose now, without counting it: (name or None, k, whether it is a probe). When the
+        best option is a plain step, an option idle for its `probe_interval` rounds is tried once instead (the
+        best-scoring one of those due) so that its acceptance estimate can recover."""
+        name, k, _ = self.best(available, regime)
         if name is None:
-            due = [(max(self.rates(n, c, regime)), n, c) for n, c in available.items()
-                   if self.options[n].idle >= self.options[n].probe_interval and min(c, self.options[n].max_k) >= 1]
+            r = self.round + 1
+            due = [(self._leaders(n, regime)[min(c, self.options[n].max_k) - 1][1], n, c)
+                   for n, c in available.items()
+                   if r - self.options[n].last >= self.options[n].probe_interval and c >= 1]
             if due:
                 _, name, cap = max(due)
-                k = min(cap, self.options[name].max_k, 4)
-                self._probing = True
-        elif not self._spec_last:  # it wins on its own against plain (margin and switch cost included): probed at the
-            self.options[name].probe_interval = self.probe_every  # base rate again (a win inside a stretch is not that)
+                return name, min(cap, self.options[name].max_k, 4), True
+        return name, k, False
+
+    def choose(self, available: dict[str, int], regime: str = "greedy") -> tuple[str | None, int]:
+        """The option for this round (`pick`), counted: the probe clock advances, the option's idle time restarts."""
+        name, k, self._probing = self.pick(available, regime)
+        self.round += 1
         if name is not None:
-            self.options[name].idle = 0
+            opt = self.options[name]
+            if not self._probing and not self._spec_last:
+                # it wins on its own against plain (margin and switch cost included): probed at the base rate again
+                # (a win inside a stretch is not that)
+                opt.probe_interval = self.probe_every
+            opt.last = self.round
+            self._next_probe = None
         self.chosen[(name or "plain", k)] += 1
         self._spec_last = name is not None
         return name, k
+
+    def relevant(self, regime: str = "greedy") -> frozenset | None:
+        """After a plain round, the options that could make this round anything but plain: those that beat plain at
+        some width (a scoring pass memoised until an estimate changes) and those whose probe falls due. None after a
+        speculative round (every option counts). `choose` over the available ones among these chooses exactly as
+        over all; when none is available the round is plain (`count_plain`) without asking the drafters.
+
+        In a plain stretch this is what a round costs instead of every drafter's offer and a scoring pass: where the
+        host's bookkeeping competes with the model for the cores (the 2-core CPU runs of this repository) each µs of
+        it per token is a measurable share of a small model's step."""
+        if self._spec_last:
+            return None
+        rel = self._memo.get(regime)
+        if rel is None:
+            rel = self._memo[regime] = frozenset(n for n, o in self.options.items()
+                                                 if self.best({n: o.max_k}, regime)[0] is not None)
+        if self._next_probe is None:
+            self._next_probe = min((o.last + o.probe_interval for o in self.options.values()), default=1 << 62)
+        r = self.round + 1
+        if r >= self._next_probe:
+            rel = rel | {n for n, o in self.options.items() if r - o.last >= o.probe_interval}
+        return rel
+
+    def count_plain(self) -> None:
+        """A plain round chosen without `choose` (nothing `relevant` was available, or `pick` said plain): counted as
+        `choose` counts it."""
+        self.round += 1
+        self.chosen[("plain", 0)] += 1
+        self._spec_last = self._probing = False
 
     def update(self, name: str | None, k: int, n_accepted: int, regime: str = "greedy",
                draft_time: float | None = None, verify_time: float | None = None) -> None:
@@ -318,6 +376,7 @@ class AutoChooser:
             if self._probing:  # a probe that still loses to plain: probe it half as often
                 wins = self.best({name: opt.max_k}, regime)[0] is not None
                 opt.probe_interval = self.probe_every if wins else min(2 * opt.probe_interval, self.max_probe_every)
+                self._next_probe = None
         self._probing = False
         if verify_time is None:
             return
@@ -530,65 +589,84 @@ class AutoDrafter:
             for name in names:
                 self.chooser.add(name, d.max_drafts, _SHAPES[n], measured_tau=getattr(d, "measured_tau", None))
                 self._kind_of[name] = n
+        self._ngram_options = frozenset(o for o, n in self._kind_of.items() if n == "ngram")
         self._pending = None
         self._round = None  # (draft + verify seconds, catch-up seconds) of the last speculative round
         self._stretch = 0.0  # the running speculative stretch's cost beyond its rounds (`lead`, catch-ups)
-        self._decided = None  # (name, k) chosen ahead by `plan`
-        self._backlog = {n: 0 for n in self.drafters}  # tokens committed since each drafter last proposed
-        # committed (taps, tokens) not yet handed to a drafter: in a plain stretch DFlash and MTP get them in one
-        # batch when they next draft (`_sync`), instead of paying per-token bookkeeping for every plain token
-        self._held = {n: [] for n in self.drafters}
+        self._reset_log()
+
+    def _reset_log(self) -> None:
+        # every committed round's (taps, tokens), kept until each drafter has been handed it: a drafter gets what it
+        # missed in one batch when it is next asked (`_sync`), so a plain token costs one append, not per-drafter
+        # bookkeeping (n-gram lookup included: it is brought up to date only when its offer is asked for)
+        self._log: list[tuple[list, list[int]]] = []
+        self._fed = {n: 0 for n in self.drafters}  # entries of the log each drafter has been handed
 
     def start(self, taps: list[mx.array], ids: list[int]) -> None:
         for n, d in self.drafters.items():
             d.start([taps[i] for i in self._tap_idx[n]], ids)
-        self._pending = self._decided = self._round = None
+        self._pending = self._round = None
         self._stretch = 0.0
-        self._backlog = {n: 0 for n in self.drafters}
-        self._held = {n: [] for n in self.drafters}
+        self._reset_log()
 
     def _sync(self, name: str | None = None) -> None:
-        """Hand drafter `name` (None: every drafter) what it was held back, in one `accept`."""
+        """Hand drafter `name` (None: every drafter) the committed rounds it has not seen, in one `accept`."""
+        log = self._log
         for n in [name] if name is not None else list(self.drafters):
-            held = self._held[n]
-            if not held:
+            new = log[self._fed[n]:]
+            if not new:
                 continue
-            if len(held) == 1:
-                taps, toks = held[0]
+            idx = self._tap_idx[n]
+            if len(new) == 1:
+                taps, toks = [new[0][0][i] for i in idx], new[0][1]
             else:
-                taps = [mx.concatenate([h[0][j] for h in held], axis=1) for j in range(len(held[0][0]))]
-                toks = [t for h in held for t in h[1]]
+                taps = [mx.concatenate([e[0][i] for e in new], axis=1) for i in idx]
+                toks = [t for e in new for t in e[1]]
             self.drafters[n].accept(taps, toks)
-            held.clear()
+            self._fed[n] = len(log)
+        done = min(self._fed.values())
+        if done == len(log):
+            log.clear()
+            self._fed = dict.fromkeys(self._fed, 0)
 
-    def _available(self, k: int) -> dict[str, int]:
+    def _backlog(self, name: str) -> int:
+        """Tokens committed since drafter `name` was last handed any."""
+        return sum(len(e[1]) for e in self._log[self._fed[name]:])
+
+    def _available(self, k: int, among=None) -> dict[str, int]:
         """{option: most drafts it can give now}; n-gram lookup only where the context's suffix occurred before, as
-        the option of the matched size."""
+        the option of the matched size. among: only these options (a set; None: all)."""
         available = {}
         for n, d in self.drafters.items():
-            cap = min(k, d.max_drafts)
             if n == "ngram":
-                drafts, m = d.peek(cap)
+                if among is not None and among.isdisjoint(self._ngram_options):
+                    continue
+                self._sync(n)
+                drafts, m = d.peek(min(k, d.max_drafts))
                 cap, n = len(drafts), f"ngram@{m}"
-            if cap >= 1:
+            else:
+                cap = min(k, d.max_drafts)
+            if cap >= 1 and (among is None or n in among):
                 available[n] = cap
         return available
 
     def plan(self, k: int, regime: str) -> bool:
-        """Decide the next round now (AutoDecoder, to pipeline plain stretches): True = a plain step; otherwise the
-        choice is kept for the next `propose`."""
-        name, kk = self.chooser.choose(self._available(k), regime)
-        self._decided = None if name is None else (name, kk)
-        return name is None
+        """Whether the next round is plain, decided before this round's token is known (AutoDecoder queues the next
+        plain forward on it). A plain answer is counted as the round's choice. Otherwise the round is speculative
+        and `propose` chooses it afresh, with the token this plan could not see: a decision taken on the n-gram
+        index one token behind would draft from a match the latest token may already have broken. Inside a plain
+        stretch only the options that could change a plain choice are asked what they offer
+        (`AutoChooser.relevant`)."""
+        among = self.chooser.relevant(regime)
+        available = self._available(k, among)
+        if (among is not None and not available) or self.chooser.pick(available, regime)[0] is None:
+            self.chooser.count_plain()
+            return True
+        return False
 
     def propose(self, anchor: int, pos: int, k: int, sampler, history: list[int]):
         regime = "greedy" if sampler.params.greedy else "sampling"
-        available = self._available(k)
-        if self._decided is not None and self._decided[0] in available:  # decided by `plan`
-            name, kk = self._decided[0], min(self._decided[1], available[self._decided[0]])
-        else:
-            name, kk = self.chooser.choose(available, regime)
-        self._decided = None
+        name, kk = self.chooser.choose(self._available(k), regime)
         t0 = time.perf_counter()
         steady = True
         if name is None:
@@ -596,10 +674,9 @@ class AutoDrafter:
         else:
             # a drafter that sat idle catches up on its backlog while drafting: not its steady-state cost
             kind = self._kind_of[name]
-            steady = self._backlog[kind] <= self.drafters[kind].max_drafts + 1
+            steady = self._backlog(kind) <= self.drafters[kind].max_drafts + 1
             self._sync(kind)
             drafts, q = self.drafters[kind].propose(anchor, pos, kk, sampler, history)
-            self._backlog[kind] = 0
         t1 = time.perf_counter()
         self._pending = (name, len(drafts), regime, t1 - t0, steady, t1)
         return drafts, q
@@ -613,13 +690,7 @@ class AutoDrafter:
             catch_up = 0.0 if steady or not k else t_draft - self.chooser.scale * self.chooser.options[name].cost(k)
             self._round = (t_draft + now - t1, catch_up) if k else None
             self._pending = None
-        for n, d in self.drafters.items():
-            mine = [taps[i] for i in self._tap_idx[n]]
-            if n == "ngram":  # its index is read every round (`peek`): kept current
-                d.accept(mine, new_tokens)
-            else:
-                self._held[n].append((mine, list(new_tokens)))
-            self._backlog[n] += len(new_tokens)
+        self._log.append((taps, list(new_tokens)))
 
     def end_round(self, seconds: float) -> bool:
         """The whole round took `seconds` (AutoDecoder: from the previous round's commit to this one's): what its
@@ -659,7 +730,7 @@ class AutoDrafter:
                 raise CacheRewindError(f"the {d.kind} drafter cannot extend its state")
         self._sync()
         self._rewound = {n: d.rewind_context(keep) for n, d in self.drafters.items()}
-        self._pending = self._decided = None
+        self._pending = None
         return min(self._rewound.values())
 
     def extend(self, taps: list[mx.array], ids: list[int]) -> None:
@@ -667,8 +738,8 @@ class AutoDrafter:
         for n, d in self.drafters.items():
             off = self._rewound[n] - p
             d.extend([taps[i][:, off:] for i in self._tap_idx[n]], ids)
-        self._pending = self._decided = None
-        self._backlog = {n: 0 for n in self.drafters}
+        self._pending = None
+        self._reset_log()
 
     def stats(self) -> dict:
         return {"auto": {**self.chooser.summary(), "drafters": sorted(self.drafters),
@@ -696,8 +767,9 @@ def _engine():
 class AutoDecoder(_engine().SpeculativeDecoder):
     """The speculative engine for `auto`, with plain rounds pipelined as in `PlainDecoder`: while the chooser picks
     plain steps, the next token's forward is queued (async) before the current token is read back, so a stretch of
-    plain rounds runs at plain decoding's speed. The next round is decided one token early inside a stretch (the
-    n-gram index is then one token behind); the target's taps of every plain token still reach every drafter."""
+    plain rounds runs at plain decoding's speed. Whether the next round is plain is decided one token early inside a
+    stretch (`AutoDrafter.plan`, the n-gram index one token behind); a speculative round is then chosen afresh when
+    it starts. The target's taps of every plain token still reach every drafter."""
 
     def __init__(self, model, drafter, sampler, width=None, prefill_step: int = 512, cache=None):
         if getattr(drafter, "kind", None) != "auto":
@@ -707,6 +779,7 @@ class AutoDecoder(_engine().SpeculativeDecoder):
         self.plain_rounds = 0
         self._t_commit = None  # when the previous round's tokens were committed (None before the first)
         self._after = None  # what that round was: "plain", "spec" (a measured speculative round) or None
+        self._spec_next = False  # `plan` said the next round is speculative (no plain forward queued for it)
 
     def _regime(self) -> str:
         return "greedy" if self.sampler.params.greedy else "sampling"
@@ -719,10 +792,10 @@ class AutoDecoder(_engine().SpeculativeDecoder):
             x = mx.array([[tok]], dtype=mx.int32)
             hist = self._hist()
         else:
-            x = tok.reshape(1, 1).astype(mx.int32)
+            x = tok.reshape(1, 1)  # the sampler's uint32 id, as plain decoding feeds it
             if p.repetition_penalty != 1.0:
                 h = mx.array(self.history[-p.repetition_context_size:], dtype=mx.int32)
-                hist = mx.concatenate([h, x.reshape(-1)])[-p.repetition_context_size:]
+                hist = mx.concatenate([h, x.reshape(-1).astype(mx.int32)])[-p.repetition_context_size:]
         logits, taps = self.model(x, self.cache, taps=self.taps)
         y = self.sampler(logits[:, -1], hist)
         mx.async_eval(y, *taps)
@@ -734,17 +807,19 @@ class AutoDecoder(_engine().SpeculativeDecoder):
         charged what its draft and verify windows missed; a speculative stretch, what the plain tokens on either
         side of it cost beyond pipelined ones and what its drafters spent catching up (`AutoChooser.switch_cost`)."""
         auto, t_prev = self.drafter, self._t_commit
-        if self._first is not None and budget > 1 and (budget == 2 or auto.plan(min(self.max_k, budget - 2),
-                                                                                 self._regime())):
-            t, self._first = self._first, None  # the prefill's token, and a plain round follows: queue its
-            self.history.append(t)  # forward now, as plain decoding does, while the caller handles this token
-            self._queued = self._forward(t)
+        if self._first is not None and budget > 1:  # the prefill's token
+            t, self._first = self._first, None
+            self.history.append(t)
+            self._spec_next = budget > 2 and not auto.plan(min(self.max_k, budget - 2), self._regime())
+            if not self._spec_next:  # a plain round follows: queue its forward now, as plain decoding does, while
+                self._queued = self._forward(t)  # the caller handles this token
             self._t_commit = time.perf_counter()
             return [t]
         if self._queued is None:
-            if (self._first is not None or budget <= 1 or auto._decided is not None
+            if (self._first is not None or budget <= 1 or self._spec_next
                     or not auto.plan(min(self.max_k, budget - 1), self._regime())):
-                out = super().step(budget)  # a speculative round (decided by plan, or propose decides)
+                self._spec_next = False
+                out = super().step(budget)  # a speculative round (propose chooses it)
                 now = time.perf_counter()
                 spec = t_prev is not None and auto.end_round(now - t_prev)
                 self._after, self._t_commit = ("spec" if spec else None), now
@@ -756,6 +831,8 @@ class AutoDecoder(_engine().SpeculativeDecoder):
         left = budget - 1  # after this token
         if left == 1 or (left > 1 and auto.plan(min(self.max_k, left - 1), self._regime())):
             self._queued = self._forward(y)  # the next round is plain too: queue it before reading y
+        else:
+            self._spec_next = left > 1
         t = int(y.item())
         auto.accept(taps, [t])
         now = time.perf_counter()

@@ -177,7 +177,7 @@ def test_relevant_is_empty_when_nothing_beats_plain_until_a_probe_falls_due():
     assert seen[:3] == [frozenset()] * 3 and seen[3] == {"mtp", "ngram@3"}  # the 4th round: both probes due
     assert ch.chosen[("plain", 0)] == 3 and ch.round == 3
     assert ch.choose({"mtp": 2}) == ("mtp", 2)  # the probe (n-gram had nothing to offer this round)
-    assert ch.round == 4 and ch.options["mtp"].last == 4
+    assert ch.round == 4 and ch.clock("mtp", "greedy").last == 4
 
 
 def test_a_plain_stretch_is_only_interrupted_for_a_clear_gain():
@@ -198,7 +198,7 @@ def test_probe_after_plain_run_and_backoff():
     picks = [ch.choose({"dflash": 7}) for _ in range(4)]
     assert picks[:3] == [(None, 0)] * 3 and picks[3] == ("dflash", 4)  # the 4th plain round becomes a probe
     ch.update("dflash", 4, 0, draft_time=5 * MS, verify_time=50 * MS)  # the probe failed
-    assert ch.options["dflash"].probe_interval == 8
+    assert ch.clock("dflash", "greedy").interval == 8
     picks = [ch.choose({"dflash": 7}) for _ in range(8)]
     assert picks[:7] == [(None, 0)] * 7 and picks[7][0] == "dflash"
 
@@ -218,8 +218,26 @@ def test_another_drafter_winning_does_not_reset_a_losers_probe_backoff():
             probes.append(i)
             ch.update("mtp", k, 0, draft_time=8 * MS * k, verify_time=costs[k + 1])
     gaps = np.diff(probes)
-    assert list(gaps[:4]) == [8, 16, 32, 64] and ch.options["mtp"].probe_interval == ch.max_probe_every
+    # the interval doubles each time (a probe falling due in a round n-gram wins waits for the next round)
+    assert all(g - e in (0, 1) for g, e in zip(gaps[:4], [8, 16, 32, 64]))
+    assert ch.clock("mtp", "greedy").interval == ch.max_probe_every
     assert ch.chosen[("ngram", 6)] >= 70  # n-gram kept winning meanwhile
+
+
+def test_probe_clocks_are_per_regime():
+    """A drafter that wins at greedy is probed at the base rate there, while at T = 1 (its own acceptance
+    estimate) its losing probes keep backing off; a regime's clock starts when the regime is first used."""
+    ch = chooser(flat(), {"mtp": (2, "chain", 0.0, [0.9])}, probe_every=4)
+    ch.options["mtp"].acceptance("sampling").set_alphas([0.05])
+    for _ in range(3):
+        assert ch.choose({"mtp": 2}, "greedy")[0] == "mtp"
+        ch.update("mtp", 2, 2, "greedy", verify_time=10 * MS)
+    start = ch.round
+    picks = [ch.choose({"mtp": 2}, "sampling") for _ in range(4)]
+    assert picks[:3] == [(None, 0)] * 3 and picks[3][0] == "mtp"  # idle since the regime began, not since round 0
+    ch.update("mtp", 2, 0, "sampling", verify_time=10 * MS)
+    assert ch.clock("mtp", "sampling").interval == 8 and ch.clock("mtp", "sampling").last == start + 4
+    assert ch.clock("mtp", "greedy").interval == 4
 
 
 def test_calibrated_plain_cost_and_one_speed_scale_enter_the_rates():

@@ -21,7 +21,8 @@ before (its drafts are known in advance: `peek`), one option per matched n-gram 
 the options and every option is scored in the same time unit, `auto` decodes plainly whenever no drafter pays (up
 to the cost of occasional probes: an option idle for its probe interval is tried once in a round that would
 otherwise be plain, so that its acceptance estimate can recover; its interval doubles, 16 → 1024 rounds, while its
-probes keep losing).
+probes keep losing; one clock per regime, as the estimate is). Inside a plain stretch a round asks only the options
+that could change a plain choice (`AutoChooser.relevant`), so a stretch costs what plain decoding costs.
 
 `AutoChooser` is the pure decision logic (unit-tested against synthetic cost/acceptance tables); `AutoDrafter` is the
 engine-facing drafter holding several drafters in sync (all see every committed token and the union of their taps).
@@ -165,6 +166,15 @@ class DraftCost:
 
 
 @dataclass
+class ProbeClock:
+    """When an option last drafted (the chooser's round) and how many idle rounds it waits for a probe; one per
+    regime, as the acceptance estimate a probe refreshes is."""
+
+    last: int
+    interval: int
+
+
+@dataclass
 class Option:
     name: str
     max_k: int
@@ -172,8 +182,7 @@ class Option:
     stats: dict = field(default_factory=dict)  # "greedy" | "sampling" -> AcceptanceStats
     decay: float = 0.97
     prior_alpha: dict = field(default_factory=dict)  # regime -> α from the drafter's measured τ (else 0.5)
-    last: int = 0  # the chooser's round in which this option last drafted (or was added)
-    probe_interval: int = 16  # idle rounds before a probe; doubles while its probes keep losing to plain
+    clocks: dict = field(default_factory=dict)  # regime -> ProbeClock (the chooser starts it on first use)
 
     def acceptance(self, regime: str) -> AcceptanceStats:
         if regime not in self.stats:
@@ -220,7 +229,7 @@ class AutoChooser:
         self.max_probe_every = 64 * probe_every  # each option's probe interval doubles up to this
         self._probing = False
         self.round = 0  # rounds chosen so far: the probe clock
-        self._next_probe = None  # the first round in which some option's probe falls due (None: recompute)
+        self._next_probe: dict = {}  # regime -> the first round in which some option's probe falls due
         # per (regime, after a drafter?, option) its best width for each cap (`_leaders`), and per regime the options
         # that can beat plain at all (`relevant`), kept until an estimate changes: inside a plain stretch only the
         # machine's speed moves, which scales every rate alike, so a plain round does not pay for scoring every
@@ -239,12 +248,19 @@ class AutoChooser:
         alphas = {} if not measured_tau else {
             regime: alpha_from_tau(measured_tau[regime], int(measured_tau["width"]))
             for regime in ("greedy", "sampling") if measured_tau.get(regime) is not None}
-        opt = Option(name, max_k, DraftCost(shape, prior), decay=decay, prior_alpha=alphas, last=self.round,
-                     probe_interval=self.probe_every)
+        opt = Option(name, max_k, DraftCost(shape, prior), decay=decay, prior_alpha=alphas)
         self.options[name] = opt
         self._memo.clear()
-        self._next_probe = None
+        self._next_probe.clear()
         return opt
+
+    def clock(self, name: str, regime: str) -> ProbeClock:
+        """Option `name`'s probe clock for `regime`, started (idle from now, the base interval) on first use."""
+        clocks = self.options[name].clocks
+        c = clocks.get(regime)
+        if c is None:
+            c = clocks[regime] = ProbeClock(self.round, self.probe_every)
+        return c
 
     @property
     def plain_cost(self) -> float:
@@ -306,14 +322,14 @@ class AutoChooser:
 
     def pick(self, available: dict[str, int], regime: str = "greedy") -> tuple[str | None, int, bool]:
         """What `choose` would choose now, without counting it: (name or None, k, whether it is a probe). When the
-        best option is a plain step, an option idle for its `probe_interval` rounds is tried once instead (the
+        best option is a plain step, an option idle for its probe interval (in this regime) is tried once instead (the
         best-scoring one of those due) so that its acceptance estimate can recover."""
         name, k, _ = self.best(available, regime)
         if name is None:
             r = self.round + 1
             due = [(self._leaders(n, regime)[min(c, self.options[n].max_k) - 1][1], n, c)
                    for n, c in available.items()
-                   if r - self.options[n].last >= self.options[n].probe_interval and c >= 1]
+                   if c >= 1 and r - self.clock(n, regime).last >= self.clock(n, regime).interval]
             if due:
                 _, name, cap = max(due)
                 return name, min(cap, self.options[name].max_k, 4), True
@@ -324,13 +340,13 @@ class AutoChooser:
         name, k, self._probing = self.pick(available, regime)
         self.round += 1
         if name is not None:
-            opt = self.options[name]
+            clock = self.clock(name, regime)
             if not self._probing and not self._spec_last:
                 # it wins on its own against plain (margin and switch cost included): probed at the base rate again
                 # (a win inside a stretch is not that)
-                opt.probe_interval = self.probe_every
-            opt.last = self.round
-            self._next_probe = None
+                clock.interval = self.probe_every
+            clock.last = self.round
+            self._next_probe.pop(regime, None)
         self.chosen[(name or "plain", k)] += 1
         self._spec_last = name is not None
         return name, k
@@ -350,11 +366,13 @@ class AutoChooser:
         if rel is None:
             rel = self._memo[regime] = frozenset(n for n, o in self.options.items()
                                                  if self.best({n: o.max_k}, regime)[0] is not None)
-        if self._next_probe is None:
-            self._next_probe = min((o.last + o.probe_interval for o in self.options.values()), default=1 << 62)
+        due = self._next_probe.get(regime)
+        if due is None:
+            due = self._next_probe[regime] = min((c.last + c.interval for c in
+                                                  (self.clock(n, regime) for n in self.options)), default=1 << 62)
         r = self.round + 1
-        if r >= self._next_probe:
-            rel = rel | {n for n, o in self.options.items() if r - o.last >= o.probe_interval}
+        if r >= due:
+            rel = rel | {n for n in self.options if r - self.clock(n, regime).last >= self.clock(n, regime).interval}
         return rel
 
     def count_plain(self) -> None:
@@ -375,8 +393,9 @@ class AutoChooser:
                 opt.cost.observe(k, draft_time / self.scale)
             if self._probing:  # a probe that still loses to plain: probe it half as often
                 wins = self.best({name: opt.max_k}, regime)[0] is not None
-                opt.probe_interval = self.probe_every if wins else min(2 * opt.probe_interval, self.max_probe_every)
-                self._next_probe = None
+                clock = self.clock(name, regime)
+                clock.interval = self.probe_every if wins else min(2 * clock.interval, self.max_probe_every)
+                self._next_probe.pop(regime, None)
         self._probing = False
         if verify_time is None:
             return

@@ -307,6 +307,20 @@ def test_sampler_seeded_determinism():
     assert np.array_equal(np.array(u1), np.array(u2))
 
 
+def test_compiled_draw_is_the_plain_definition():
+    """The sampler's compiled graph (key split, scaling, filters, draw on unnormalised scores) draws exactly what
+    `categorical(process(logits))` draws with the same key chain."""
+    rng = np.random.default_rng(4)
+    for kw in (dict(temperature=1.0), dict(temperature=0.6, top_k=7, top_p=0.9, min_p=0.02)):
+        p = SamplingParams(**kw)
+        s, key = Sampler(p, seed=11), mx.random.key(11)
+        for _ in range(30):
+            logits = mx.array(rng.standard_normal((2, 50)).astype(np.float32) * 3)
+            key, sub = mx.random.split(key)
+            want = mx.random.categorical(process(logits, p), axis=-1, key=sub)
+            assert np.array(s(logits)).tolist() == np.array(want).tolist()
+
+
 def test_sampler_without_seed_draws_a_seed():
     a, b = Sampler(SamplingParams(temperature=1.0)), Sampler(SamplingParams(temperature=1.0))
     assert isinstance(a.seed, int) and a.seed != b.seed

@@ -34,14 +34,6 @@ from .generate import DEFAULT_PREFILL_STEP, GenerationChunk, GenerationStats, Pl
 from .sampling import Sampler, SamplingParams
 
 MODES = ("ar", "dflash", "mtp", "auto")
-
-
-def _make_auto():
-    try:
-        from .speculative.auto import make_auto
-    except ImportError:
-        return None
-    return make_auto
 DEFAULT_MAX_REWIND = 128
 
 
@@ -98,8 +90,8 @@ class Session:
         self.max_rewind = max(max_rewind, 64, trained)
         self.cache = None  # target KV cache
         self.keys: list = []  # what `cache` holds, one key per position
-        self._dstate: dict[int, tuple] = {}  # id(drafter) -> (signature, keys its state covers)
-        self._choosers: dict[int, object] = {}  # id(drafter) -> adaptive-width chooser carried across turns
+        # id(drafter) -> (signature, keys its state covers, ids of the drafter objects whose state that is)
+        self._dstate: dict[int, tuple] = {}
         self._auto = None
         self.last = TurnRecord()
         self.plain_rate: PlainRate | None = None
@@ -112,17 +104,15 @@ class Session:
             out.append("dflash")
         if "mtp" in self.drafters:
             out.append("mtp")
-        if len(out) > 1 or _make_auto() is not None:  # n-gram lookup needs no drafter model
-            out.append("auto")
+        out.append("auto")  # n-gram lookup needs no drafter model
         return out
 
     def auto_drafter(self):
         """`auto`: the per-round strategy of `speculative.auto` over this session's drafters (copies: their own
         state, shared weights) and n-gram lookup; built on first use (it calibrates the verify cost curve once per
-        machine and model). None where that module is not available."""
-        make_auto = _make_auto()
-        if make_auto is None:
-            return None
+        machine and model)."""
+        from .speculative.auto import make_auto
+
         if self._auto is None:
             dflash, mtp = self.drafters.get("dflash"), self.drafters.get("mtp")
             dflash = copy.copy(dflash) if dflash is not None else None
@@ -149,12 +139,7 @@ class Session:
         if mode == "auto":
             if block_size not in (None, "auto"):
                 raise ModeError("mode 'auto' chooses the width itself; give block_size only with dflash or mtp")
-            if _make_auto() is not None:
-                return (self.auto_drafter() if prepare else None), None
-            for kind in ("dflash", "mtp"):  # without speculative.auto: the adaptive width on the best drafter
-                if kind in self.drafters:
-                    return self._prepare_drafter(self.drafters[kind], "auto") if prepare else (None, None)
-            raise ModeError("mode 'auto' needs a drafter: load a DFlash drafter (--draft-model) or MTP layers (--mtp)")
+            return (self.auto_drafter() if prepare else None), None
         drafter = self.drafters.get(mode)
         if drafter is None:
             how = "--draft-model DFLASH_DRAFTER" if mode == "dflash" else "--mtp (MTP layers in the checkpoint) or --mtp-model"
@@ -173,11 +158,19 @@ class Session:
                 raise ModeError(f"MTP depth (block_size) must be in [1, {MAX_DEPTH}] or 'auto', got {block_size}")
         return self._prepare_drafter(drafter, block_size) if prepare else (None, None)
 
-    @staticmethod
-    def _prepare_drafter(drafter, block_size):
+    def _prepare_drafter(self, drafter, block_size):
         if getattr(drafter, "kind", None) == "mtp":  # depth is drafter state: fix it before the reuse decision
             drafter.set_depth(block_size if isinstance(block_size, int) else drafter.head.num_layers)
+        if block_size == "auto":  # auto's per-round width over this drafter (it drives this drafter's state)
+            from .speculative.auto import width_auto
+
+            return width_auto(self.model, drafter), None
         return drafter, block_size
+
+    @staticmethod
+    def _parts(drafter) -> frozenset:
+        """Ids of the drafter objects whose state `drafter` changes (itself, and what a width-auto drives)."""
+        return frozenset([id(drafter)] + [id(d) for d in getattr(drafter, "drafters", {}).values()])
 
     @staticmethod
     def _signature(drafter):
@@ -188,7 +181,6 @@ class Session:
         """Forget the cached conversation (the next request prefills from scratch)."""
         self.cache, self.keys = None, []
         self._dstate.clear()
-        self._choosers.clear()
 
     @property
     def cached_tokens(self) -> int:
@@ -306,10 +298,6 @@ class Session:
 
         def on_decoder(dec):
             holder["decoder"] = dec
-            chooser = self._choosers.get(id(drafter)) if drafter is not None else None
-            if chooser is not None and getattr(dec, "adaptive", False) and dec.max_k == chooser.max_k:
-                chooser.chosen.clear()
-                dec.chooser = chooser
 
         gen = stream_generate(self.model, ids, tokenizer=self.tokenizer, max_tokens=max_tokens,
                               temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
@@ -318,8 +306,9 @@ class Session:
                               reuse=reuse, input_embeddings=emb, on_decoder=on_decoder)
         # until the generator stops at a chunk boundary the cache may be mid-step: unknown content
         self.keys, consistent, n_gen = [], False, 0
-        if drafter is not None:
-            self._dstate.pop(id(drafter), None)
+        if drafter is not None:  # this turn changes the state of these drafter objects: no entry may vouch for it
+            parts = self._parts(drafter)
+            self._dstate = {k: v for k, v in self._dstate.items() if not v[2] & parts}
         try:
             while True:
                 consistent = False
@@ -338,9 +327,8 @@ class Session:
                 offset = self.cache[0].offset
                 self.keys = (keys + list(dec.history[len(ids):]))[:offset]
                 if drafter is not None and hasattr(drafter, "context_length"):
-                    self._dstate[id(drafter)] = (self._signature(drafter), self.keys[:drafter.context_length()])
-                    if getattr(dec, "chooser", None) is not None:
-                        self._choosers[id(drafter)] = dec.chooser
+                    self._dstate[id(drafter)] = (self._signature(drafter), self.keys[:drafter.context_length()],
+                                                 self._parts(drafter))
             else:
                 self.cache, self.keys = None, []
             self.totals["turns"] += 1

@@ -170,6 +170,28 @@ def test_switching_modes_and_rewound_speculation(spec_models):
     assert all(r[2] > 0 for r in reasons[3:]), reasons
 
 
+def test_fixed_and_auto_width_turns_on_one_drafter(spec_models, monkeypatch, tmp_path):
+    """block_size="auto" drives the same drafter object (auto over it, which hands it committed tokens in batches):
+    fixed-width turns interleaved with auto turns, across two conversations, still draft exactly what a freshly
+    started drafter drafts."""
+    monkeypatch.setenv("GLIMMER_MLX_CACHE_DIR", str(tmp_path))
+    model, dflash, _, _ = spec_models
+    session = Session(model, drafters={"dflash": dflash})
+    reference = copy.copy(dflash)
+    log, ref_log = record_drafts(dflash, monkeypatch), record_drafts(reference, monkeypatch)
+    convs = {"a": ids_of(5, 10), "b": ids_of(6, 12)}
+    for turn, (conv, width) in enumerate([("a", 4), ("b", "auto"), ("a", 4), ("b", "auto"), ("a", 4)]):
+        ids = convs[conv]
+        log.clear(), ref_log.clear()
+        toks, _, _, st = session.generate(ids, mode="dflash", block_size=width, max_tokens=16)
+        assert toks == glimmer_mlx.generate(model, ids, max_tokens=16).tokens, (turn, width)
+        assert st.mode == "dflash"
+        if width == 4:
+            ref = glimmer_mlx.generate(model, ids, max_tokens=16, drafter=reference, block_size=4)
+            assert ref.tokens == toks and log == ref_log, f"turn {turn}: drafts differ from a fresh drafter's"
+        convs[conv] = ids + toks + ids_of(30 + turn, 4)
+
+
 def test_sliding_drafter_cache_falls_back_to_recomputing_its_window(spec_models, monkeypatch):
     """A drafter whose sliding context cache has compacted cannot rewind: rewind_context replaces it by an empty
     cache `window` positions back and asks the target for those taps again; drafts stay those of a fresh start."""

@@ -38,6 +38,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from weakref import WeakKeyDictionary
 
 import mlx.core as mx
 
@@ -481,6 +482,24 @@ def model_fingerprint(model) -> str:
     return h.hexdigest()[:12]
 
 
+def measure_verify_costs(model, cache, taps, max_k: int, repeats: int = 3) -> dict[int, float]:
+    """Seconds for a target forward over L = 1..max_k+1 tokens at the cache's current length (rewound after)."""
+    from ..cache import rewind_cache
+
+    costs = {}
+    for L in range(1, max_k + 2):
+        x = mx.zeros((1, L), dtype=mx.int32)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            logits, tapped = model(x, cache, taps=taps)
+            mx.eval(logits, tapped)
+            best = min(best, time.perf_counter() - t0)
+            rewind_cache(cache, L)
+        costs[L] = best
+    return costs
+
+
 def pipelined_step_cost(model, cache, taps, n: int = 16) -> float:
     """Seconds per token of plain decoding at the cache's current length, each step queued (async) before the
     previous token is read back, as `PlainDecoder` and auto's plain stretches run (the cache is rewound after)."""
@@ -506,7 +525,6 @@ def calibrate(model, taps, max_len: int, context: int = CALIBRATION_CONTEXT,
     """({L: seconds of a target forward over L tokens (with `taps`)}, seconds per pipelined plain token), both
     after `context` cached tokens."""
     from ..generate import prefill
-    from .adaptive import measure_verify_costs
 
     cache = model.make_cache(max_rewind=max(64, max_len, 17))
     ids = [int(x) for x in (mx.arange(context) % max(2, model.args.vocab_size - 2) + 2).tolist()]
@@ -579,6 +597,11 @@ class AutoDrafter:
 
     kind = "auto"
     width_name = "auto drafts"
+
+    @property
+    def mode(self) -> str:
+        """What a decoder driving it reports: "auto", or the drafter's kind for one model drafter (`width_auto`)."""
+        return next(iter(self.drafters)) if len(self.drafters) == 1 and "ngram" not in self.drafters else "auto"
 
     def __init__(self, target, drafters: list, *, verify_costs: dict[int, float] | None = None,
                  calibration_dir=None, recalibrate: bool = False, probe_every: int = 16, log=None):
@@ -777,6 +800,20 @@ def make_auto(target, *, dflash=None, mtp=None, ngram: bool | int = True, calibr
     return AutoDrafter(target, ds, calibration_dir=calibration_dir, log=log, **kw)
 
 
+_WIDTH_AUTO: WeakKeyDictionary = WeakKeyDictionary()  # drafter -> its width_auto AutoDrafter
+
+
+def width_auto(target, drafter) -> AutoDrafter:
+    """`block_size="auto"` for one DFlash or MTP drafter: auto's per-round choice between a plain step and that
+    drafter at its best width (no n-gram lookup), with all of auto's cost accounting and pipelined plain stretches.
+    One per drafter for the process (rebuilt if its most drafts per round changed), so what it learns carries over
+    between requests; it drives `drafter` itself, whose state it changes."""
+    a = _WIDTH_AUTO.get(drafter)
+    if a is None or a.max_drafts != drafter.max_drafts or a.target is not target:
+        a = _WIDTH_AUTO[drafter] = AutoDrafter(target, [drafter])
+    return a
+
+
 def _engine():
     from . import engine
 
@@ -794,6 +831,7 @@ class AutoDecoder(_engine().SpeculativeDecoder):
         if getattr(drafter, "kind", None) != "auto":
             raise TypeError("AutoDecoder drives an AutoDrafter")
         super().__init__(model, drafter, sampler, None, prefill_step, cache)
+        self.mode = drafter.mode
         self._queued = None
         self.plain_rounds = 0
         self._t_commit = None  # when the previous round's tokens were committed (None before the first)

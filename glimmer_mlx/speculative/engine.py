@@ -4,8 +4,8 @@ A drafter implements `taps` (target layers it needs), `max_drafts`, `start(taps,
 `propose(anchor, pos, k, sampler, history) -> (drafts, q_logprobs | None)`, and `accept(taps, new_tokens)` with the
 target's taps of the newly committed positions. Per round: the drafter proposes k drafts; one target forward over
 [anchor, d1..dk] (with the drafter's taps) is verified by `verify`; the target caches are rewound to
-"anchor + accepted drafts". With one token of budget left (or when the adaptive width says so) a round is a plain
-target step.
+"anchor + accepted drafts". With one token of budget left a round is a plain target step. Choosing the width per round
+(and plain steps where drafting does not pay) is `auto`'s job (`speculative.auto`, also behind block_size="auto").
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import mlx.core as mx
 from ..cache import rewind_cache
 from ..generate import DEFAULT_PREFILL_STEP, prefill
 from ..sampling import Sampler
-from .adaptive import AdaptiveWidth
 from .verify import target_distribution, verify_greedy, verify_sampling
 from ..kernels import install_block_kernels
 
@@ -27,11 +26,10 @@ class SpeculativeDecoder:
     def __init__(self, model, drafter, sampler: Sampler, width=None, prefill_step: int = DEFAULT_PREFILL_STEP,
                  cache=None):
         trained = drafter.max_drafts
-        self.adaptive = width == "auto"
-        if width is None or self.adaptive:
+        if width is None:
             width = trained
         if not isinstance(width, int) or isinstance(width, bool) or not 1 <= width <= trained:
-            raise ValueError(f"{drafter.width_name} must be 'auto' or an int in [1, {trained}], got {width!r}")
+            raise ValueError(f"{drafter.width_name} must be an int in [1, {trained}], got {width!r}")
         self.model, self.drafter, self.sampler = model, drafter, sampler
         self.mode = drafter.kind
         self.max_k = width
@@ -41,7 +39,6 @@ class SpeculativeDecoder:
         self.taps = drafter.taps
         self.history: list[int] = []
         self._first = None
-        self.chooser: AdaptiveWidth | None = None
         self.rounds = 0
         self.hist = Counter()  # tokens committed per round -> count
         self.t_draft = self.t_verify = 0.0
@@ -61,11 +58,6 @@ class SpeculativeDecoder:
             self.drafter.extend(taps, self.history + [self._first])
         else:
             self.drafter.start(taps, self.history + [self._first])
-        if self.adaptive and self.chooser is None:  # a session may hand over the chooser of its previous turn
-            from .auto import load_or_calibrate  # the verify cost curve measured once per machine and model, cached
-
-            costs, _ = load_or_calibrate(self.model, self.taps, self.max_k + 1)
-            self.chooser = AdaptiveWidth(self.max_k, costs)
 
     def _hist(self):
         p = self.sampler.params
@@ -87,8 +79,6 @@ class SpeculativeDecoder:
         anchor = self.history[-1]
         pos = self.cache[0].offset  # the anchor's position: the cache holds every committed token but the anchor
         k = min(self.max_k, budget - 1)
-        if self.chooser is not None:
-            k = min(k, self.chooser.choose())
         t0 = time.perf_counter()
         if k == 0:  # plain step (still producing the taps the drafter needs)
             logits, taps = self.model(mx.array([[anchor]], dtype=mx.int32), self.cache, taps=self.taps)
@@ -112,8 +102,6 @@ class SpeculativeDecoder:
         t2 = time.perf_counter()
         self.t_draft += t1 - t0
         self.t_verify += t2 - t1
-        if self.chooser is not None:
-            self.chooser.update(k, n, t1 - t0)
         return self._commit(new)
 
     def stats(self) -> dict:
@@ -124,7 +112,6 @@ class SpeculativeDecoder:
             "tau": committed / self.rounds if self.rounds else 0.0,
             "acceptance_histogram": {int(n): int(c) for n, c in sorted(self.hist.items())},
             "max_drafts": self.max_k,
-            "adaptive": self.adaptive,
             "draft_share": self.t_draft / total if total else 0.0,
             "verify_share": self.t_verify / total if total else 0.0,
         }
@@ -134,22 +121,24 @@ class SpeculativeDecoder:
             d["depth"] = self.max_k
         if hasattr(self.drafter, "stats"):  # auto: its choices, acceptance and cost curve
             d.update(self.drafter.stats())
-        if self.chooser is not None:
-            d["verify_cost_ratio"] = {int(k): round(v, 3) for k, v in self.chooser.cost_ratio().items()}
-            d["chosen_k_histogram"] = dict(sorted(self.chooser.chosen.items()))
         return d
 
 
 def make_decoder(model, drafter, sampler: Sampler, *, block_size=None, prefill_step: int = DEFAULT_PREFILL_STEP,
                  cache=None):
-    """block_size: DFlash's block width (drafts + 1) or MTP's depth (drafts); None = as trained; "auto" = adaptive."""
+    """block_size: DFlash's block width (drafts + 1) or MTP's depth (drafts); None = as trained; "auto" = per round,
+    plain steps included (`auto.width_auto`: auto's choice over this one drafter)."""
     kind = getattr(drafter, "kind", None)
+    if kind in ("dflash", "mtp") and block_size == "auto":
+        from .auto import AutoDecoder, width_auto
+
+        return AutoDecoder(model, width_auto(model, drafter), sampler, None, prefill_step, cache)
     if kind == "dflash":
         if block_size not in (None, "auto") and not (
                 isinstance(block_size, int) and not isinstance(block_size, bool) and 2 <= block_size <= drafter.block_size):
             raise ValueError(f"block_size must be 'auto' or an int in [2, {drafter.block_size}] (the drafter's trained "
                              f"block size), got {block_size!r}")
-        width = block_size - 1 if isinstance(block_size, int) else block_size
+        width = block_size - 1 if block_size is not None else None
         return SpeculativeDecoder(model, drafter, sampler, width, prefill_step, cache)
     if kind == "mtp":
         if isinstance(block_size, int) and not isinstance(block_size, bool):

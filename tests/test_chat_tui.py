@@ -183,7 +183,8 @@ def test_ctrl_c_stops_an_answer_and_keeps_the_conversation(chat_model, tmp_path)
         while len(tm.screen().split(prompt, 1)[1].strip()) < 20 and time.time() - t0 < 60:
             time.sleep(0.1)
         tm.send("C-c")
-        s = tm.wait(r"\[stopped; the partial answer is kept\]")
+        tm.wait(r"\[stopped; the partial answer is kept\]")
+        s = tm.wait(r"stopped; the partial answer is kept\][\s\S]*" + STATS)  # the stats line may render a frame later
         n, new, cached = map(int, re.findall(STATS, s)[-1])
         assert 0 < n < 200
         tm.wait(r"(?m)^you › $")

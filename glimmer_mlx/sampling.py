@@ -116,6 +116,8 @@ def _draw_fn(params: SamplingParams):
             key, sub = mx.random.split(key)
             return mx.random.categorical(scaled_logits(logits, params), axis=-1, key=sub), key  # shift-invariant
 
+        if len(_DRAWS) >= 64:  # a server seeing many distinct settings: keep the memo bounded
+            _DRAWS.clear()
         fn = _DRAWS[params] = mx.compile(draw)
     return fn
 

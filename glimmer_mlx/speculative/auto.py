@@ -276,7 +276,7 @@ class AutoChooser:
         return self.rates(name, k, regime)[k - 1]
 
     def rates(self, name: str, cap: int, regime: str = "greedy") -> list[float]:
-        """[rate(name, k) for k = 1..min(cap, max_k)] in one pass (called every round, plain ones included)."""
+        """[rate(name, k) for k = 1..min(cap, max_k)] in one pass."""
         opt = self.options[name]
         stats = opt.acceptance(regime)
         fixed = max(0.0, self.round_overhead) + (0.0 if self._spec_last else max(0.0, self.switch_cost))
@@ -327,10 +327,8 @@ class AutoChooser:
         best-scoring one of those due) so that its acceptance estimate can recover."""
         name, k, _ = self.best(available, regime)
         if name is None:
-            r = self.round + 1
             due = [(self._leaders(n, regime)[min(c, self.options[n].max_k) - 1][1], n, c)
-                   for n, c in available.items()
-                   if c >= 1 and r - self.clock(n, regime).last >= self.clock(n, regime).interval]
+                   for n, c in available.items() if c >= 1 and self._due(n, regime)]
             if due:
                 _, name, cap = max(due)
                 return name, min(cap, self.options[name].max_k, 4), True
@@ -371,10 +369,14 @@ class AutoChooser:
         if due is None:
             due = self._next_probe[regime] = min((c.last + c.interval for c in
                                                   (self.clock(n, regime) for n in self.options)), default=1 << 62)
-        r = self.round + 1
-        if r >= due:
-            rel = rel | {n for n in self.options if r - self.clock(n, regime).last >= self.clock(n, regime).interval}
+        if self.round + 1 >= due:
+            rel = rel | {n for n in self.options if self._due(n, regime)}
         return rel
+
+    def _due(self, name: str, regime: str) -> bool:
+        """Option `name` has sat idle for its probe interval by the coming round."""
+        clock = self.clock(name, regime)
+        return self.round + 1 - clock.last >= clock.interval
 
     def count_plain(self) -> None:
         """A plain round chosen without `choose` (nothing `relevant` was available, or `pick` said plain): counted as
@@ -666,8 +668,7 @@ class AutoDrafter:
                 toks = [t for e in new for t in e[1]]
             self.drafters[n].accept(taps, toks)
             self._fed[n] = len(log)
-        done = min(self._fed.values())
-        if done == len(log):
+        if min(self._fed.values()) == len(log):  # every drafter has it all: start the log afresh
             log.clear()
             self._fed = dict.fromkeys(self._fed, 0)
 
@@ -873,7 +874,7 @@ class AutoDecoder(_engine().SpeculativeDecoder):
             self._t_commit = time.perf_counter()
             return [t]
         if self._queued is None:
-            if (self._first is not None or budget <= 1 or self._spec_next
+            if (budget <= 1 or self._spec_next  # (the prefill's token is only still pending with budget 1)
                     or not auto.plan(min(self.max_k, budget - 1), self._regime())):
                 self._spec_next = False
                 out = super().step(budget)  # a speculative round (propose chooses it)

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-DEFAULT_MAX_REWIND = 64
+# spare rows a sliding-window layer keeps beyond its window, i.e. how far any cache can rewind at any length: enough
+# for a verify block (<= 17 rows here), an MTP drafter's rewind staircase, and a session re-rendering the tail of its
+# last answer (the common prefix of two renderings of a conversation can end a few dozen tokens back)
+DEFAULT_MAX_REWIND = 128
 
 
 class CacheRewindError(RuntimeError):

@@ -36,6 +36,7 @@ import json
 import math
 import os
 import re
+import resource
 import shutil
 import signal
 import sys
@@ -43,6 +44,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
@@ -53,9 +55,15 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .config import ConfigError, parse_config
-from .loading import (CheckpointError, check_vision, check_weights, parse_dtype, read_json, read_safetensors_header,
-                      resolve_path, weight_files)
-from .models.glimmer import Model
+from .generate import generate
+from .loading import (CheckpointError, check_vision, check_weights, load, parse_dtype, quantize_like, read_json,
+                      read_safetensors_header, resolve_path, weight_files)
+from .models.assistant import Assistant, AssistantConfig
+from .models.glimmer import Model, rms
+from .quantization import (GLIMMER_RECIPES, MIXED_RECIPES, MODE_DEFAULTS, RECIPES, VISION_LINEAR_RE, layer_index,
+                           recipe_bits)
+from .speculative import load_drafter
+from .tokenizer import load_tokenizer
 
 
 class ConvertError(CheckpointError):
@@ -65,44 +73,13 @@ class ConvertError(CheckpointError):
 # --------------------------------------------------------------------------------------------------------------------
 # Quantization modes and recipes
 
-MODE_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}  # (group_size, bits)
-MIXED_RECIPES = {"mixed_2_6": (2, 6), "mixed_3_4": (3, 4), "mixed_3_6": (3, 6), "mixed_4_6": (4, 6)}  # mlx-lm's
-# Ours, chosen among 9 candidates by measured KL at no more memory than mixed_4_6 (BENCHMARKS.md): 4-bit base,
-# k_proj / v_proj at 8 bits in every layer (Glimmer has 2 KV heads: k/v are 1/16 the size of q, so 8 bits there cost
-# ~0.1 bit per weight), embed_tokens and lm_head at 6 bits. 30B text tower: 16.4 GB vs mixed_4_6's 16.9 GB, with
-# 2.3-7x lower KL than mixed_4_6 on two trained tiny targets.
-GLIMMER_RECIPES = {"glimmer_4_6": (4, 6)}
-RECIPES = tuple(MIXED_RECIPES) + tuple(GLIMMER_RECIPES)
 DEFAULT_MAX_SHARD_BYTES = 5 << 30  # mlx-lm's MAX_FILE_SIZE_GB (5 GiB)
 CHUNK_ELEMS = 1 << 22  # rows per chunk are chosen so a chunk holds at most this many elements (16 MB in fp32)
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _MTP_RE = re.compile(r"^(?:model\.)?mtp\.")
-_VISION_LINEAR_RE = re.compile(
-    r"^(vision_tower\.layers\.\d+\.(attn\.(q_proj|k_proj|v_proj|proj)|mlp\.fc[12])|vision_adapter\.fc[12]|"
-    r"vision_projection)\.weight$")
-
-
 def is_mtp_name(name: str) -> bool:
     return bool(_MTP_RE.match(name))
-
-
-def _recipe_bits(recipe: str, path: str, index: int, num_layers: int) -> int:
-    """Bits for module `path` under `recipe`; `index` is the layer index found as mlx-lm finds it."""
-    low, high = (MIXED_RECIPES | GLIMMER_RECIPES)[recipe]
-    n = num_layers
-    more = index < n // 8 or index >= 7 * n // 8 or (index - n // 8) % 3 == 2
-    if recipe in GLIMMER_RECIPES:
-        if re.search(r"(^|\.)(k_proj|v_proj)$", path):
-            return 8
-        return high if re.search(r"(^|\.)(lm_head|embed_tokens)$", path) else low
-    if ("v_proj" in path or "v_a_proj" in path or "v_b_proj" in path) and more:
-        return high
-    if "down_proj" in path and more:
-        return high
-    if "lm_head" in path:
-        return high
-    return low
 
 
 @dataclass
@@ -285,13 +262,6 @@ def _source_tensors(path: Path) -> list[tuple[str, Path, dict, int]]:
     return out
 
 
-def _index_of(path: str, layer_location: int) -> int:
-    parts = path.split(".")
-    if len(parts) > layer_location and parts[layer_location].isdigit():
-        return int(parts[layer_location])
-    return 0
-
-
 def _quantizable_modules(module: nn.Module) -> set[str]:
     return {p for p, m in module.named_modules() if hasattr(m, "to_quantized")}
 
@@ -329,8 +299,6 @@ def build_plan(src, out_dtype=None, settings: QuantSettings | None = None, *, te
     notes: list[str] = []
     shapes = {n: SimpleNamespace(shape=tuple(info["shape"])) for n, _, info, _ in tensors}
     if is_drafter:
-        from .models.assistant import Assistant, AssistantConfig
-
         try:
             acfg = AssistantConfig.from_dict(raw, where=str(cfg_path))
         except ConfigError as e:
@@ -397,14 +365,14 @@ def build_plan(src, out_dtype=None, settings: QuantSettings | None = None, *, te
             if p not in qmods:
                 return None
         elif part == "vision":
-            if not settings.quantize_vision or not _VISION_LINEAR_RE.match(name):
+            if not settings.quantize_vision or not VISION_LINEAR_RE.match(name):
                 return None
         elif part == "mtp":
             if "norm" in p.split(".")[-1]:
                 return None
         params = dict(settings.global_params)
         if settings.recipe:
-            bits = (_recipe_bits(settings.recipe, p, _index_of(p, layer_location), num_layers) if part != "vision"
+            bits = (recipe_bits(settings.recipe, p, layer_index(p, layer_location), num_layers) if part != "vision"
                     else settings.bits)
             params["bits"] = bits
         if shape[-1] % settings.group_size or shape[-1] % params["group_size"]:
@@ -543,8 +511,6 @@ class _RSSSampler:
             with open("/proc/self/statm") as f:
                 return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         except (OSError, ValueError):
-            import resource
-
             r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             return r if sys.platform == "darwin" else r * 1024
 
@@ -696,8 +662,6 @@ SAMPLE_TEXT = (
 
 def sample_ids(path: Path, vocab_size: int, n: int = 128) -> tuple[list[int], str]:
     """The built-in sample as token ids (the checkpoint's tokenizer), or fixed random ids when there is none."""
-    from .tokenizer import load_tokenizer
-
     tok = load_tokenizer(path) if (path / "tokenizer.json").exists() else None
     if tok is not None:
         ids = [i for i in tok.encode(SAMPLE_TEXT) if i < vocab_size][:n]
@@ -758,8 +722,6 @@ def eval_target(plan: Plan, out_dir: Path, ids: list[int], *, return_logits: boo
     """Layer-by-layer forward of the source (fp32) and of the written output on `ids`; logit metrics.
     Peak memory: one layer of each plus row chunks of the embedding / lm_head. return_logits: also return
     (source logits, converted logits), each [len(ids), V]."""
-    from .loading import _quantize_model
-
     config = parse_config(plan.out_config)
     src = _Reader(plan)
     out_files = sorted(out_dir.glob("model-*.safetensors"))
@@ -775,7 +737,7 @@ def eval_target(plan: Plan, out_dir: Path, ids: list[int], *, return_logits: boo
     out_names = [k for k in where if not k.startswith(("vision_", "mtp.", "model.mtp."))]
     ref, q = Model(config), Model(config)
     if plan.quantization is not None:
-        _quantize_model(q, plan.quantization, set(where))
+        quantize_like(q, plan.quantization, set(where))
     x = mx.array([ids])
     try:
         t = config.text
@@ -783,8 +745,6 @@ def eval_target(plan: Plan, out_dir: Path, ids: list[int], *, return_logits: boo
         uniq = sorted(set(ids))
         emb_rows = mx.concatenate([src.rows("model.embed_tokens.weight", i, i + 1) for i in uniq])
         lut = {v: j for j, v in enumerate(uniq)}
-        from .models.glimmer import rms
-
         h_ref = rms(emb_rows[mx.array([[lut[i] for i in ids]])], t.rms_norm_eps)
         _load_layer(q.model.embed_tokens, "model.embed_tokens.", out_get, out_names)
         h_q = q.model.embed(x)
@@ -827,9 +787,6 @@ def eval_drafter(src_path: Path, out_dir: Path, target, prompts: list[list[int]]
                  max_tokens: int = 48) -> dict:
     """τ (greedy mean acceptance length) of the source and converted drafter on `prompts`, whether the output stayed
     identical to plain decoding, and draft-logit agreement over `sample`."""
-    from .generate import generate
-    from .speculative import load_drafter
-
     d_ref, d_q = load_drafter(src_path, target), load_drafter(out_dir, target)
     res: dict = {"prompts": len(prompts), "max_tokens": max_tokens}
     lossless = True
@@ -993,9 +950,7 @@ def convert(src, out, *, quantize: bool = False, q_bits: int | None = None, q_gr
                     ids, how = list(eval_ids), "token ids given by the caller"
                 quality["logits"] = dict(eval_target(plan, tmp, ids), sample=how)
             elif evaluate and plan.kind == "drafter" and target is not None:
-                from .loading import load as load_target
-
-                tmodel = load_target(target)[0] if not isinstance(target, nn.Module) else target
+                tmodel = load(target)[0] if not isinstance(target, nn.Module) else target
                 tpath = Path(getattr(tmodel, "path", "") or ".")
                 ids, how = sample_ids(tpath, tmodel.args.vocab_size, eval_tokens)
                 prompts = eval_prompts or [ids[i: i + 12] for i in range(0, min(len(ids) - 12, 48) + 1, 16)]
@@ -1060,8 +1015,6 @@ def convert(src, out, *, quantize: bool = False, q_bits: int | None = None, q_gr
 
 
 def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
     out = {}
     for p in ("glimmer-mlx", "mlx", "mlx-lm"):
         try:

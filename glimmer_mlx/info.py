@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import math
 
+from mlx.utils import tree_flatten
+
 from .cache import DEFAULT_MAX_REWIND
-from .config import ModelConfig, text_param_counts
-from .loading import load_config, resolve_path
-from .models.glimmer import expected_vision_shapes
+from .config import ModelConfig, TextConfig, parse_config, text_param_counts
+from .loading import load_config, read_json, resolve_path
+from .models.assistant import Assistant, AssistantConfig
+from .models.glimmer import Model, expected_vision_shapes
+from .quantization import MODE_DEFAULTS, VISION_LINEAR_RE, layer_index, recipe_bits
 
 # bytes per parameter: dense formats, and mlx affine quantization (packed bits + bf16 scale and bias per group)
 WEIGHT_FORMATS = {
@@ -73,7 +77,6 @@ RUNTIME_OVERHEAD_GB = 1.5  # activations of a 512-token prefill chunk, verify lo
 def preset_config(name: str) -> dict:
     if name != "muse-glimmer-30b":
         raise ValueError(f"unknown preset {name!r} (known: {', '.join(sorted(PRESETS))})")
-    from .config import TextConfig
 
     t = TextConfig()
     text = {k: getattr(t, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -90,8 +93,6 @@ def gpu_working_set_gb(mem_gb: float) -> float:
 def _weights_bytes(shapes: dict[str, tuple], quantizable: set[str], q: dict | None, recipe: str | None,
                    num_layers: int, dense_bytes: int = 2) -> tuple[int, int]:
     """(bytes, parameters) of tensors `shapes` with the module weights in `quantizable` quantized as convert does."""
-    from .convert import _index_of, _recipe_bits
-
     loc = None
     for p in sorted(quantizable):
         if "down_proj" in p:
@@ -105,7 +106,7 @@ def _weights_bytes(shapes: dict[str, tuple], quantizable: set[str], q: dict | No
         if q is None or p not in quantizable or len(shape) != 2 or shape[-1] % q["group_size"]:
             total += n * dense_bytes
             continue
-        bits = _recipe_bits(recipe, p, _index_of(p, loc or 0), num_layers) if recipe else q["bits"]
+        bits = recipe_bits(recipe, p, layer_index(p, loc or 0), num_layers) if recipe else q["bits"]
         groups = n // q["group_size"]
         total += n * bits // 8 + groups * (2 * dense_bytes if q["mode"] == "affine" else 1)
     return total, params
@@ -118,13 +119,6 @@ def memory_plan(model: str | dict = "muse-glimmer-30b", drafter: str | dict | No
     """Memory needed to run `model` (+ `drafter`) converted by `glimmer convert` with these settings, and whether it
     fits each Mac memory size. `model`: a preset name, a checkpoint folder / Hub id, or a config dict; `drafter`:
     "default" (the released assistant's config), None, a folder / Hub id, or a config dict. bits None: bf16."""
-    from mlx.utils import tree_flatten
-
-    from .config import parse_config
-    from .convert import _VISION_LINEAR_RE, MODE_DEFAULTS
-    from .models.assistant import Assistant, AssistantConfig
-    from .models.glimmer import Model
-
     if isinstance(model, dict):
         raw = model
     elif model in PRESETS:
@@ -143,7 +137,7 @@ def memory_plan(model: str | dict = "muse-glimmer-30b", drafter: str | dict | No
     parts = {"text tower": {"params": text_p, "bytes": text_b}}
     if config.has_vision and not text_only:
         vs = expected_vision_shapes(config)
-        vq = {k[: -len(".weight")] for k in vs if _VISION_LINEAR_RE.match(k)} if quantize_vision else set()
+        vq = {k[: -len(".weight")] for k in vs if VISION_LINEAR_RE.match(k)} if quantize_vision else set()
         vb, vp = _weights_bytes(vs, vq, q, None, 1)
         parts["vision (tower + projector)"] = {"params": vp, "bytes": vb}
     dcfg = None
@@ -154,8 +148,6 @@ def memory_plan(model: str | dict = "muse-glimmer-30b", drafter: str | dict | No
         elif isinstance(drafter, dict):
             dcfg = AssistantConfig.from_dict(drafter)
         else:
-            from .loading import read_json
-
             dcfg = AssistantConfig.from_dict(read_json(resolve_path(drafter) / "config.json"))
         a = Assistant(dcfg)
         dq = q if drafter_bits == "same" else (None if drafter_bits is None else dict(q or {"group_size": 64,

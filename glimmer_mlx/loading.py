@@ -17,6 +17,8 @@ from mlx.utils import tree_flatten
 
 from .config import ConfigError, ModelConfig, parse_config
 from .models.glimmer import Model, expected_vision_shapes
+from .models.vision import VisionConfig, VisionEncoder
+from .tokenizer import load_tokenizer
 
 
 class CarriedWeights:
@@ -194,11 +196,10 @@ def load_weights(path: Path) -> dict[str, mx.array]:
     return weights
 
 
-def _quantize_model(model: nn.Module, quant: dict, weights: dict[str, mx.array], prefix: str = "") -> None:
+def quantize_like(model: nn.Module, quant: dict, weights: dict[str, mx.array], prefix: str = "") -> None:
     """Turn Linear/Embedding modules into their quantized versions wherever the checkpoint has `.scales`
     (mlx-lm's layout: global `group_size/bits/mode`, optional per-module overrides keyed by module path).
     prefix: the module's path in the checkpoint (e.g. "mtp.") when `weights` are named relative to it."""
-
     def predicate(p, m):
         if not hasattr(m, "to_quantized"):
             return False
@@ -284,7 +285,6 @@ def _attach_vision(model: Model, config: ModelConfig, vision: dict[str, mx.array
         model.vision_unavailable = ("quantized vision tower weights are not supported yet (quantize only the text "
                                     "tower, or keep the vision tensors in bf16/fp16/fp32)")
         return
-    from .models.vision import VisionConfig, VisionEncoder
 
     try:
         vcfg = VisionConfig.from_model_config(config)
@@ -310,7 +310,7 @@ def load_model(path: Path, dtype=None, *, lazy: bool = False) -> Model:
     if config.text.tie_word_embeddings:
         text.pop("lm_head.weight", None)
     if config.quantization is not None:
-        _quantize_model(model, config.quantization, text)
+        quantize_like(model, config.quantization, text)
     check_weights(model, text, path, config.quantization)
     check_vision(config, vision, path)
     if dtype is not None:
@@ -337,8 +337,6 @@ def load(path_or_repo, dtype=None, *, lazy: bool = False):
     dtype: None keeps the checkpoint's dtype; "bf16" | "fp16" | "fp32" (or an mx.Dtype) casts floating weights.
     tokenizer is None when the checkpoint has no tokenizer files (token ids still work).
     """
-    from .tokenizer import load_tokenizer
-
     path = resolve_path(path_or_repo)
     model = load_model(path, dtype, lazy=lazy)
     tokenizer = load_tokenizer(path, model.config)

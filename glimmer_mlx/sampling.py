@@ -16,6 +16,61 @@ import mlx.core as mx
 NEG_INF = float("-inf")
 
 
+def is_int(v) -> bool:
+    """An integer value, and not a bool (which Python counts as one)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class Range:
+    """An allowed interval (None: unbounded; open ends excluded); integer: whole numbers only."""
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    integer: bool = False
+
+    def __str__(self) -> str:
+        if self.hi is None:
+            return f"> {self.lo}" if self.lo_open else f">= {self.lo}"
+        return f"in {'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
+
+    def contains(self, v) -> bool:
+        if self.integer and not is_int(v):
+            return False
+        if not self.integer:
+            try:
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                    return False
+            except OverflowError:  # an integer beyond a float's range
+                return False
+        lo_ok = self.lo is None or (v > self.lo if self.lo_open else v >= self.lo)
+        hi_ok = self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
+        return lo_ok and hi_ok
+
+
+# every sampling parameter's allowed values: the one source for the library, the CLI and the server's requests
+RANGES = {
+    "temperature": Range(0.0),
+    "top_p": Range(0.0, 1.0, lo_open=True),
+    "top_k": Range(0, integer=True),
+    "min_p": Range(0.0, 1.0, hi_open=True),
+    "repetition_penalty": Range(0.0, lo_open=True),
+    "repetition_context_size": Range(1, integer=True),
+}
+SEED_RANGE = Range(0, 2**63 - 1, integer=True)
+
+
+class SamplingError(ValueError):
+    """A sampling parameter outside its range; `field` names it."""
+
+    def __init__(self, field: str, value):
+        r = RANGES[field] if field in RANGES else SEED_RANGE
+        kind = "an integer" if r.integer else "a finite number"
+        super().__init__(f"'{field}' must be {kind} {r}, got {value!r}")
+        self.field = field
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
@@ -26,21 +81,9 @@ class SamplingParams:
     repetition_context_size: int = 64
 
     def __post_init__(self):
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables), got {self.top_k}")
-        if not 0.0 <= self.min_p < 1.0:
-            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.repetition_context_size < 1:
-            raise ValueError(f"repetition_context_size must be >= 1, got {self.repetition_context_size}")
+        for name, r in RANGES.items():
+            if not r.contains(getattr(self, name)):
+                raise SamplingError(name, getattr(self, name))
 
     @property
     def greedy(self) -> bool:
@@ -95,6 +138,31 @@ def process(logits: mx.array, params: SamplingParams, history: mx.array | None =
         return mx.where(mx.arange(x.shape[-1]) == top, 0.0, NEG_INF).astype(mx.float32)
     x = scaled_logits(logits, params, history)
     return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+
+def history_window(params: SamplingParams, history: list[int], pending: mx.array | None = None) -> mx.array | None:
+    """What the repetition penalty sees: the last `repetition_context_size` committed tokens, followed by `pending`
+    (a sampled token not read back yet, [1]) when given; None without a penalty."""
+    if params.repetition_penalty == 1.0:
+        return None
+    size = params.repetition_context_size
+    h = mx.array(history[-size:], dtype=mx.int32)
+    if pending is None:
+        return h
+    return mx.concatenate([h, pending.reshape(-1).astype(mx.int32)])[-size:]
+
+
+def history_rows(params: SamplingParams, history: list[int], drafts: list[int], rows: int) -> mx.array | None:
+    """[rows, size] windows for scoring a block: row j sees history + drafts[:j] (None without a penalty)."""
+    if params.repetition_penalty == 1.0:
+        return None
+    size = params.repetition_context_size
+    seqs = [(history + drafts[:j])[-size:] for j in range(rows)]
+    width = max(len(s) for s in seqs)
+    if width == 0:
+        return None
+    # left-pad with the row's first token: repeating a token does not change the penalty (it is set-based)
+    return mx.array([[s[0]] * (width - len(s)) + s for s in seqs], dtype=mx.int32)
 
 
 def greedy_token(logits: mx.array, params: SamplingParams, history: mx.array | None = None) -> mx.array:

@@ -8,7 +8,7 @@ outside: `..` components, absolute paths outside, symlinks pointing out and syml
 prefix permits it. A shell command can do anything the user can (network, deletion, paths outside the workspace):
 the confirmation (or a narrow allowlist) is the guard, not the jail.
 
-Tool results use the formats the embedded model was trained on (models/build/synthetic.py): `list_files` one name
+Tool results use the formats the embedded model was trained on (embedded/build/synthetic.py): `list_files` one name
 per line (folders end with "/"), `read_file` numbered lines (`"{n:>4}  {line}"`), `search` `path:line:text`,
 `run` `exit code N` then the output.
 """
@@ -23,11 +23,12 @@ import re
 import shlex
 import signal
 import subprocess
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+
+from .files import write_atomic
 
 try:  # the `regex` package (an mlx-lm dependency in practice) can time a search out; `re` cannot
     import regex as _rx
@@ -39,7 +40,7 @@ def _spec(name: str, description: str, required: list[str], **props: str) -> dic
         "type": "object", "properties": {k: {"type": t} for k, t in props.items()}, "required": required}}}
 
 
-# The tool schemas given to the model (identical to models/build/tools.json, which the embedded model saw).
+# The tool schemas given to the model (identical to embedded/build/tools.json, which the embedded model saw).
 TOOL_SPECS = [
     _spec("list_files", "List files and folders under a workspace path.", [], path="string", pattern="string"),
     _spec("read_file", "Read a text file, optionally a line range.", ["path"], path="string", start_line="integer",
@@ -151,26 +152,6 @@ def unified_diff(old: str, new: str, rel: str) -> str:
     if len(diff) > MAX_DIFF:
         diff = diff[:MAX_DIFF] + f"\n... diff truncated ({len(diff) - MAX_DIFF} more characters)\n"
     return diff
-
-
-def _atomic_write(real: Path, content: str) -> None:
-    real.parent.mkdir(parents=True, exist_ok=True)
-    if real.exists():
-        mode = real.stat().st_mode & 0o7777  # keep the file's permissions
-    else:
-        umask = os.umask(0)
-        os.umask(umask)
-        mode = 0o666 & ~umask  # what open() would give a new file (mkstemp makes it 0600)
-    fd, tmp = tempfile.mkstemp(dir=real.parent, prefix=f".{real.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(content)
-        os.chmod(tmp, mode)
-        os.replace(tmp, real)  # replaces a symlink itself, never writes through it
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def allowed_by(command: str, allow: list[str]) -> bool:
@@ -341,7 +322,7 @@ class ToolBox:
         verb = "overwrite" if old is not None else "create"
         if not self._ask(f"{verb} {rel}?"):
             raise ToolError(f"the user declined to {verb} {rel}; nothing was written")
-        _atomic_write(real, content)
+        write_atomic(real, content)
         return f"wrote {rel} ({len(content.encode('utf-8'))} bytes)"
 
     def patch_file(self, path: str, old: str, new: str) -> str:
@@ -364,7 +345,7 @@ class ToolBox:
         self._show("diff", unified_diff(text, updated, rel))
         if not self._ask(f"patch {rel}?"):
             raise ToolError(f"the user declined the patch to {rel}; nothing was written")
-        _atomic_write(real, updated)
+        write_atomic(real, updated)
         return f"patched {rel}: 1 replacement"
 
     def run(self, command: str) -> str:

@@ -265,7 +265,7 @@ def test_memory_bounded_over_long_run(model_hf):
     never hold more than W-1+max_rewind+step rows (step = KVCache.step, the allocation granularity), while global
     layers keep everything. The logits at the end still equal transformers'."""
     model, hf = model_hf
-    cache = model.make_cache()  # max_rewind 64
+    cache = model.make_cache()  # max_rewind: cache.DEFAULT_MAX_REWIND
     max_rewind = cache[0].max_rewind
     rng = np.random.default_rng(5)
     ids = rng.integers(0, V, 600).tolist()

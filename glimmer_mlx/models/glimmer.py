@@ -8,13 +8,17 @@ checkpoints interoperate; `sanitize` maps the Hugging Face names (`model.languag
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
 
-from ..cache import KVCache, make_cache
+from ..cache import DEFAULT_MAX_REWIND, KVCache, make_cache
 from ..config import ModelConfig, TextConfig, rope_inv_freq
-from ..kernels.attention import block_attention, enabled as block_kernels_enabled
+from ..kernels.attention import block_attention
+from ..kernels.attention import enabled as block_kernels_enabled
 
 F32 = mx.float32
 
@@ -212,8 +216,6 @@ class FeatureCache:
     the same image in a follow-up prompt is not encoded again."""
 
     def __init__(self, max_items: int = 16):
-        from collections import OrderedDict
-
         self.max_items = max_items
         self._d: "OrderedDict[str, mx.array]" = OrderedDict()
         self.hits = self.misses = 0
@@ -269,8 +271,6 @@ class Model(nn.Module):
 
     @property
     def vision_weights(self) -> VisionWeights:
-        from mlx.utils import tree_flatten
-
         enc = self.vision
         return VisionWeights({} if enc is None else dict(tree_flatten(enc.parameters())))
 
@@ -278,8 +278,6 @@ class Model(nn.Module):
         """Normed token embeddings [1, L, D] with the rows of each placeholder id in `features` (image / video
         token id → per-item features [n_i, D], in prompt order) replaced by those features (reference doc §4.5:
         placeholders are embedded as token 0, then overwritten; counts must match exactly)."""
-        import numpy as np
-
         arr = np.asarray(ids, dtype=np.int64)
         mm = np.isin(arr, list(features))
         emb = self.model.embed(mx.array(np.where(mm, 0, arr).astype(np.int32))[None])
@@ -325,7 +323,7 @@ class Model(nn.Module):
         logits = self.logits(h)
         return logits if taps is None else (logits, tapped)
 
-    def make_cache(self, max_rewind: int = 64) -> list[KVCache]:
+    def make_cache(self, max_rewind: int = DEFAULT_MAX_REWIND) -> list[KVCache]:
         return make_cache(self.args, max_rewind=max_rewind)
 
     @property
@@ -392,6 +390,4 @@ def expected_vision_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def param_count(module: nn.Module) -> int:
-    from mlx.utils import tree_flatten
-
     return sum(math.prod(v.shape) for _, v in tree_flatten(module.parameters()))

@@ -14,7 +14,7 @@ import dataclasses
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import KVCache
+from ..cache import DEFAULT_MAX_REWIND, KVCache
 from ..config import ConfigError, TextConfig
 from .glimmer import DecoderLayer, RMSNorm, Rope
 
@@ -83,7 +83,7 @@ class MTPHead(nn.Module):
         out = self.layers[self.layer_for_depth(d)](e, h, self.rope, cache)
         return self.shared_post_norm(out) if "shared_post_norm" in self else out
 
-    def make_cache(self, depth: int, max_rewind: int = 64) -> list[KVCache]:
+    def make_cache(self, depth: int, max_rewind: int = DEFAULT_MAX_REWIND) -> list[KVCache]:
         """One cache per depth; depth d's first row is at position d+1 (it runs d+1 tokens ahead of the target)."""
         caches = []
         for d in range(depth):

@@ -4,8 +4,10 @@ from .generate import GenerationResult, GenerationStats, generate, stream_genera
 from .loading import CheckpointError, load
 from .sampling import Sampler, SamplingParams
 from .speculative import load_drafter, load_mtp
+from .strategy import DecodeSpec, ModeError, load_drafters
 
 __version__ = "0.1.0"
 
 __all__ = ["load", "generate", "stream_generate", "GenerationResult", "GenerationStats", "CheckpointError",
-           "SamplingParams", "Sampler", "load_drafter", "load_mtp", "__version__"]
+           "SamplingParams", "Sampler", "load_drafter", "load_mtp", "load_drafters", "DecodeSpec", "ModeError",
+           "__version__"]

@@ -17,16 +17,24 @@ A backend is any callable `backend(messages, tools, on_text=None) -> str` with a
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
+import typer
+from rich.markup import escape
+from rich.panel import Panel
+from rich.syntax import Syntax
+
+from .runtime.loop import GenerationStats
+from .session import load_session
 from .tool_calls import (ToolCall, ToolParser, assistant_message, get_parser, neutralize_special_tokens,
                          tool_result_message)
-from .tools import TOOL_SPECS, ToolBox, ToolError, coerce_arguments
+from .tools import TOOL_SPECS, ToolBox, ToolError, Workspace, coerce_arguments
 
-# The system prompt the embedded model was trained with (models/build/agent_system.txt).
+# The system prompt the embedded model was trained with (embedded/build/agent_system.txt).
 DEFAULT_SYSTEM = ("You are glimmer, a coding agent working in a local workspace. Use the tools to look at and change "
                   "files, one step at a time, and finish with final_answer.")
 TRANSCRIPT_VERSION = 1
@@ -310,15 +318,13 @@ class MLXBackend:
         tok = session.tokenizer
         if tok is None or not tok.chat_template:
             raise ValueError("the agent needs a model with a tokenizer and a chat template")
-        session.resolve_mode(mode, block_size)  # ModeError (a ValueError) now, not at the first step
+        session.check_mode(mode, block_size)  # ModeError (a ValueError) now, not at the first step
         self.session, self.mode, self.block_size = session, mode, block_size
         self.max_tokens, self.temperature, self.top_p, self.seed = max_tokens, temperature, top_p, seed
         self.chat_template = tok.chat_template
         self.last_stats = None
 
     def __call__(self, messages, tools, on_text=None) -> str:
-        from .generate import GenerationStats
-
         ids = self.session.encode_messages(messages, tools=tools)
         stats = GenerationStats()
         parts = []
@@ -332,21 +338,12 @@ class MLXBackend:
         return "".join(parts)
 
 
-def load_backend(model: str | None, *, mode: str = "ar", draft_model: str | None = None, announce=None,
-                 **kwargs) -> MLXBackend:
-    """Load the target (the embedded model, with its drafters, when `model` is None) into a Session. draft_model:
-    the drafter for mode "dflash" (a DFlash checkpoint) or "mtp" (MTP layers; default: the target's own)."""
-    from .session import MODES, load_session
-
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; one of {', '.join(MODES)}")
-    if draft_model is not None and mode not in ("dflash", "mtp"):
-        raise ValueError("--draft-model needs --mode dflash or --mode mtp")
-    if mode == "mtp" and model is not None:
-        session = load_session(model, mtp=True, mtp_model=draft_model, announce=announce)
-    else:
-        session = load_session(model, draft_model=draft_model, announce=announce)
-    return MLXBackend(session, mode=mode, **kwargs)
+def load_backend(model: str | None, *, mode: str = "ar", block_size=None, draft_model: str | None = None,
+                 mtp_model: str | None = None, announce=None, **kwargs) -> MLXBackend:
+    """Load the target (the embedded model, with its drafters, when `model` is None) into a Session
+    (`session.load_session`: draft_model a DFlash drafter or MTP layers, mtp_model MTP layers) and check the mode."""
+    return MLXBackend(load_session(model, draft_model=draft_model, mtp_model=mtp_model, announce=announce), mode=mode,
+                      block_size=block_size, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------- rich UI
@@ -370,8 +367,6 @@ class RichUI(AgentUI):
         self.console.out("")
 
     def tool_call(self, call):
-        from rich.markup import escape
-
         if call.name == "final_answer":  # shown as the answer
             return
 
@@ -379,39 +374,27 @@ class RichUI(AgentUI):
         self.console.print(f"[bold cyan]→ {escape(call.name)}[/]({escape(args)})", soft_wrap=True)
 
     def tool_result(self, call, result, ok):
-        from rich.markup import escape
-
         lines = result.splitlines() or [""]
         head = "\n".join(lines[:8]) + (f"\n… {len(lines) - 8} more lines" if len(lines) > 8 else "")
         style = "dim" if ok else "red"
         self.console.print(f"[{style}]{escape(_indent(head))}[/]", soft_wrap=True)
 
     def error(self, message):
-        from rich.markup import escape
-
         self.console.print(f"[yellow]! malformed reply: {escape(message)}[/]", soft_wrap=True)
 
     def show(self, kind, text):
-        from rich.markup import escape
-        from rich.syntax import Syntax
-
         if kind == "diff":
             self.console.print(Syntax(text, "diff", theme="ansi_dark", background_color="default"))
         else:
             self.console.print(f"[bold]$ {escape(text)}[/]", soft_wrap=True)
 
     def final(self, answer):
-        from rich.markup import escape
-        from rich.panel import Panel
-
         if self.out.is_terminal:
             self.out.print(Panel(escape(answer), title="answer", border_style="green"))
         else:
             self.out.out(answer, highlight=False)
 
     def stopped(self, reason):
-        from rich.markup import escape
-
         self.console.print(f"[bold yellow]{escape(reason)}[/]", soft_wrap=True)
 
 
@@ -427,16 +410,12 @@ def _indent(s: str) -> str:
 
 def default_transcript_path() -> Path:
     """~/.cache/glimmer-mlx/agent/<time>.jsonl (not in the workspace: the agent's own files stay out of it)."""
-    import os
-
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "glimmer-mlx" / "agent"
     return base / time.strftime("%Y%m%d-%H%M%S.jsonl")
 
 
 def terminal_confirm(question: str) -> bool:
     """Ask on the terminal (default no); end of input (no terminal) declines."""
-    import typer
-
     aborts = (typer.Abort,)
     try:
         import click
@@ -456,12 +435,6 @@ def run_command(task: str | None, *, backend_factory: Callable[[], Backend], wor
                 meta: dict | None = None) -> AgentResult:
     """`glimmer agent`: check the options, build the toolbox and the agent, run or resume. ValueError /
     FileNotFoundError / NotADirectoryError for bad options (the CLI prints them)."""
-    import os
-
-    from rich.markup import escape
-
-    from .tools import Workspace
-
     if task is None and resume is None:
         raise ValueError("give a TASK, or --resume TRANSCRIPT to continue a run")
     if max_steps < 1:

@@ -22,7 +22,6 @@ prefilled vs reused from the cache.
 from __future__ import annotations
 
 import json
-import math
 import re
 import signal
 import sys
@@ -32,8 +31,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .generate import GenerationStats
-from .session import MODES, ContextLengthError, ModeError, Session
+from .image_processing import ImageError, preprocess_image
+from .multimodal import require_vision
+from .runtime.loop import GenerationStats
+from .runtime.request import ContextLengthError
+from .sampling import RANGES, SamplingError
+from .session import Session
+from .strategy import MODES, DecodeSpec, ModeError
+from .tool_calls import assistant_message, get_parser
 
 COMMANDS = [
     ("/help", "this list"),
@@ -70,8 +75,7 @@ class Chat:
         self.console = console or Console(highlight=False)
         self.out = out or sys.stdout
         self.input = input_fn
-        avail = session.available_modes()
-        self.mode = mode or next(m for m in ("dflash", "mtp", "ar") if m in avail)
+        self.mode = mode or session.default_mode()
         self.block_size = block_size
         session.check_mode(self.mode, block_size)  # ModeError now, not at the first turn
         self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
@@ -85,8 +89,6 @@ class Chat:
         self.show_stats = show_stats
         self.last_stats: GenerationStats | None = None
         self.turn = 0
-        from .tool_calls import get_parser
-
         self.parser = get_parser(session.tokenizer.chat_template)
         self._interrupts = 0
         color = hasattr(self.out, "isatty") and self.out.isatty()
@@ -201,20 +203,12 @@ class Chat:
         parts = arg.split()
         if len(parts) > 2 or parts[0] not in MODES:
             raise ChatError(f"usage: /mode {'|'.join(MODES)} [WIDTH]")
-        bs = None
-        if len(parts) == 2:
-            if parts[1] == "auto":
-                bs = "auto"
-            else:
-                try:
-                    bs = int(parts[1])
-                except ValueError:
-                    raise ChatError(f"WIDTH must be an integer or 'auto', got {parts[1]!r}") from None
         try:
-            self.session.check_mode(parts[0], bs)
+            spec = DecodeSpec.parse(parts[0], parts[1] if len(parts) == 2 else None, what="WIDTH")
+            self.session.check_mode(spec.mode, spec.width)
         except ModeError as e:
             raise ChatError(str(e)) from None
-        self.mode, self.block_size = parts[0], bs
+        self.mode, self.block_size = spec.mode, spec.width
         self.info(f"mode {self.mode_label()}")
 
     def set_temp(self, arg: str) -> None:
@@ -225,17 +219,14 @@ class Chat:
             t = float(arg)
         except ValueError:
             raise ChatError(f"temperature must be a number, got {arg!r}") from None
-        if not math.isfinite(t) or t < 0:
-            raise ChatError(f"temperature must be a finite number >= 0, got {arg}")
+        if not RANGES["temperature"].contains(t):
+            raise ChatError(str(SamplingError("temperature", t)))
         self.sampling["temperature"] = t
         self.info(f"temperature {t}" + (" (greedy)" if t == 0 else ""))
 
     def attach_image(self, arg: str) -> None:
         if not arg:
             raise ChatError("usage: /image PATH")
-        from .image_processing import ImageError, preprocess_image
-        from .multimodal import require_vision
-
         try:
             require_vision(self.session.model)
             item = preprocess_image(arg)
@@ -335,7 +326,8 @@ class Chat:
         except ContextLengthError as e:
             self.messages.pop()
             self.pending_images = images
-            self.error(f"context full: {e}")
+            self.error(f"context full: {e} (/clear starts a new conversation; --max-context raises the limit up to "
+                       f"the model's {getattr(self.session.model.args, 'max_position_embeddings', '?')})")
             return
         except (ModeError, ValueError) as e:
             self.messages.pop()
@@ -362,8 +354,6 @@ class Chat:
                       ("; the partial answer is kept]" if (final or parsed.tool_calls) else
                        "; nothing was written, the question is dropped]"))
         if final or parsed.tool_calls:
-            from .tool_calls import assistant_message
-
             self.messages.append(assistant_message(parsed.tool_calls, final))
         elif interrupted or aborted:
             self.messages.pop()

@@ -18,7 +18,7 @@ from glimmer_mlx.tool_calls import get_parser
 from glimmer_mlx.tools import TOOL_SPECS, JailError, ToolBox, ToolError, Workspace, allowed_by
 
 REPO = Path(__file__).resolve().parent.parent
-TEMPLATE_PATH = REPO / "models" / "build" / "chat_template.jinja"
+TEMPLATE_PATH = REPO / "embedded" / "build" / "chat_template.jinja"
 MUSE_TEMPLATE = TEMPLATE_PATH.read_text() if TEMPLATE_PATH.exists() else "<atem:function_calls>"
 
 
@@ -101,10 +101,10 @@ class Recorder(AgentUI):
 # -------------------------------------------------------------------------------------------------- the jail
 
 def test_tool_specs_match_the_embedded_training_data():
-    tools_json = REPO / "models" / "build" / "tools.json"
-    system = REPO / "models" / "build" / "agent_system.txt"
+    tools_json = REPO / "embedded" / "build" / "tools.json"
+    system = REPO / "embedded" / "build" / "agent_system.txt"
     if not tools_json.exists():
-        pytest.skip("models/build/tools.json is missing")
+        pytest.skip("embedded/build/tools.json is missing")
     assert TOOL_SPECS == json.loads(tools_json.read_text())
     assert DEFAULT_SYSTEM == system.read_text().strip()
 
@@ -335,7 +335,7 @@ def test_full_loop_list_read_patch_answer(ws, tmp_path):
     assert [r["message"] for r in recs if r["type"] == "message"] == agent.messages
 
 
-@pytest.mark.skipif(not TEMPLATE_PATH.exists(), reason="models/build/chat_template.jinja is missing")
+@pytest.mark.skipif(not TEMPLATE_PATH.exists(), reason="embedded/build/chat_template.jinja is missing")
 def test_history_renders_the_models_own_text(ws):
     """The next prompt holds each reply exactly as the model wrote it (a prompt cache can be reused)."""
     from glimmer_mlx.tokenizer import Tokenizer
@@ -441,13 +441,16 @@ def test_transcript_errors(tmp_path):
 def test_cli_agent(ws, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    import glimmer_mlx.agent as agent_mod
+    import importlib
+
     from glimmer_mlx.cli import app
+
+    cli_mod = importlib.import_module("glimmer_mlx.cli.sessions")  # where `glimmer agent` calls load_backend
 
     root, _ = ws
     backend = Scripted([call_out(inv("write_file", path="notes.txt", content="hello\n")),
                         call_out(inv("final_answer", answer="Wrote notes.txt."))])
-    monkeypatch.setattr(agent_mod, "load_backend", lambda model, **kw: backend)
+    monkeypatch.setattr(cli_mod, "load_backend", lambda model, **kw: backend)
     tpath = tmp_path / "cli.jsonl"
     r = CliRunner().invoke(app, ["agent", "--workspace", str(root), "--yes", "--transcript", str(tpath),
                                  "Write notes.txt"])
@@ -531,7 +534,7 @@ def _embedded():
         return None
 
 
-@pytest.mark.skipif(_embedded() is None, reason="the embedded model (models/glimmer-tiny) is not built")
+@pytest.mark.skipif(_embedded() is None, reason="the embedded model (glimmer_mlx/embedded/glimmer-tiny) is not built")
 def test_embedded_model_agent_loop(tmp_path):
     """The embedded model, trained on Muse-format agent episodes over these tools, drives the loop: its calls
     parse cleanly and run, and it ends with an answer."""

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 import glimmer_mlx
-from glimmer_mlx.speculative.auto import (AcceptanceStats, AutoChooser, AutoDecoder, AutoDrafter, DraftCost,
-                                          load_or_calibrate, make_auto)
+from glimmer_mlx.speculative.auto import (AcceptanceStats, AutoChooser, AutoDrafter, DraftCost, load_or_calibrate,
+                                          make_auto)
+from glimmer_mlx.speculative.engine import AutoDecoder
 
 MS = 1e-3
 
@@ -445,11 +446,11 @@ def test_auto_decoder_is_used_and_learns(tiny, tmp_path):
     model, _, dpath = tiny
     auto = _auto(model, dpath, tmp_path)
     from glimmer_mlx.sampling import Sampler, SamplingParams
-    from glimmer_mlx.speculative.engine import make_decoder
+    from glimmer_mlx.strategy import make_decoder
 
     dec = make_decoder(model, auto, Sampler(SamplingParams()))
     assert isinstance(dec, AutoDecoder)
-    with pytest.raises(ValueError, match="does not apply"):
+    with pytest.raises(ValueError, match="chooses the width itself"):
         make_decoder(model, auto, Sampler(SamplingParams()), block_size=4)
     prompt = [7, 8, 9, 10, 11] * 4
     plain = glimmer_mlx.generate(model, prompt, max_tokens=48).tokens
@@ -516,13 +517,16 @@ def test_generate_cli_auto(tiny_checkpoint, tmp_path, monkeypatch):
     text = r.output.strip("\n")
     assert text and text in ra.output and "τ" in ra.output  # same text (the calibration note and stats are stderr)
     bad = CliRunner().invoke(app, args + ["--auto", "--mtp"])
-    assert bad.exit_code == 1 and "--auto chooses" in bad.output
+    assert bad.exit_code == 1 and "--mtp and --auto exclude each other" in bad.output
+    bad = CliRunner().invoke(app, args + ["--auto", "--block-size", "4"])
+    assert bad.exit_code == 1 and "chooses the width itself" in bad.output
 
 
 def test_measured_tau_sets_the_starting_acceptance(tmp_path):
     """A drafter's own eval.json τ (as `glimmer train` writes it) is auto's starting estimate: a weak drafter is not
     tried first where the α = 0.5 default would try it; a strong one is; without eval.json the default stays."""
-    from glimmer_mlx.speculative.auto import alpha_from_tau, read_measured_tau
+    from glimmer_mlx.speculative.auto import alpha_from_tau
+    from glimmer_mlx.speculative.protocol import read_measured_tau
 
     for tau, w in [(1.0, 15), (1.2, 15), (2.5, 4), (5.0, 4)]:
         a = alpha_from_tau(tau, w)
@@ -610,7 +614,9 @@ def test_stretch_accounting_adds_lead_catch_up_and_restart(tiny, tmp_path):
 def test_adaptive_block_width_takes_the_cached_calibration(tiny, tmp_path, monkeypatch):
     """`block_size="auto"` (per-round width for one drafter) reads the verify cost curve `auto` calibrates once per
     machine and model instead of measuring it after every prefill (it used to cost each request ~0.7 s of TTFT)."""
-    import glimmer_mlx.speculative.auto as auto_mod
+    import importlib
+
+    auto_mod = importlib.import_module("glimmer_mlx.speculative.auto.calibrate")
 
     model, _, dpath = tiny
     monkeypatch.setenv("GLIMMER_MLX_CACHE_DIR", str(tmp_path))

@@ -89,11 +89,12 @@ def test_chat_session_in_a_terminal(chat_model, tmp_path):
     multi-line input, /mode, /clear, /save, /load, /temp, /stats, /help, errors that keep the chat going, the
     context guard, and Ctrl-D."""
     path, drafter = chat_model
-    tm = Tmux(chat_cmd(path, "--draft-model", drafter, "--mtp", "-m", 12, "--max-context", 160), "main")
+    # the checkpoint's own MTP layers load without asking
+    tm = Tmux(chat_cmd(path, "--draft-model", drafter, "-m", 12, "--max-context", 160), "main")
     try:
         tm.wait(r"you ›")
         s = tm.screen()
-        assert "mode dflash" in s and "modes available: ar, dflash, mtp, auto" in s
+        assert "mode dflash" in s and "modes available: ar, dflash, mtp, ngram, auto" in s
         tm.line("Hello there")
         s = tm.wait(STATS)
         n, new, cached = map(int, re.findall(STATS, s)[-1])
@@ -132,11 +133,11 @@ def test_chat_session_in_a_terminal(chat_model, tmp_path):
         assert re.search(r"τ [\d.]+ · ×[\d.]+ vs plain [\d.]+ tok/s \(latest ar turn\) · mtp", s)
         # commands and their errors
         tm.line("/mode warp")
-        tm.wait(r"usage: /mode ar\|dflash\|mtp\|auto")
+        tm.wait(r"usage: /mode ar\|dflash\|mtp\|ngram\|auto")
         tm.line("/mode dflash 9")
         tm.wait(r"block_size must be in \[2, 4\]")
         tm.line("/temp -1")
-        tm.wait(r"temperature must be a finite number >= 0")
+        tm.wait(r"'temperature' must be a finite number >= 0")
         tm.line("/temp 0")
         tm.wait(r"temperature 0.0 \(greedy\)")
         tm.line("/image /nonexistent.png")
@@ -153,7 +154,7 @@ def test_chat_session_in_a_terminal(chat_model, tmp_path):
         tm.wait(r"cannot read /nonexistent.json")
         # the context guard: a message that does not fit
         tm.line("the quick brown fox " * 40)
-        tm.wait(r"error: context full: the prompt is \d+ tokens and the context limit is 160")
+        tm.wait(r"error: context full: the prompt is \d+ tokens and the maximum context length is 160")
         tm.line("/stats")
         tm.wait(r"4 messages", count=1)
         tm.idle()  # the stats are drawn and the prompt is back: Ctrl-D now reaches the prompt

@@ -11,7 +11,7 @@ import glimmer_mlx
 from glimmer_mlx.loading import CheckpointError
 from glimmer_mlx.sampling import Sampler, SamplingParams
 from glimmer_mlx.speculative import load_drafter
-from glimmer_mlx.speculative.engine import make_decoder
+from glimmer_mlx.strategy import make_decoder
 from hf_fixtures import build_hf_drafter
 
 DRAFTER_CACHE: dict = {}

@@ -3,6 +3,7 @@ streaming, stats, streaming detokenization) and `glimmer` CLI smoke tests."""
 
 from __future__ import annotations
 
+import importlib
 import shutil
 from types import SimpleNamespace
 
@@ -367,7 +368,7 @@ def test_cli_prints_model_text_verbatim(runner, loaded, monkeypatch):
         yield GenerationChunk([5], text[:10])
         yield GenerationChunk([6, 7], text[10:], "length")
 
-    monkeypatch.setattr(glimmer_mlx, "stream_generate", fake_stream)
+    monkeypatch.setattr(importlib.import_module("glimmer_mlx.cli.generate"), "stream_generate", fake_stream)
     res = cli(runner, "generate", "--model", loaded.path, "--prompt", "Hello", "--quiet")
     assert res.exit_code == 0, res.output
     assert res.stdout == text + "\n"

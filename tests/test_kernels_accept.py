@@ -11,7 +11,7 @@ import pytest
 
 from glimmer_mlx.kernels import accept
 from glimmer_mlx.kernels._core import metal_available
-from glimmer_mlx.sampling import Sampler, SamplingParams, greedy_token, process
+from glimmer_mlx.sampling import Sampler, SamplingParams, greedy_token, history_rows, process
 from glimmer_mlx.speculative import verify
 from msl_harness import harness
 
@@ -119,7 +119,7 @@ def test_verify_greedy_unchanged_with_repetition_penalty():
             history = rng.integers(0, V, 12).tolist()
             sel_free = greedy_token(x, sampler.params).tolist()
             drafts = sel_free[:k]
-            old = greedy_token(x, sampler.params, verify.histories_for(sampler, history, drafts, k + 1)).tolist()
+            old = greedy_token(x, sampler.params, history_rows(sampler.params, history, drafts, k + 1)).tolist()
             n = 0
             while n < k and drafts[n] == old[n]:
                 n += 1

@@ -15,7 +15,7 @@ import glimmer_mlx
 from glimmer_mlx.loading import CheckpointError
 from glimmer_mlx.sampling import Sampler, SamplingParams
 from glimmer_mlx.speculative import MTPDrafter
-from glimmer_mlx.speculative.engine import make_decoder
+from glimmer_mlx.strategy import make_decoder
 from hf_fixtures import build_hf_mtp, save_mtp_weights
 from test_dflash import V_SMALL, _exact_joint, _marginal_tests, _spec_counts
 

@@ -22,10 +22,10 @@ import pytest
 
 import glimmer_mlx
 from glimmer_mlx.generate import GenerationChunk
-from glimmer_mlx.server import GlimmerServer
+from glimmer_mlx.serve import GlimmerServer
 from glimmer_mlx.session import Session
 
-MUSE_TEMPLATE = Path(__file__).resolve().parent.parent / "models" / "build" / "chat_template.jinja"
+MUSE_TEMPLATE = Path(__file__).resolve().parent.parent / "embedded" / "build" / "chat_template.jinja"
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,7 @@ def test_health_and_models(served):
     def client():
         status, _, text = call(base, "/health")
         h = json.loads(text)
-        assert status == 200 and h["status"] == "ok" and h["modes"] == ["ar", "dflash", "mtp", "auto"]
+        assert status == 200 and h["status"] == "ok" and h["modes"] == ["ar", "dflash", "mtp", "ngram", "auto"]
         status, _, text = call(base, "/v1/models")
         models = json.loads(text)
         assert status == 200 and models["object"] == "list" and models["data"][0]["id"] == server.model_name
@@ -117,14 +117,15 @@ def test_health_and_models(served):
 
 
 def test_chat_completion_matches_generate_in_every_mode(served):
-    """Greedy: the same text as `generate` on the rendered prompt, in ar, dflash, mtp and auto; usage counts."""
+    """Greedy: the same text as `generate` on the rendered prompt, in ar, dflash, mtp, ngram and auto; usage
+    counts."""
     server, base, model, tok, _ = served
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def add(a, b):"}]
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
     ref = glimmer_mlx.generate(model, ids, tokenizer=tok, max_tokens=12)
 
     def client():
-        for mode in ("ar", "dflash", "mtp", "auto"):
+        for mode in ("ar", "dflash", "mtp", "ngram", "auto"):
             r = chat(base, msgs, max_tokens=12, temperature=0, glimmer={"mode": mode})
             assert r["object"] == "chat.completion" and r["model"]
             assert r["choices"][0]["message"]["content"] == ref.text.strip(), mode
@@ -304,36 +305,42 @@ BAD = [
                                                                                        "arguments": "{bad"}}]}]},
      "application/json", 400, "not valid JSON"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "application/json", 400,
-     "'max_tokens' must be >= 1"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}, "application/json", 400, "must be >= 1"),
+     "'max_tokens' must be an integer >= 1"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}, "application/json", 400,
+     "must be an integer >= 1"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "8"}, "application/json", 400,
      "must be an integer"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4.5}, "application/json", 400,
      "must be an integer"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "application/json", 400,
-     "'max_completion_tokens' must be >= 1"),
+     "'max_completion_tokens' must be an integer >= 1"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000}, "application/json", 400,
      "maximum context length is 1024"),
     ({"messages": [{"role": "user", "content": "hi " * 1500}]}, "application/json", 400,
      "maximum context length is 1024"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "application/json", 400,
-     "'temperature' must be in [0.0, 2.0]"),
+     "'temperature' must be a finite number >= 0.0, got -1"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "application/json", 400,
-     "must be a number"),
+     "'temperature' must be a finite number"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": True}, "application/json", 400,
-     "must be a number"),
-    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, "application/json", 400, "'top_p' must be in"),
-    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, "application/json", 400, "'top_p' must be in"),
-    ({"messages": [{"role": "user", "content": "hi"}], "top_k": -1}, "application/json", 400, "'top_k' must be >= 0"),
-    ({"messages": [{"role": "user", "content": "hi"}], "min_p": 1}, "application/json", 400, "'min_p' must be in"),
+     "'temperature' must be a finite number"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, "application/json", 400,
+     "'top_p' must be a finite number in (0.0, 1.0]"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, "application/json", 400,
+     "'top_p' must be a finite number in (0.0, 1.0]"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_k": -1}, "application/json", 400,
+     "'top_k' must be an integer >= 0"),
+    ({"messages": [{"role": "user", "content": "hi"}], "min_p": 1}, "application/json", 400,
+     "'min_p' must be a finite number in [0.0, 1.0)"),
     ({"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 0}, "application/json", 400,
-     "'repetition_penalty' must be in"),
-    ({"messages": [{"role": "user", "content": "hi"}], "seed": -1}, "application/json", 400, "'seed' must be >= 0"),
+     "'repetition_penalty' must be a finite number > 0.0"),
+    ({"messages": [{"role": "user", "content": "hi"}], "seed": -1}, "application/json", 400,
+     "'seed' must be an integer in [0, "),
     ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "application/json", 400, "n > 1 is not supported"),
     ({"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 0.5}, "application/json", 400,
      "'frequency_penalty' is not supported"),
     ({"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 3}, "application/json", 400,
-     "must be in [-2.0, 2.0]"),
+     "'presence_penalty' is not supported"),
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "application/json", 400,
      "'logprobs' is not supported"),
     ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 10}}, "application/json", 400,
@@ -364,7 +371,7 @@ BAD = [
     ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto-ish"}, "application/json", 400,
      "'tool_choice' needs 'tools'"),
     ({"messages": [{"role": "user", "content": "hi"}], "glimmer": {"mode": "warp"}}, "application/json", 400,
-     "'glimmer.mode' must be one of"),
+     "unknown mode 'warp'; one of ar, dflash, mtp, ngram, auto"),
     ({"messages": [{"role": "user", "content": "hi"}], "glimmer": {"mode": "dflash", "block_size": 99}},
      "application/json", 400, "block_size must be in [2, 4]"),
     ({"messages": [{"role": "user", "content": "hi"}], "glimmer": {"mode": "dflash", "block_size": "big"}},
@@ -376,7 +383,7 @@ BAD = [
 ]
 
 BAD_COMPLETIONS = [
-    ({"prompt": ""}, 400, "'prompt' is empty"),
+    ({"prompt": ""}, 400, "empty prompt"),
     ({}, 400, "'prompt' must be"),
     ({"prompt": ["a", "b"]}, 400, "a batch of prompts is not supported"),
     ({"prompt": [1, 2, 99999]}, 400, "outside the vocabulary"),
@@ -385,7 +392,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "suffix": "x"}, 400, "'suffix' is not supported"),
     ({"prompt": "hi", "best_of": 3}, 400, "'best_of'"),
     ({"prompt": "hi", "logprobs": 2}, 400, "'logprobs' is not supported"),
-    ({"prompt": "hi", "max_tokens": 0}, 400, "'max_tokens' must be >= 1"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "'max_tokens' must be an integer >= 1"),
     ({"prompt": "hi", "messages": []}, 400, "unrecognized request argument(s): messages"),
 ]
 
@@ -424,6 +431,30 @@ def test_malformed_requests_get_4xx_with_openai_errors(served):
         # the server is still fine
         assert call(base, "/health")[0] == 200
         assert chat(base, [{"role": "user", "content": "hi"}], max_tokens=2)["usage"]["completion_tokens"] <= 2
+
+    over_http(server, client)
+
+
+def test_errors_name_the_field_and_ranges_are_the_samplers(served):
+    """Each error's `param` names the field at fault; the allowed values are `sampling.RANGES` (a temperature above
+    2 or a large repetition penalty is accepted); the context budget blames the prompt or max_tokens."""
+    server, base, *_ = served
+    hi = [{"role": "user", "content": "hi"}]
+    cases = [({"temperature": "hot"}, "temperature"), ({"temperature": True}, "temperature"),
+             ({"top_k": 1.5}, "top_k"), ({"min_p": 10**400}, "min_p"), ({"seed": 2**63}, "seed"),
+             ({"max_tokens": True}, "max_tokens"), ({"max_tokens": 4000}, "max_tokens"),
+             ({"glimmer": {"mode": "ngram", "block_size": 0}}, "glimmer")]
+
+    def client():
+        for extra, param in cases:
+            got, _, text = call(base, "/v1/chat/completions", dict(messages=hi, **extra))
+            assert got == 400 and json.loads(text)["error"]["param"] == param, (extra, text)
+        got, _, text = call(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 1500}]})
+        assert got == 400 and json.loads(text)["error"]["param"] == "messages", text
+        r = chat(base, hi, max_tokens=2, temperature=3, repetition_penalty=250, seed=1)
+        assert r["usage"]["completion_tokens"] <= 2
+        r = json.loads(call(base, "/v1/completions", {"prompt": "def add", "glimmer": {"mode": "ngram"}})[2])
+        assert r["usage"]["completion_tokens"] <= 16  # the completions API's default max_tokens
 
     over_http(server, client)
 
@@ -489,7 +520,7 @@ def test_cli_serve_subprocess(tiny_checkpoint, tmp_path):
         m = re.search(r"http://127\.0\.0\.1:(\d+)", line)
         assert m, (line, p.poll(), p.stderr.read() if p.poll() is not None else "")
         base = f"http://127.0.0.1:{m.group(1)}"
-        assert json.loads(call(base, "/health")[2])["modes"] == ["ar", "auto"]
+        assert json.loads(call(base, "/health")[2])["modes"] == ["ar", "ngram", "auto"]
         r = chat(base, [{"role": "user", "content": "hi"}], max_tokens=3)
         assert r["choices"][0]["finish_reason"] in ("stop", "length")
         status, _, text = call(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],

@@ -15,8 +15,7 @@ import importlib
 import glimmer_mlx
 from glimmer_mlx.session import ContextLengthError, ModeError, Session, common_prefix
 
-gen_mod = importlib.import_module("glimmer_mlx.generate")  # the package's `generate` attribute is the function
-engine_mod = importlib.import_module("glimmer_mlx.speculative.engine")
+plain_mod = importlib.import_module("glimmer_mlx.runtime.plain")  # the one plain loop runs every prefill
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -59,14 +58,13 @@ class Counter:
 
     def __init__(self, monkeypatch):
         self.calls = []
-        real = gen_mod.prefill
+        real = plain_mod.prefill
 
         def counting(model, cache, ids, *a, **kw):
             self.calls.append(len(ids))
             return real(model, cache, ids, *a, **kw)
 
-        monkeypatch.setattr(gen_mod, "prefill", counting)
-        monkeypatch.setattr(engine_mod, "prefill", counting)
+        monkeypatch.setattr(plain_mod, "prefill", counting)
 
     def take(self) -> int:
         n = sum(self.calls)
@@ -240,7 +238,7 @@ def test_changed_width_and_far_divergence_start_over(spec_models):
     toks, *_ = session.generate(ids, mode="mtp", block_size=2, max_tokens=8)
     ids = ids + toks + [11, 12]
     _, _, _, st = session.generate(ids, mode="mtp", block_size=3, max_tokens=8)
-    assert st.extra["cache"].startswith("fresh") and "width" in st.extra["cache"]
+    assert st.extra["cache"].startswith("fresh") and "depth" in st.extra["cache"]
     # ar: a prompt that diverges 650 tokens back cannot rewind the sliding layers once their buffers compacted
     # (they keep window − 1 + max_rewind rows): full prefill
     long_ids = ids_of(7, 700)
@@ -292,7 +290,7 @@ def test_stopping_early_keeps_the_cache_and_a_failed_step_drops_it(spec_models, 
 def test_context_guard_and_mode_errors(spec_models):
     model, dflash, _, _ = spec_models
     session = Session(model, drafters={"dflash": dflash}, max_context=30)
-    with pytest.raises(ContextLengthError, match="the prompt is 30 tokens and the context limit is 30"):
+    with pytest.raises(ContextLengthError, match="the prompt is 30 tokens and the maximum context length is 30"):
         session.generate(ids_of(9, 30), max_tokens=4)
     toks, _, finish, st = session.generate(ids_of(9, 26), max_tokens=10)
     assert len(toks) == 4 and finish == "length" and st.extra["max_tokens_clamped"] == 4
@@ -305,12 +303,12 @@ def test_context_guard_and_mode_errors(spec_models):
     with pytest.raises(ModeError, match="chooses the width itself"):
         session.generate(ids_of(9, 5), mode="auto", block_size=3)
     bare = Session(model)  # no drafter model: auto still has n-gram lookup
-    assert bare.available_modes() == ["ar", "auto"]
+    assert bare.available_modes() == ["ar", "ngram", "auto"]
     toks, _, _, st = bare.generate(ids_of(9, 12), mode="auto", max_tokens=8)
     assert toks == glimmer_mlx.generate(model, ids_of(9, 12), max_tokens=8).tokens and st.mode == "auto"
     with pytest.raises(ValueError, match="outside the vocabulary"):
         session.generate([5, 999], max_tokens=2)
-    assert session.available_modes() == ["ar", "dflash", "auto"]
+    assert session.available_modes() == ["ar", "dflash", "ngram", "auto"]
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
         Session(model, max_context=10**9)
 

@@ -1,6 +1,10 @@
-"""Speculative decoding: drafters propose (DFlash, MTP), `verify` accepts, `engine` runs the rounds."""
+"""Speculative decoding: drafters propose (`dflash`, `mtp`, `ngram`, `auto`), `verify` accepts, `engine` runs the
+rounds; `protocol.Drafter` is the contract between them."""
 
-from .drafter import DFlashDrafter, load_drafter
+from .dflash import DFlashDrafter
+from .loader import load_drafter
 from .mtp import MTPDrafter, load_mtp
+from .ngram import NGramDrafter
+from .protocol import Drafter
 
-__all__ = ["DFlashDrafter", "MTPDrafter", "load_drafter", "load_mtp"]
+__all__ = ["DFlashDrafter", "Drafter", "MTPDrafter", "NGramDrafter", "load_drafter", "load_mtp"]

@@ -1,11 +1,14 @@
 """The speculative round loop: draft → verify → commit → rewind, the same for every drafter.
 
-A drafter implements `taps` (target layers it needs), `max_drafts`, `start(taps, ids)` after the prefill,
-`propose(anchor, pos, k, sampler, history) -> (drafts, q_logprobs | None)`, and `accept(taps, new_tokens)` with the
-target's taps of the newly committed positions. Per round: the drafter proposes k drafts; one target forward over
-[anchor, d1..dk] (with the drafter's taps) is verified by `verify`; the target caches are rewound to
-"anchor + accepted drafts". With one token of budget left a round is a plain target step. Choosing the width per round
-(and plain steps where drafting does not pay) is `auto`'s job (`speculative.auto`, also behind block_size="auto").
+Per round the drafter proposes k drafts (`protocol.Drafter.propose`); one target forward over [anchor, d1..dk] with
+the drafter's taps is verified by `verify`; the target cache is rewound to "anchor + accepted drafts" and the
+drafter gets the taps of the committed positions. Plain rounds — the prefill's token, a round with one token of
+budget left, and `auto`'s plain stretches — run through the one plain loop (`runtime.plain.PlainDecoder`, with the
+drafter's taps), pipelined: when the next round is known to be plain, its forward is queued before the current token
+is read back.
+
+`SpeculativeDecoder` drafts every round it can at a fixed width. `AutoDecoder` lets an `auto.AutoDrafter` decide
+round by round between a plain step and which drafter at which width, and times every round for it.
 """
 
 from __future__ import annotations
@@ -16,79 +19,96 @@ from collections import Counter
 import mlx.core as mx
 
 from ..cache import rewind_cache
-from ..generate import DEFAULT_PREFILL_STEP, prefill
-from ..sampling import Sampler
-from .verify import target_distribution, verify_greedy, verify_sampling
 from ..kernels import install_block_kernels
+from ..runtime.plain import PlainDecoder
+from ..runtime.prefill import DEFAULT_PREFILL_STEP
+from ..sampling import Sampler
+from .protocol import Drafter
+from .verify import target_distribution, verify_greedy, verify_sampling
 
 
 class SpeculativeDecoder:
-    def __init__(self, model, drafter, sampler: Sampler, width=None, prefill_step: int = DEFAULT_PREFILL_STEP,
-                 cache=None):
+    """drafter: a `protocol.Drafter`; width: drafts per round (1..drafter.max_drafts; None: the most it gives)."""
+
+    def __init__(self, model, drafter: Drafter, sampler: Sampler, width: int | None = None,
+                 prefill_step: int = DEFAULT_PREFILL_STEP, cache=None):
         trained = drafter.max_drafts
-        if width is None:
-            width = trained
+        width = trained if width is None else width
         if not isinstance(width, int) or isinstance(width, bool) or not 1 <= width <= trained:
             raise ValueError(f"{drafter.width_name} must be an int in [1, {trained}], got {width!r}")
         self.model, self.drafter, self.sampler = model, drafter, sampler
         self.mode = drafter.kind
         self.max_k = width
-        self.prefill_step = prefill_step
-        self.cache = cache if cache is not None else model.make_cache(max_rewind=max(64, trained))
-        install_block_kernels(model)  # Metal only: small-row quantized matmuls for verification (no-op on CPU)
+        self.plain = PlainDecoder(model, sampler, prefill_step,
+                                  cache if cache is not None else model.make_cache(), taps=drafter.taps)
+        self.cache = self.plain.cache
         self.taps = drafter.taps
-        self.history: list[int] = []
-        self._first = None
-        self.rounds = 0
+        install_block_kernels(model)  # Metal only: small-row quantized matmuls for verification (no-op on CPU)
+        self._start = None  # (prefill taps, "start" | "extend"): the drafter starts once the first token is known
+        self._spec_next = False  # the next round was decided speculative (no plain forward queued for it)
+        self.last_round = None  # what the latest step was: "first" (the prefill's token), "plain" or "spec"
+        self.rounds = self.plain_rounds = 0
         self.hist = Counter()  # tokens committed per round -> count
         self.t_draft = self.t_verify = 0.0
         self.last_drafts: list[int] = []  # drafts proposed in the latest round
 
+    @property
+    def history(self) -> list[int]:
+        return self.plain.history
+
     def prefill(self, ids: list[int], input_embeddings=None, reuse: int = 0) -> None:
         """input_embeddings: the prompt's embeddings (images in place); the target's taps over image positions then
         reach the drafter like any other context. reuse: the cache holds ids[:reuse] already and the drafter's state
-        covers exactly those positions (`drafter.rewind_context`); only the rest is prefilled, and its taps extend
-        the drafter's state (`drafter.extend`) instead of restarting it."""
-        self.history = list(ids)
-        emb = None if input_embeddings is None else input_embeddings[:, reuse:]
-        logits, taps = prefill(self.model, self.cache, ids[reuse:], self.prefill_step, taps=self.taps,
-                               input_embeddings=emb)
-        self._first = int(self.sampler(logits, self._hist()).item())
-        if reuse:
-            self.drafter.extend(taps, self.history + [self._first])
-        else:
-            self.drafter.start(taps, self.history + [self._first])
+        covers exactly those positions (`Drafter.rewind_context`); only the rest is prefilled, and its taps extend
+        the drafter's state (`Drafter.extend`) instead of restarting it."""
+        taps = self.plain.prefill(ids, input_embeddings=input_embeddings, reuse=reuse)
+        self._start = (taps, "extend" if reuse else "start")
 
-    def _hist(self):
-        p = self.sampler.params
-        if p.repetition_penalty == 1.0:
-            return None
-        return mx.array(self.history[-p.repetition_context_size:], dtype=mx.int32)
+    def plain_next(self, k: int) -> bool:
+        """Whether a round that could draft up to k (>= 1) drafts is plain instead: never, at a fixed width."""
+        return False
 
-    def _commit(self, new: list[int]) -> list[int]:
-        self.history += new
-        self.rounds += 1
-        self.hist[len(new)] += 1
-        return new
+    def _queue_next(self, left: int) -> bool:
+        """`left` tokens of budget remain after this round: decide whether the next round is plain (then its forward
+        is queued before this round's token is read back)."""
+        if left <= 1:
+            return left == 1  # the last token is a plain step
+        plain = self.plain_next(min(self.max_k, left - 1))
+        self._spec_next = not plain
+        return plain
 
     def step(self, budget: int) -> list[int]:
-        if self._first is not None:
-            t, self._first = self._first, None
-            self.history.append(t)
+        self._spec_next, spec_next = False, self._spec_next
+        if self._start is not None:  # the prefill's token: now the drafter can start (the prompt's taps + it)
+            (taps, how), self._start = self._start, None
+            t, _ = self.plain.take(queue_next=self._queue_next(budget - 1))
+            (self.drafter.start if how == "start" else self.drafter.extend)(taps, self.history)
+            self.last_round = "first"
             return [t]
+        k = min(self.max_k, budget - 1)
+        if self.plain.queued or k == 0 or (not spec_next and self.plain_next(k)):
+            return self._plain_round(budget)
+        return self._spec_round(k)
+
+    def _plain_round(self, budget: int) -> list[int]:
+        """A plain step through the one plain loop (its forward queued by the round before, or now)."""
+        t0 = time.perf_counter()
+        if not self.plain.queued:
+            self.plain.queue()
+        t, taps = self.plain.take(queue_next=self._queue_next(budget - 1))
+        self.drafter.accept(taps, [t])
+        self.t_verify += time.perf_counter() - t0
+        self.plain_rounds += 1
+        self.last_round = "plain"
+        return self._commit([t])
+
+    def _spec_round(self, k: int) -> list[int]:
         anchor = self.history[-1]
         pos = self.cache[0].offset  # the anchor's position: the cache holds every committed token but the anchor
-        k = min(self.max_k, budget - 1)
         t0 = time.perf_counter()
-        if k == 0:  # plain step (still producing the taps the drafter needs)
-            logits, taps = self.model(mx.array([[anchor]], dtype=mx.int32), self.cache, taps=self.taps)
-            t = int(self.sampler(logits[:, -1], self._hist()).item())
-            self.drafter.accept(taps, [t])
-            self.t_verify += time.perf_counter() - t0
-            return self._commit([t])
         drafts, q = self.drafter.propose(anchor, pos, k, self.sampler, self.history)
         self.last_drafts = drafts
-        k = len(drafts)  # a drafter may propose fewer than asked
+        k = len(drafts)  # a drafter may propose fewer than asked (auto: none, a plain step)
         t1 = time.perf_counter()
         logits, taps = self.model(mx.array([[anchor] + drafts], dtype=mx.int32), self.cache, taps=self.taps)
         if self.sampler.params.greedy:
@@ -98,17 +118,25 @@ class SpeculativeDecoder:
             n, nxt = verify_sampling(p, q, drafts, self.sampler)
         rewind_cache(self.cache, k - n)
         new = drafts[:n] + [nxt]
+        self.history.extend(new)
         self.drafter.accept([t[:, : n + 1] for t in taps], new)
         t2 = time.perf_counter()
         self.t_draft += t1 - t0
         self.t_verify += t2 - t1
+        self.last_round = "spec"
         return self._commit(new)
+
+    def _commit(self, new: list[int]) -> list[int]:
+        self.rounds += 1
+        self.hist[len(new)] += 1
+        return new
 
     def stats(self) -> dict:
         committed = sum(n * c for n, c in self.hist.items())
         total = self.t_draft + self.t_verify
         d = {
             "rounds": self.rounds,
+            "plain_rounds": self.plain_rounds,
             "tau": committed / self.rounds if self.rounds else 0.0,
             "acceptance_histogram": {int(n): int(c) for n, c in sorted(self.hist.items())},
             "max_drafts": self.max_k,
@@ -119,37 +147,53 @@ class SpeculativeDecoder:
             d["block_size"] = self.max_k + 1
         elif self.mode == "mtp":
             d["depth"] = self.max_k
-        if hasattr(self.drafter, "stats"):  # auto: its choices, acceptance and cost curve
-            d.update(self.drafter.stats())
+        d.update(self.drafter.stats())
         return d
 
 
-def make_decoder(model, drafter, sampler: Sampler, *, block_size=None, prefill_step: int = DEFAULT_PREFILL_STEP,
-                 cache=None):
-    """block_size: DFlash's block width (drafts + 1) or MTP's depth (drafts); None = as trained; "auto" = per round,
-    plain steps included (`auto.width_auto`: auto's choice over this one drafter)."""
-    kind = getattr(drafter, "kind", None)
-    if kind in ("dflash", "mtp") and block_size == "auto":
-        from .auto import AutoDecoder, width_auto
+class AutoDecoder(SpeculativeDecoder):
+    """The engine for an `auto.AutoDrafter`: each round a plain step or a drafter at a width, chosen by the drafter's
+    chooser. Whether the next round is plain is decided one token early (`AutoDrafter.plan`, on the n-gram index one
+    token behind), so a plain stretch is pipelined exactly like plain decoding; a speculative round is chosen afresh
+    when it starts (`AutoDrafter.propose`). The target's taps of every plain token still reach every drafter.
 
-        return AutoDecoder(model, width_auto(model, drafter), sampler, None, prefill_step, cache)
-    if kind == "dflash":
-        if block_size not in (None, "auto") and not (
-                isinstance(block_size, int) and not isinstance(block_size, bool) and 2 <= block_size <= drafter.block_size):
-            raise ValueError(f"block_size must be 'auto' or an int in [2, {drafter.block_size}] (the drafter's trained "
-                             f"block size), got {block_size!r}")
-        width = block_size - 1 if block_size is not None else None
-        return SpeculativeDecoder(model, drafter, sampler, width, prefill_step, cache)
-    if kind == "mtp":
-        if isinstance(block_size, int) and not isinstance(block_size, bool):
-            drafter.set_depth(block_size)  # beyond the trained layers the last one is reused recursively
-        return SpeculativeDecoder(model, drafter, sampler, block_size, prefill_step, cache)
-    if kind in ("auto", "ngram"):  # auto chooses its own widths; n-gram lookup drafts what it finds
-        if block_size is not None:
-            raise ValueError(f"block_size does not apply to the {kind} drafter (it chooses its own widths)")
-        if kind == "auto":
-            from .auto import AutoDecoder  # plain stretches pipelined like PlainDecoder
+    Timing is commit to commit (everything between two rounds' results, the consumer's work included): a plain
+    token inside a plain stretch is what plain decoding costs now; a speculative round is charged what its draft and
+    verify windows missed; a speculative stretch, what the plain tokens on either side of it cost beyond pipelined
+    ones and what its drafters spent catching up (`AutoChooser.switch_cost`)."""
 
-            return AutoDecoder(model, drafter, sampler, None, prefill_step, cache)
-        return SpeculativeDecoder(model, drafter, sampler, None, prefill_step, cache)
-    raise TypeError(f"unsupported drafter {type(drafter).__name__}")
+    def __init__(self, model, drafter, sampler: Sampler, width: int | None = None,
+                 prefill_step: int = DEFAULT_PREFILL_STEP, cache=None):
+        if drafter.kind != "auto":
+            raise TypeError("AutoDecoder drives an AutoDrafter")
+        super().__init__(model, drafter, sampler, width, prefill_step, cache)
+        self.mode = drafter.mode
+        self._regime = "greedy" if sampler.params.greedy else "sampling"
+        self._t_commit = None  # when the previous round's tokens were committed (None before the first)
+        self._after = None  # what that round was: "plain", "spec" (a measured speculative round) or None
+
+    def plain_next(self, k: int) -> bool:
+        return self.drafter.plan(k, self._regime)
+
+    def step(self, budget: int) -> list[int]:
+        auto, t_prev = self.drafter, self._t_commit
+        final = budget <= 1 and not self.plain.queued  # the last token, its forward not queued: not a plain stretch's
+        out = super().step(budget)
+        now = time.perf_counter()
+        if final and self.last_round == "plain":
+            self._after = None
+        elif self.last_round == "spec":
+            spec = t_prev is not None and auto.end_round(now - t_prev)
+            self._after = "spec" if spec else None
+        elif self.last_round == "plain":
+            if t_prev is not None:
+                excess = now - t_prev - auto.chooser.plain_cost
+                if self._after == "spec":  # the first plain token after a speculative stretch
+                    auto.restart(excess)
+                elif self._after == "plain" and self.plain.queued:  # inside a plain stretch
+                    auto.chooser.observe_plain(now - t_prev)
+                elif self._after == "plain":  # the last plain token before a speculative round
+                    auto.lead(excess)
+            self._after = "plain"
+        self._t_commit = now
+        return out

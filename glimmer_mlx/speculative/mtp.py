@@ -14,9 +14,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..cache import CacheRewindError
 from ..config import ConfigError
-from ..loading import CheckpointError, check_weights, load_weights, parse_dtype, read_json, resolve_path
+from ..loading import CheckpointError, check_weights, load_weights, parse_dtype, quantize_like, read_json, resolve_path
 from ..models.mtp import MTPHead, mtp_text_config
+from .protocol import MeasuredTau, read_measured_tau
 from .verify import draft_tokens
 
 MAX_DEPTH = 16
@@ -32,7 +34,9 @@ class MTPDrafter:
         self.head, self.target, self.draft_logits = head, target, draft_logits
         self.set_depth(depth or head.num_layers)
         self.taps = (target.args.num_hidden_layers - 1,)  # the final-normed hidden state
-        self.measured_tau: dict | None = None  # {"width", "greedy", "sampling"} from the folder's eval.json
+        self.measured_tau: MeasuredTau | None = None  # from the folder's eval.json
+        self.caches = None  # per-depth KV caches (None before `start`)
+        self.source: str | None = None  # where the layers were loaded from (`load_mtp`)
 
     @property
     def max_drafts(self) -> int:
@@ -49,7 +53,7 @@ class MTPDrafter:
             return self.target.lm_head_raw(h).astype(mx.float32)
         return self.target.logits(h)
 
-    # -- engine protocol ----------------------------------------------------------------------------------------
+    # -- the drafter protocol (speculative.protocol.Drafter) -----------------------------------------------------
     def start(self, taps: list[mx.array], ids: list[int]) -> None:
         self.caches = self.head.make_cache(self.depth)
         self.saved: list[mx.array | None] = [None] * self.depth  # depth d's output at its last committed row
@@ -64,7 +68,7 @@ class MTPDrafter:
     # -- prompt-cache reuse (session.Session): continue the state on a new prompt instead of restarting -------------
     def context_length(self) -> int:
         """Target positions the state covers: every committed token but the last (the anchor)."""
-        return len(self.tokens) - 1 if getattr(self, "caches", None) is not None else 0
+        return len(self.tokens) - 1 if self.caches is not None else 0
 
     def rewind_context(self, keep: int) -> int:
         """Forget everything computed from tokens at positions >= `keep`. Returns the position p <= keep from which
@@ -76,9 +80,7 @@ class MTPDrafter:
         and must restart at least one row after the depth below: the kept lengths form a staircase, and depth 0's
         first recomputed row needs the target's hidden state one position earlier (p). Checks every cache before
         changing anything; raises `CacheRewindError` when one cannot go back that far."""
-        from ..cache import CacheRewindError
-
-        if getattr(self, "caches", None) is None or len(self.caches) != self.depth:
+        if self.caches is None or len(self.caches) != self.depth:
             raise CacheRewindError("the MTP drafter has no state for its current depth to rewind")
         keep = max(0, min(keep, self.context_length()))
         D = self.depth
@@ -105,7 +107,7 @@ class MTPDrafter:
     def extend(self, taps: list[mx.array], ids: list[int]) -> None:
         """Continue after `rewind_context`: `taps` = the target's final hidden rows from the rewind point to the new
         prompt's end; `ids` = the whole new prompt + its first generated token."""
-        if getattr(self, "caches", None) is None:
+        if self.caches is None:
             raise RuntimeError("MTP drafter: extend() before start()")
         have = self.main_pos + (0 if self.main is None else self.main.shape[1])
         if have + taps[0].shape[1] != len(ids) - 1:
@@ -113,6 +115,12 @@ class MTPDrafter:
                                f"new rows do not reach the prompt end ({len(ids) - 1})")
         self.main = taps[0] if self.main is None else mx.concatenate([self.main, taps[0]], axis=1)
         self.tokens = list(ids)
+
+    def parts(self) -> tuple:
+        return (self,)
+
+    def stats(self) -> dict:
+        return {}
 
     def propose(self, anchor: int, pos: int, k: int, sampler, history: list[int]):
         """Drafts for positions T+1..T+k, the anchor (last committed token) being at T = `pos`."""
@@ -178,9 +186,7 @@ def load_mtp(path_or_repo, target, *, depth=None, dtype=None, draft_logits: str 
     head = MTPHead(cfg, opts)
     weights = MTPHead.sanitize(weights)
     if isinstance(raw.get("quantization"), dict):  # converted by `glimmer convert -q` (mlx-lm layout)
-        from ..loading import _quantize_model
-
-        _quantize_model(head, raw["quantization"], weights, prefix="mtp.")
+        quantize_like(head, raw["quantization"], weights, prefix="mtp.")
     check_weights(head, weights, where, raw.get("quantization"), kind="MTP ", prefix="mtp.", names_hint=None)
     dt = parse_dtype(dtype) or target.model.norm.weight.dtype
     head.load_weights([(k, v.astype(dt) if mx.issubdtype(v.dtype, mx.floating) else v)
@@ -188,8 +194,7 @@ def load_mtp(path_or_repo, target, *, depth=None, dtype=None, draft_logits: str 
     mx.eval(head.parameters())
     head.eval()
     d = MTPDrafter(head, target, depth, draft_logits)
+    d.source = str(where) if folder is not None else f"{where} (own MTP layers)"
     if folder is not None:  # a folder of its own: τ measured when it was trained
-        from .auto import read_measured_tau
-
         d.measured_tau = read_measured_tau(folder, "mtp")
     return d

@@ -57,11 +57,12 @@ class NGramIndex:
 
 
 class NGramDrafter:
-    """Prompt-lookup drafter on the speculative engine's protocol (start / propose / accept)."""
+    """Prompt-lookup drafter (speculative.protocol.Drafter); it needs no taps and no model."""
 
     kind = "ngram"
     width_name = "n-gram drafts"
     taps: tuple = ()
+    measured_tau = None
 
     def __init__(self, vocab_size: int, max_drafts: int = 8, min_n: int = 1, max_n: int = 4):
         if not isinstance(max_drafts, int) or isinstance(max_drafts, bool) or not 1 <= max_drafts <= 64:
@@ -84,6 +85,12 @@ class NGramDrafter:
 
     def extend(self, taps: list[mx.array], ids: list[int]) -> None:
         self.index.reset(ids)
+
+    def parts(self) -> tuple:
+        return (self,)
+
+    def stats(self) -> dict:
+        return {}
 
     def peek(self, k: int) -> tuple[list[int], int]:
         """What `propose` would draft now (at most k tokens) and the matched n-gram size, without side effects."""

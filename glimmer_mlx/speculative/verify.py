@@ -12,31 +12,15 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..kernels import greedy_accept, rejection_accept_logprobs
-from ..sampling import Sampler, apply_repetition_penalty, greedy_token, process
-
-
-def row_histories(history: list[int], drafts: list[int], rows: int, size: int) -> mx.array:
-    """[rows, size] token windows: row j sees history + drafts[:j] (for the repetition penalty)."""
-    seqs = [(history + drafts[:j])[-size:] for j in range(rows)]
-    width = max(len(s) for s in seqs)
-    if width == 0:
-        return None
-    # left-pad with the row's first token: repeating a token does not change the penalty (it is set-based)
-    return mx.array([[s[0]] * (width - len(s)) + s for s in seqs], dtype=mx.int32)
-
-
-def histories_for(sampler: Sampler, history: list[int], drafts: list[int], rows: int):
-    p = sampler.params
-    if p.repetition_penalty == 1.0:
-        return None
-    return row_histories(history, drafts, rows, p.repetition_context_size)
+from ..sampling import Sampler, apply_repetition_penalty, greedy_token, history_rows, history_window, process
 
 
 def verify_greedy(target_logits: mx.array, drafts: list[int], sampler: Sampler, history: list[int]):
     """target_logits [k+1, V]; returns (n_accepted, next_token) (fused argmax + compare: `kernels.greedy_accept`)."""
     k = len(drafts)
-    x = apply_repetition_penalty(target_logits.astype(mx.float32), histories_for(sampler, history, drafts, k + 1),
-                                 sampler.params.repetition_penalty)  # greedy_token's input
+    p = sampler.params
+    x = apply_repetition_penalty(target_logits.astype(mx.float32), history_rows(p, history, drafts, k + 1),
+                                 p.repetition_penalty)  # greedy_token's input
     return greedy_accept(x, drafts)
 
 
@@ -66,7 +50,7 @@ def draft_tokens(q_logits: mx.array, sampler: Sampler, history: list[int]):
     # the penalty depends on earlier drafts: choose row by row
     drafts, rows = [], []
     for j in range(k):
-        h = mx.array((history + drafts)[-params.repetition_context_size:], dtype=mx.int32)
+        h = history_window(params, history + drafts)
         if params.greedy:
             drafts.append(int(greedy_token(q_logits[j : j + 1], params, h).item()))
         else:
@@ -77,4 +61,4 @@ def draft_tokens(q_logits: mx.array, sampler: Sampler, history: list[int]):
 
 
 def target_distribution(target_logits: mx.array, sampler: Sampler, history: list[int], drafts: list[int]):
-    return process(target_logits, sampler.params, histories_for(sampler, history, drafts, target_logits.shape[0]))
+    return process(target_logits, sampler.params, history_rows(sampler.params, history, drafts, target_logits.shape[0]))

@@ -6,8 +6,16 @@ import json
 import shutil
 from pathlib import Path
 
+import mlx.core as mx
+
+from ..files import write_atomic
+from ..loading import load
+from ..models.assistant import Assistant
+from ..speculative import DFlashDrafter, MTPDrafter, load_drafter
 from .data import DataError, build_sequences, split
 from .loop import TrainConfig
+from .recipes import (acceptance, estimate, eval_prompts, new_assistant_config, new_mtp_head, param_count,
+                      train_dflash, train_mtp)
 
 __all__ = ["train", "TrainConfig", "DataError"]
 
@@ -20,13 +28,6 @@ def train(kind: str, target_path, out, *, chats=None, texts=(), regenerate: bool
     """Train a DFlash drafter (`kind="dflash"`) or MTP layers (`kind="mtp"`) for `target_path`; write the result to
     `out` (DFlash: the official `muse_glimmer_assistant` layout; MTP: `mtp.*` + config). Returns the summary that is
     also written to `out/train_summary.json` (data counts, losses, tokens/s, τ before/after in `eval.json`)."""
-    from .. import load
-    from ..speculative import load_drafter
-    from ..speculative.drafter import DFlashDrafter
-    from ..speculative.mtp import MTPDrafter
-    from .recipes import (acceptance, estimate, eval_prompts, new_assistant_config, new_mtp_head, param_count,
-                          train_dflash, train_mtp)
-
     if kind not in ("dflash", "mtp"):
         raise ValueError(f"unknown recipe {kind!r} (dflash | mtp)")
     cfg = cfg or TrainConfig()
@@ -35,8 +36,6 @@ def train(kind: str, target_path, out, *, chats=None, texts=(), regenerate: bool
         raise FileExistsError(f"{out} exists and is not empty; pass --resume to continue it or choose another folder")
     out.mkdir(parents=True, exist_ok=True)
     target, tok = load(target_path, dtype=dtype or "fp32")
-    import mlx.core as mx
-
     mx.random.seed(cfg.seed)  # new drafter / MTP weights depend on the seed only
     regen_cache = out / "regenerated.jsonl" if regenerate else None
     seqs, report = build_sequences(tok, chats=chats, texts=list(texts), max_length=max_length, model=target,
@@ -52,15 +51,11 @@ def train(kind: str, target_path, out, *, chats=None, texts=(), regenerate: bool
             if not isinstance(module_drafter, DFlashDrafter):
                 raise ValueError(f"{init}: --init must be a DFlash drafter for `train dflash`")
         else:
-            from ..models.assistant import Assistant
-
             module_drafter = DFlashDrafter(Assistant(new_assistant_config(
                 target, tok, layers=layers, block_size=block_size, target_layer_ids=target_layer_ids,
                 mask_token_id=mask_token_id)), target)
         module = module_drafter.assistant
         if resume and (out / "checkpoint" / "model.safetensors").exists():
-            import mlx.core as mx
-
             module.load_weights(list(mx.load(str(out / "checkpoint" / "model.safetensors")).items()))
         module_drafter.draft_logits = draft_logits
         width = eval_width or module.config.block_size
@@ -74,8 +69,6 @@ def train(kind: str, target_path, out, *, chats=None, texts=(), regenerate: bool
             module_drafter = MTPDrafter(new_mtp_head(target, mtp_layers, seed=cfg.seed), target)
         module = module_drafter.head
         if resume and (out / "checkpoint" / "mtp.safetensors").exists():
-            import mlx.core as mx
-
             w = mx.load(str(out / "checkpoint" / "mtp.safetensors"))
             module.load_weights([(k[len("mtp."):], v) for k, v in w.items()])
         module_drafter.draft_logits = draft_logits
@@ -103,8 +96,8 @@ def train(kind: str, target_path, out, *, chats=None, texts=(), regenerate: bool
     after = acceptance(target, module_drafter, prompts, width, eval_tokens)
     ev = {"width": width, "prompts": len(prompts), "max_tokens": eval_tokens, "before": before, "after": after,
           "draft_logits": draft_logits}
-    (out / "eval.json").write_text(json.dumps(ev, indent=2))
+    write_atomic(out / "eval.json", json.dumps(ev, indent=2))
     summary.update(data=report.__dict__, train_sequences=len(train_seqs), val_sequences=len(val_seqs),
                    memory_estimate_gb=est, eval=ev, recipe=kind)
-    (out / "train_summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    write_atomic(out / "train_summary.json", json.dumps(summary, indent=2, default=str))
     return summary

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..generate import generate
+
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rs", ".c", ".h", ".cpp", ".js", ".ts", ".go", ".java", ".sh", ".json",
                  ".toml", ".yaml", ".yml", ".html", ".css", ".rst"}
 
@@ -158,8 +160,6 @@ def regenerate(model, tokenizer, convs: list[tuple[list[dict], list | None]], ca
     """Replace every assistant reply by the target's own reply to the preceding turns. Resumable via `cache_path`.
     Conversations with tool calls are kept as they are (a regenerated reply is text; re-parsing it into tool calls
     is format-specific)."""
-    from ..generate import generate
-
     done: dict[int, list[dict]] = {}
     if cache_path.exists():
         for line in cache_path.read_text(encoding="utf-8").splitlines():

@@ -15,7 +15,8 @@ from typing import Callable, Iterator
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 
 @dataclass
@@ -68,8 +69,6 @@ def run(module: nn.Module, loss_fn: Callable, batches: Callable[[int], Iterator]
 
     Returns a summary (steps, final/val losses, tokens/s). Checkpoints go to `out/checkpoint`. Each batch is a dict
     with an "n_tokens" entry (trained tokens, for the throughput figure)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
     total = steps_per_epoch * cfg.epochs // cfg.grad_accum
     if cfg.max_steps is not None:
         total = min(total, cfg.max_steps)
@@ -136,14 +135,10 @@ def run(module: nn.Module, loss_fn: Callable, batches: Callable[[int], Iterator]
 
 
 def tree_map_add(a, b):
-    from mlx.utils import tree_map
-
     return tree_map(lambda x, y: x + y, a, b)
 
 
 def tree_map_scale(a, s):
-    from mlx.utils import tree_map
-
     return tree_map(lambda x: x * s, a)
 
 

@@ -20,6 +20,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from ..generate import generate
 from ..models.assistant import Assistant, AssistantConfig
 from ..models.mtp import MTPHead, mtp_text_config
 from .data import Sequence, pad_batch
@@ -281,8 +282,6 @@ def eval_prompts(seqs: list[Sequence], n: int = 8, max_prompt: int = 64) -> list
 
 
 def acceptance(target, drafter, prompts: list[list[int]], width, max_tokens: int = 64) -> dict:
-    from ..generate import generate
-
     out = {}
     saved = getattr(target, "eos_token_ids", None)
     for name, temp in (("greedy", 0.0), ("t1", 1.0)):

@@ -1,4 +1,5 @@
-"""Loading a DFlash drafter next to its target and checking that the two fit."""
+"""The DFlash drafter: a block-diffusion assistant that drafts a whole block in one forward from the target's taps;
+loading it next to its target and checking that the two fit."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..cache import CacheRewindError, KVCache, rewind_cache
 from ..config import ConfigError
-from ..loading import CheckpointError, check_weights, load_weights, parse_dtype, read_json, resolve_path
+from ..loading import CheckpointError, check_weights, load_weights, parse_dtype, quantize_like
 from ..models.assistant import Assistant, AssistantConfig
+from .protocol import MeasuredTau, read_measured_tau
 from .verify import draft_tokens
 
 DRAFT_LOGITS = ("raw", "target")
@@ -31,7 +34,10 @@ class DFlashDrafter:
         self.config = assistant.config
         self.block_size = self.config.block_size
         self.taps = tuple(self.config.target_layer_ids)
-        self.measured_tau: dict | None = None  # {"width", "greedy", "sampling"} from the folder's eval.json
+        self.measured_tau: MeasuredTau | None = None  # from the folder's eval.json
+        self.cache = None  # the drafter's context K/V (None before `start`)
+        self.ctx = None  # target taps of committed positions not yet in `cache`
+        self.source: str | None = None  # the folder it was loaded from (`load_dflash`)
 
     @property
     def max_drafts(self) -> int:
@@ -42,7 +48,7 @@ class DFlashDrafter:
     def make_cache(self):
         return self.assistant.make_cache()
 
-    # -- the engine's drafter protocol: start / propose / accept ------------------------------------------------
+    # -- the drafter protocol (speculative.protocol.Drafter) -----------------------------------------------------
     def start(self, taps: list[mx.array], ids: list[int]) -> None:
         """After the prefill: `taps` cover every prompt position; `ids` = prompt + the first generated token."""
         self.cache = self.make_cache()
@@ -62,7 +68,7 @@ class DFlashDrafter:
     # -- prompt-cache reuse (session.Session): continue the state on a new prompt instead of restarting -------------
     def context_length(self) -> int:
         """Target positions the drafter's state covers (its context cache + the pending context rows)."""
-        if getattr(self, "cache", None) is None:
+        if self.cache is None:
             return 0
         return self.cache[0].offset + (0 if self.ctx is None else self.ctx.shape[1])
 
@@ -74,10 +80,8 @@ class DFlashDrafter:
         cannot rewind it is replaced by an empty cache starting at keep − window: the rows its window still needs
         are recomputed from the target's taps (p = keep − window). Changes nothing and raises `CacheRewindError`
         when no state exists."""
-        from ..cache import CacheRewindError, KVCache, rewind_cache
-
         have = self.context_length()
-        if getattr(self, "cache", None) is None:
+        if self.cache is None:
             raise CacheRewindError("the DFlash drafter has no state to rewind (start() was never called)")
         keep = max(0, min(keep, have))
         stored = self.cache[0].offset
@@ -103,12 +107,18 @@ class DFlashDrafter:
     def extend(self, taps: list[mx.array], ids: list[int]) -> None:
         """Continue after `rewind_context`: `taps` are the target's taps of the positions from the rewind point on
         (up to the new prompt's end); `ids` = the whole new prompt + its first generated token."""
-        if getattr(self, "cache", None) is None:
+        if self.cache is None:
             raise RuntimeError("DFlash drafter: extend() before start()")
         if self.context_length() + taps[0].shape[1] != len(ids) - 1:
             raise RuntimeError(f"DFlash drafter out of sync: its context covers {self.context_length()} positions, "
                                f"{taps[0].shape[1]} new tap rows do not reach the prompt end ({len(ids) - 1})")
         self.accept(taps, [])
+
+    def parts(self) -> tuple:
+        return (self,)
+
+    def stats(self) -> dict:
+        return {}
 
     def draft_hidden(self, anchor: int, ctx_taps: mx.array, pos: int, cache, block: int | None = None) -> mx.array:
         """Final hidden states of the block [anchor, mask × (block−1)] at positions pos.. → [block−1, D] (rows 1..)."""
@@ -137,22 +147,9 @@ def check_fit(cfg: AssistantConfig, target, where) -> None:
         raise CheckpointError(f"{where}: drafter does not fit the target: " + "; ".join(problems))
 
 
-def load_drafter(path_or_repo, target, *, dtype=None, draft_logits: str = "target", depth=None):
-    """A drafter for `target`: a DFlash assistant (`model_type: muse_glimmer_assistant`, weights with or without a
-    `model.` prefix) or MTP layers (a checkpoint whose config has `num_mtp_layers` and whose weights hold `mtp.*`;
-    the target's own folder included). dtype None = the target's; depth: MTP chain depth (None = trained layers)."""
-    path = Path(resolve_path(path_or_repo))
-    raw = read_json(path / "config.json")
-    text = raw.get("text_config", raw) if isinstance(raw, dict) else {}
-    if isinstance(raw, dict) and raw.get("model_type") != "muse_glimmer_assistant" and (
-            text.get("num_mtp_layers") or text.get("num_nextn_predict_layers")):
-        from .mtp import load_mtp
-
-        return load_mtp(path, target, depth=depth, dtype=dtype, draft_logits=draft_logits)
-    if isinstance(raw, dict) and str(raw.get("model_type", "")).startswith("muse_glimmer") and \
-            raw.get("model_type") != "muse_glimmer_assistant":
-        raise CheckpointError(f"{path}: a target checkpoint without MTP layers (no num_mtp_layers in its config) "
-                              "cannot serve as a drafter")
+def load_dflash(path: Path, raw: dict, target, *, dtype=None, draft_logits: str = "target") -> DFlashDrafter:
+    """The DFlash assistant in folder `path` (config.json already read: `raw`; `model_type: muse_glimmer_assistant`,
+    weights with or without a `model.` prefix), bound to `target`. dtype None = the target's."""
     try:
         cfg = AssistantConfig.from_dict(raw, where=str(path / "config.json"))
     except ConfigError as e:
@@ -161,9 +158,7 @@ def load_drafter(path_or_repo, target, *, dtype=None, draft_logits: str = "targe
     weights = Assistant.sanitize(load_weights(path))
     assistant = Assistant(cfg)
     if isinstance(raw.get("quantization"), dict):  # converted by `glimmer convert -q` (mlx-lm layout)
-        from ..loading import _quantize_model
-
-        _quantize_model(assistant, raw["quantization"], weights)
+        quantize_like(assistant, raw["quantization"], weights)
     check_weights(assistant, weights, path, raw.get("quantization"), kind="drafter ", names_hint=None)
     dt = parse_dtype(dtype) or target.model.norm.weight.dtype
     assistant.load_weights([(k, v.astype(dt) if mx.issubdtype(v.dtype, mx.floating) else v)
@@ -171,7 +166,6 @@ def load_drafter(path_or_repo, target, *, dtype=None, draft_logits: str = "targe
     mx.eval(assistant.parameters())
     assistant.eval()
     d = DFlashDrafter(assistant, target, draft_logits)
-    from .auto import read_measured_tau
-
+    d.source = str(path)
     d.measured_tau = read_measured_tau(path, "dflash")  # τ measured when it was trained (auto's starting estimate)
     return d

@@ -1,0 +1,115 @@
+"""`glimmer generate`: one prompt, streamed to stdout."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import List, Optional
+
+import typer
+from rich.markup import escape
+
+from ..generate import stream_generate
+from ..image_processing import IMAGE_TOKEN, ImageError, preprocess_image
+from ..loading import CheckpointError, load
+from ..runtime.loop import GenerationStats
+from ..strategy import load_drafters
+from ..tool_calls import get_parser
+from .app import (AutoFlag, BlockSize, DflashFlag, DraftModel, Dtype, Images, MinP, Mode, Model, MtpFlag, MtpModel,
+                  RepetitionPenalty, Seed, SystemPrompt, Temp, TopK, TopP, app, check_spec, console, decode_spec, fail,
+                  model_path, note)
+
+# which drafter models a mode needs loaded (generate loads nothing it will not use)
+NEEDS = {"ar": (), "ngram": (), "dflash": ("dflash",), "mtp": ("mtp",), "auto": ("dflash", "mtp")}
+
+
+@app.command()
+def generate(
+    model: Model = None,
+    prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text; '-' reads stdin."),
+    max_tokens: int = typer.Option(256, "--max-tokens", "-m"),
+    temp: Temp = 0.0,
+    top_p: TopP = 1.0,
+    top_k: TopK = 0,
+    min_p: MinP = 0.0,
+    repetition_penalty: RepetitionPenalty = 1.0,
+    seed: Seed = None,
+    stop: List[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+    system_prompt: SystemPrompt = None,
+    chat: bool = typer.Option(True, "--chat-template/--raw", help="Wrap the prompt in the chat template if any."),
+    dtype: Dtype = None,
+    prefill_step_size: int = typer.Option(512, "--prefill-step-size"),
+    mode: Mode = None,
+    block_size: BlockSize = None,
+    draft_model: DraftModel = None,
+    mtp_model: MtpModel = None,
+    dflash: DflashFlag = False,
+    mtp: MtpFlag = False,
+    auto: AutoFlag = False,
+    mtp_depth: Optional[str] = typer.Option(None, "--mtp-depth", help="Alias of --block-size with --mode mtp."),
+    image: Images = [],
+    verbose: bool = typer.Option(True, "--verbose/--quiet", help="Print the stats line."),
+):
+    """Generate text from a prompt (optionally with images). Default mode: plain decoding, or the drafter given with
+    --draft-model; --mode picks another."""
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    mode, width = decode_spec(mode, block_size, dflash=dflash, mtp=mtp, auto=auto, mtp_depth=mtp_depth)
+    if mode == "dflash" and draft_model is None and model is not None:
+        fail("--mode dflash without --draft-model only works with the embedded default model; give --draft-model")
+    embedded = model is None
+    path = model_path(model)
+    images = None
+    if image:
+        try:  # decode and check every file before loading the model
+            images = [preprocess_image(p) for p in image]
+        except ImageError as e:
+            fail(str(e))
+        if IMAGE_TOKEN not in prompt:  # images first in the user turn (inside the chat template)
+            prompt = IMAGE_TOKEN * len(image) + prompt
+    try:
+        m, tok = load(path, dtype=dtype)
+        if tok is None:
+            fail(f"{path}: no tokenizer.json in the checkpoint; use the Python API with token ids")
+        given = draft_model is not None or mtp_model is not None
+        drafters = load_drafters(m, dflash=draft_model, mtp=mtp_model, embedded=embedded and mode is not None,
+                                 want=NEEDS[mode] if mode is not None else ("dflash", "mtp") if given else (),
+                                 log=note)
+    except (CheckpointError, ValueError) as e:
+        fail(str(e))
+    spec = check_spec(drafters, mode or drafters.default_mode(), width)
+    drafter, bs = drafters.select(spec)
+    if chat and tok.chat_template:
+        msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+        msgs.append({"role": "user", "content": prompt})
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    else:
+        ids = tok.encode(prompt)
+    stats = GenerationStats()
+    # chat-templated output goes through the template's response parser: headers (` to=user<|message|>`) hidden,
+    # tool calls summarised after the answer; --raw prints the model's text as generated
+    parser = get_parser(tok.chat_template) if chat and tok.chat_template else None
+    text, shown = "", 0
+    try:
+        for chunk in stream_generate(m, ids, tokenizer=tok, max_tokens=max_tokens, temperature=temp, top_p=top_p,
+                                     top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
+                                     stop=stop, drafter=drafter, block_size=bs, prefill_step_size=prefill_step_size,
+                                     stats=stats, images=images):
+            # model text is data: written verbatim (rich would expand :emoji: codes and drop control characters)
+            text += chunk.text
+            out = chunk.text
+            if parser is not None:
+                visible = parser.visible(text) if chunk.finish_reason is None else parser.parse(text).content
+                out, shown = visible[shown:], max(shown, len(visible))
+            sys.stdout.write(out)
+            sys.stdout.flush()
+    except ValueError as e:
+        fail(str(e))
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if parser is not None:
+        for call in parser.parse(text).tool_calls:
+            console.print(f"[cyan]tool call:[/] {escape(call.name)}({escape(json.dumps(call.arguments))})",
+                          soft_wrap=True)
+    if verbose:
+        console.print(f"[dim]{stats.line()}[/]")

@@ -1,0 +1,151 @@
+"""The commands that keep one model resident in a `session.Session`: `glimmer chat`, `glimmer serve`,
+`glimmer agent`."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from ..agent import load_backend, run_command
+from ..chat import Chat
+from ..loading import CheckpointError
+from ..sampling import SamplingParams
+from ..serve import GlimmerServer
+from ..session import load_session
+from ..strategy import ModeError
+from .app import (AutoFlag, BlockSize, DflashFlag, DraftModel, Dtype, MaxContext, MinP, Mode, Model, MtpFlag,
+                  MtpModel, RepetitionPenalty, Seed, SystemPrompt, Temp, TopK, TopP, app, check_spec, console,
+                  decode_spec, fail, note)
+
+
+def open_session(model, draft_model, mtp_model, dtype=None, max_context=None):
+    """A session.Session for chat / serve / agent (errors → a clean exit)."""
+    try:
+        return load_session(model, draft_model=draft_model, mtp_model=mtp_model, dtype=dtype, max_context=max_context,
+                            announce=note)
+    except (CheckpointError, FileNotFoundError, ValueError) as e:
+        fail(str(e))
+
+
+@app.command()
+def chat(
+    model: Model = None,
+    draft_model: DraftModel = None,
+    mtp_model: MtpModel = None,
+    mode: Mode = None,
+    block_size: BlockSize = None,
+    dflash: DflashFlag = False,
+    mtp: MtpFlag = False,
+    auto: AutoFlag = False,
+    temp: Temp = 0.0,
+    top_p: TopP = 1.0,
+    top_k: TopK = 0,
+    min_p: MinP = 0.0,
+    repetition_penalty: RepetitionPenalty = 1.0,
+    seed: Seed = None,
+    max_tokens: int = typer.Option(1024, "--max-tokens", "-m", help="Tokens per answer at most."),
+    max_context: MaxContext = None,
+    system_prompt: SystemPrompt = None,
+    dtype: Dtype = None,
+    calibrate: bool = typer.Option(True, "--calibrate/--no-calibrate", help="Measure the plain-decoding rate "
+                                   "(32 tokens) for the speedup shown after speculative turns, if no ar turn ran."),
+    stats: bool = typer.Option(True, "--stats/--no-stats", help="Print the stats line after each answer."),
+):
+    """Chat in the terminal: streaming answers, history, /commands (/help), prompt-cache reuse across turns.
+    Default mode: dflash if a DFlash drafter is loaded, else mtp, else ar."""
+    mode, width = decode_spec(mode, block_size, dflash=dflash, mtp=mtp, auto=auto)
+    if max_tokens < 1:
+        fail(f"--max-tokens must be >= 1, got {max_tokens}")
+    try:
+        SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty)
+    except ValueError as e:
+        fail(str(e))
+    session = open_session(model, draft_model, mtp_model, dtype, max_context)
+    spec = check_spec(session.drafters, mode or session.default_mode(), width)
+    try:
+        app_ = Chat(session, mode=spec.mode, block_size=spec.width, temperature=temp, top_p=top_p, top_k=top_k,
+                    min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, max_tokens=max_tokens,
+                    system_prompt=system_prompt, calibrate=calibrate, show_stats=stats)
+    except (ModeError, ValueError) as e:
+        fail(str(e))
+    raise typer.Exit(app_.run())
+
+
+@app.command()
+def serve(
+    model: Model = None,
+    draft_model: DraftModel = None,
+    mtp_model: MtpModel = None,
+    mode: Mode = None,
+    block_size: BlockSize = None,
+    dflash: DflashFlag = False,
+    mtp: MtpFlag = False,
+    auto: AutoFlag = False,
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (127.0.0.1: this machine only)."),
+    port: int = typer.Option(8080, "--port", help="Port (0: any free port, printed at start)."),
+    max_tokens: int = typer.Option(2048, "--max-tokens", help="Default max_tokens for requests without one."),
+    max_context: MaxContext = None,
+    model_name: Optional[str] = typer.Option(None, "--served-model-name", help="Model id in /v1/models "
+                                             "(default: the checkpoint folder's name)."),
+    dtype: Dtype = None,
+):
+    """A local OpenAI-compatible server: /v1/chat/completions (streaming, tools), /v1/completions, /v1/models,
+    /health. One model resident, requests queued, prompt cache reused across a growing conversation. --mode is the
+    default decoding mode (default: dflash, else mtp, else ar); requests may override it with
+    {"glimmer": {"mode": ..., "block_size": ...}}."""
+    mode, width = decode_spec(mode, block_size, dflash=dflash, mtp=mtp, auto=auto)
+    session = open_session(model, draft_model, mtp_model, dtype, max_context)
+    spec = check_spec(session.drafters, mode or session.default_mode(), width)
+    try:
+        server = GlimmerServer(session, host=host, port=port, mode=spec.mode, block_size=spec.width,
+                               default_max_tokens=max_tokens, model_name=model_name)
+    except (ModeError, ValueError, OSError) as e:
+        fail(str(e))
+    console.print(f"[bold]glimmer serve[/] {escape(server.model_name)} on http://{server.host}:{server.port} "
+                  f"(mode {escape(server.default_mode)}; modes: {', '.join(session.available_modes())}) — Ctrl-C stops",
+                  soft_wrap=True)
+    server.serve_forever()
+    console.print("[dim]stopped[/]")
+
+
+@app.command()
+def agent(
+    task: Optional[str] = typer.Argument(None, help="What to do (omit with --resume to just continue)."),
+    model: Model = None,
+    workspace: Optional[str] = typer.Option(None, "--workspace", "-w", help="The folder the agent may use "
+                                            "(default: the current one; on --resume, the transcript's)."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Write files and run commands without asking."),
+    allow: List[str] = typer.Option([], "--allow", help="Command prefix run without asking, e.g. 'pytest -q' "
+                                    "(repeatable; commands with shell operators always ask)."),
+    max_steps: int = typer.Option(20, "--max-steps", help="Model replies before the loop stops (exit code 2)."),
+    max_tokens: int = typer.Option(1024, "--max-tokens", help="Tokens per model reply."),
+    transcript: Optional[str] = typer.Option(None, "--transcript", help="JSONL transcript to write (default: "
+                                             "~/.cache/glimmer-mlx/agent/TIME.jsonl)."),
+    resume: Optional[str] = typer.Option(None, "--resume", help="Continue the run of this transcript."),
+    mode: Mode = "ar",
+    block_size: BlockSize = None,
+    draft_model: DraftModel = None,
+    mtp_model: MtpModel = None,
+    temp: Temp = 0.0,
+    seed: Seed = None,
+    timeout: float = typer.Option(120.0, "--timeout", help="Seconds a `run` command may take."),
+):
+    """An offline tool-using agent in a workspace: list/read/search files, write or patch them (diff shown, asks
+    first), run commands (asks first), answer. Paths are confined to the workspace."""
+    mode, width = decode_spec(mode, block_size)
+
+    def backend():  # loaded once the options and the workspace are checked
+        return load_backend(model, mode=mode, block_size=width, draft_model=draft_model, mtp_model=mtp_model,
+                            announce=note, max_tokens=max_tokens, temperature=temp, seed=seed)
+
+    try:
+        res = run_command(task, backend_factory=backend, workspace=workspace, yes=yes, allow=allow,
+                          max_steps=max_steps, transcript=transcript, resume=resume, timeout=timeout,
+                          console=console, out=Console(), meta={"model": model, "mode": mode})
+    except (CheckpointError, FileNotFoundError, NotADirectoryError, ValueError) as e:
+        fail(str(e))
+    if res.status != "answered":
+        raise typer.Exit(2)  # the step limit: no answer

@@ -1,0 +1,105 @@
+"""The verify cost curve `auto` decides with: seconds of a target forward over L = 1..max tokens (the verify of L − 1
+drafts) and of a pipelined plain token, measured once per machine and model and cached as JSON in the cache folder
+(`machine.cache_dir()`), keyed by the machine's and the model's fingerprints and the taps the forward produces."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from ...cache import rewind_cache
+from ...files import write_atomic
+from ...machine import cache_dir, machine_fingerprint
+from ...runtime.plain import plain_token_seconds
+from ...runtime.prefill import prefill
+
+CALIBRATION_CONTEXT = 128  # prompt tokens in the cache while the verify cost curve is measured
+
+
+def model_fingerprint(model) -> str:
+    """Short hash of the target: its config and weight files (name, size), or its architecture when not from disk."""
+    h = hashlib.sha256()
+    path = getattr(model, "path", None)
+    if path is not None and (Path(path) / "config.json").exists():
+        p = Path(path)
+        h.update((p / "config.json").read_bytes())
+        for f in sorted(p.glob("*.safetensors")):
+            h.update(f"{f.name}:{f.stat().st_size}".encode())
+    else:
+        h.update(repr(sorted(vars(model.args).items(), key=lambda kv: kv[0])).encode())
+    h.update(str(model.model.norm.weight.dtype).encode())
+    return h.hexdigest()[:12]
+
+
+def measure_verify_costs(model, cache, taps, max_k: int, repeats: int = 3) -> dict[int, float]:
+    """Seconds for a target forward over L = 1..max_k+1 tokens at the cache's current length (rewound after)."""
+    costs = {}
+    for L in range(1, max_k + 2):
+        x = mx.zeros((1, L), dtype=mx.int32)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            logits, tapped = model(x, cache, taps=taps)
+            mx.eval(logits, tapped)
+            best = min(best, time.perf_counter() - t0)
+            rewind_cache(cache, L)
+        costs[L] = best
+    return costs
+
+
+def calibrate(model, taps, max_len: int, context: int = CALIBRATION_CONTEXT,
+              repeats: int = 5) -> tuple[dict[int, float], float]:
+    """({L: seconds of a target forward over L tokens (with `taps`)}, seconds per pipelined plain token), both
+    after `context` cached tokens."""
+    cache = model.make_cache()
+    ids = [int(x) for x in (mx.arange(context) % max(2, model.args.vocab_size - 2) + 2).tolist()]
+    logits, tapped = prefill(model, cache, ids, taps=tuple(taps))
+    mx.eval(logits, tapped)
+    measure_verify_costs(model, cache, tuple(taps), max_len - 1, repeats=1)  # warm-up (first calls build kernels)
+    # passes over every L, min per L: a burst of load from another process hits one pass of every L rather than
+    # every repeat of one L (which would bend the curve's shape)
+    passes = [measure_verify_costs(model, cache, tuple(taps), max_len - 1, repeats=1) for _ in range(repeats)]
+    raw = {L: min(p[L] for p in passes) for L in passes[0]}
+    # a forward over more tokens never costs less: a dip is timing noise, and keeping the running max errs toward
+    # plain decoding (drafting is charged at least what the shorter forward cost)
+    costs, top = {}, 0.0
+    for L in sorted(raw):
+        top = max(top, raw[L])
+        costs[L] = top
+    plain = min(plain_token_seconds(model, cache, taps=tuple(taps)) for _ in range(2))
+    return costs, min(plain, costs[1])
+
+
+def load_or_calibrate(model, taps, max_len: int, *, directory=None, recalibrate: bool = False,
+                      log=None) -> tuple[dict[int, float], dict]:
+    """The verify cost curve for this machine and model, from the cache file or measured now (then cached).
+
+    Returns ({L: seconds}, info) with info = {"path", "cached", "machine", "model", "context", "plain_token_s"}
+    (plain_token_s: seconds per token of pipelined plain decoding, measured with the curve)."""
+    d = Path(directory) if directory is not None else cache_dir()
+    machine, mod = machine_fingerprint(), model_fingerprint(model)
+    taps = sorted(int(t) for t in taps)
+    path = d / f"costs-{machine}-{mod}-taps{'_'.join(map(str, taps)) or 'none'}.json"
+    info = {"path": str(path), "machine": machine, "model": mod, "context": CALIBRATION_CONTEXT}
+    if path.exists() and not recalibrate:
+        try:
+            raw = json.loads(path.read_text())
+            costs = {int(L): float(c) for L, c in raw["costs_s"].items()}
+            if all(L in costs for L in range(1, max_len + 1)):
+                return costs, {**info, "cached": True, "plain_token_s": float(raw["plain_token_s"])}
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # unreadable or too short: measure again
+    if log:
+        log(f"calibrating the verify cost curve (L = 1..{max_len}) for this machine and model → {path}")
+    costs, plain = calibrate(model, taps, max_len)
+    write_atomic(path, json.dumps({"machine": machine, "model": mod, "taps": taps, "context": CALIBRATION_CONTEXT,
+                                   "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                   "costs_s": {str(L): c for L, c in costs.items()}, "plain_token_s": plain},
+                                  indent=2))
+    return costs, {**info, "cached": False, "plain_token_s": plain}
+
+

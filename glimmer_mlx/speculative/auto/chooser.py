@@ -1,0 +1,420 @@
+"""`auto`'s cost model and choice: per round, which drafter proposes (DFlash, MTP, n-gram prompt lookup) and how
+many drafts — or none, a plain step — to maximise expected committed tokens per second on *this* machine.
+
+Rate of an option (drafter d, k drafts):  E_d(k) / s·(draft_d(k) + v·C(k+1) + o [+ w]),  plain: 1 / (s·P), where
+- E_d(k) = 1 + Σ_{i≤k} Π_{j≤i} α_{d,j}: expected tokens per round, α_{d,j} the running (exponentially decayed)
+  conditional acceptance of draft position j for drafter d, kept separately for greedy and sampling (`AcceptanceStats`:
+  position 0 from a prior or the drafter's measured τ, a rarely reached position like the one before it);
+- C(L): seconds of one target forward over L tokens and P: seconds per pipelined plain token, calibrated once per
+  machine and model (`load_or_calibrate`, cached as JSON);
+- s: how much slower the machine runs now than at calibration, measured by every plain token (context length,
+  load); every other time is kept in calibrated units, so comparisons never mix speeds;
+- v: what a verify round measurably costs over the bare calibrated forward (sampling, the acceptance test), per regime;
+- draft_d(k): the drafter's own measured time per round (constant in k for DFlash, which drafts a whole block in
+  one forward; linear for MTP's chain; ~0 for n-gram lookup);
+- o: a speculative round's measured time outside its draft and verify windows; w, charged only to a round that would
+  interrupt a plain stretch: what a speculative stretch measurably costs beyond its rounds (the plain tokens either
+  side lose their pipelining; a drafter that sat idle catches up on the tokens since it last drafted).
+A drafter must also beat plain by `switch_margin` (10 %): every estimate is noisy and the best looking option is
+the one most likely overestimated. n-gram lookup is only an option in a round where the context's suffix occurred
+before (its drafts are known in advance: `peek`), one option per matched n-gram size. Because plain is always one of
+the options and every option is scored in the same time unit, `auto` decodes plainly whenever no drafter pays (up
+to the cost of occasional probes: an option idle for its probe interval is tried once in a round that would
+otherwise be plain, so that its acceptance estimate can recover; its interval doubles, 16 → 1024 rounds, while its
+probes keep losing; one clock per regime, as the estimate is). Inside a plain stretch a round asks only the options
+that could change a plain choice (`AutoChooser.relevant`), so a stretch costs what plain decoding costs.
+
+`AutoChooser` is this decision logic, pure (unit-tested against synthetic cost/acceptance tables): it is told what
+each round cost and accepted, and it never touches a model.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+COST_SHAPES = ("block", "chain", "free")
+
+
+class AcceptanceStats:
+    """Decayed accepted/tried counts per draft position. Position 0 starts from the prior (1 of 2, i.e. α = 0.5,
+    unless given); a deeper position j is shrunk toward position j−1's estimate with the prior's weight (decaying
+    with the counts), not toward 0.5: a position rarely reached keeps what the earlier ones measured instead of
+    leaning on an optimistic constant (n-gram drafts at T = 1 rarely get past the first)."""
+
+    def __init__(self, max_k: int, decay: float = 0.97, prior: tuple[float, float] = (1.0, 2.0)):
+        self.max_k, self.decay, self.prior = max_k, decay, prior
+        self.acc = [prior[0]] + [0.0] * (max_k - 1)
+        self.tried = [prior[1]] + [0.0] * (max_k - 1)
+        self.shrink = prior[1]  # weight of "like the position before" for positions >= 1
+
+    def alphas(self) -> list[float]:
+        out = [self.acc[0] / self.tried[0] if self.tried[0] > 0 else 0.5]
+        for j in range(1, self.max_k):
+            w = self.tried[j] + self.shrink
+            out.append((self.acc[j] + self.shrink * out[-1]) / w if w > 0 else out[-1])
+        return out
+
+    def alpha(self, j: int) -> float:
+        return self.alphas()[j]
+
+    def set_alphas(self, alphas: list[float], weight: float = 1000.0) -> None:
+        """Pin the estimates (synthetic tables, tests): α_j with the weight of `weight` observations."""
+        for j in range(self.max_k):
+            a = alphas[min(j, len(alphas) - 1)]
+            self.acc[j], self.tried[j] = a * weight, weight
+        self.shrink = 0.0
+
+    def expected_tokens(self, k: int) -> float:
+        e, p = 1.0, 1.0
+        for a in self.alphas()[:k]:
+            p *= a
+            e += p
+        return e
+
+    def update(self, k: int, n_accepted: int) -> None:
+        if k <= 0:
+            return
+        for j in range(self.max_k):
+            self.acc[j] *= self.decay
+            self.tried[j] *= self.decay
+        self.shrink *= self.decay
+        for j in range(min(n_accepted + 1, k, self.max_k)):  # positions up to the first rejection were tried
+            self.tried[j] += 1
+            if j < n_accepted:
+                self.acc[j] += 1
+
+
+
+PRIOR_WEIGHT = 4.0  # a drafter's own measured τ (its eval.json) counts as this many observed rounds
+
+
+def alpha_from_tau(tau: float, width: int) -> float:
+    """The per-position acceptance α with 1 + α + … + α^width = τ (τ measured at `width` drafts per round)."""
+    tau = min(max(float(tau), 1.0), width + 1.0)
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid**i for i in range(width + 1)) < tau:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+
+def robust_ema(old: float | None, x: float, w: float, clip: float = 3.0) -> float:
+    """EMA step with the new sample clipped to [old/clip, old·clip]: a timing spike (another process taking the
+    CPU/GPU for a moment) moves the estimate by at most a factor (1 + w·(clip − 1)), while a lasting change still
+    comes through within a few rounds."""
+    if old is None or old <= 0:
+        return x
+    return (1 - w) * old + w * min(max(x, old / clip), old * clip)
+
+
+class DraftCost:
+    """A drafter's measured seconds per round as a function of k (EMA per k).
+
+    shape "block": one forward whatever k (DFlash) — unmeasured k borrow the mean of measured ones; "chain": one
+    forward per draft (MTP) — unmeasured k scale the nearest measured k linearly; "free": ~0 (n-gram lookup)."""
+
+    def __init__(self, shape: str, prior: float, ema: float = 0.2):
+        if shape not in COST_SHAPES:
+            raise ValueError(f"cost shape must be one of {COST_SHAPES}, got {shape!r}")
+        self.shape, self.prior, self.ema = shape, prior, ema
+        self.by_k: dict[int, float] = {}
+
+    def __call__(self, k: int) -> float:
+        if k in self.by_k:
+            return self.by_k[k]
+        if not self.by_k:
+            return self.prior * (k if self.shape == "chain" else 1)
+        if self.shape == "chain":
+            near = min(self.by_k, key=lambda m: (abs(m - k), m))
+            return self.by_k[near] * k / near
+        return sum(self.by_k.values()) / len(self.by_k)
+
+    def observe(self, k: int, seconds: float) -> None:
+        """EMA per k, starting from the current estimate (the prior at first): one slow first sample (another
+        process took the machine) cannot lock an option out, a truly costly drafter is learned within a few rounds."""
+        self.by_k[k] = robust_ema(self(k) if self(k) > 0 else None, seconds, self.ema)
+
+
+@dataclass
+class ProbeClock:
+    """When an option last drafted (the chooser's round) and how many idle rounds it waits for a probe; one per
+    regime, as the acceptance estimate a probe refreshes is."""
+
+    last: int
+    interval: int
+
+
+@dataclass
+class Option:
+    name: str
+    max_k: int
+    cost: DraftCost
+    stats: dict = field(default_factory=dict)  # "greedy" | "sampling" -> AcceptanceStats
+    decay: float = 0.97
+    prior_alpha: dict = field(default_factory=dict)  # regime -> α from the drafter's measured τ (else 0.5)
+    clocks: dict = field(default_factory=dict)  # regime -> ProbeClock (the chooser starts it on first use)
+
+    def acceptance(self, regime: str) -> AcceptanceStats:
+        if regime not in self.stats:
+            a = self.prior_alpha.get(regime)
+            prior = (1.0, 2.0) if a is None else (a * PRIOR_WEIGHT, PRIOR_WEIGHT)
+            self.stats[regime] = AcceptanceStats(self.max_k, self.decay, prior=prior)
+        return self.stats[regime]
+
+
+class AutoChooser:
+    """Per round: the (option, k) with the highest expected tokens per second, or (None, 0) for a plain step.
+
+    verify_costs: {L: seconds of a target forward over L tokens} for L = 1..max_k+1 (the calibrated curve);
+    plain_cost: calibrated seconds per pipelined plain token (default: the single forward, verify_costs[1]).
+
+    Every time is kept in calibrated units: one running `scale` (how much slower the machine runs now than at
+    calibration, measured by every plain token) converts each measurement when it comes in. A slowdown seen while
+    decoding plainly (another process, a longer context) then raises the drafters' costs too, and every comparison
+    stays between figures measured at the same speed. A verify round does more than the calibrated forward
+    (sampling the target's distributions, the acceptance test, rewinding): `verify_factor` (per regime) is its
+    measured time over the calibrated forward's."""
+
+    def __init__(self, verify_costs: dict[int, float], probe_every: int = 16, scale_ema: float = 0.1,
+                 switch_margin: float = 0.1, plain_cost: float | None = None):
+        if 1 not in verify_costs:
+            raise ValueError("verify_costs needs L = 1 (a plain step)")
+        self.costs = {int(L): float(c) for L, c in verify_costs.items()}
+        self.plain_cal = float(plain_cost) if plain_cost else self.costs[1]
+        self.options: dict[str, Option] = {}
+        self.probe_every, self.scale_ema = probe_every, scale_ema
+        # a drafter must promise this much more than plain decoding: every estimate is noisy, and the option that
+        # looks best is the one most likely overestimated
+        self.switch_margin = switch_margin
+        self._spec_last = False  # the latest choice was a drafter
+        self.scale = 1.0  # measured / calibrated time of a plain token, EMA
+        self.verify_factor: dict[str, float] = {}  # regime -> measured verify round / calibrated forward, EMA
+        # calibrated seconds a speculative round spends outside its measured draft and verify windows (choosing,
+        # committing, the drafters' bookkeeping), EMA
+        self.round_overhead = 0.0
+        # calibrated seconds a speculative stretch costs beyond its rounds, EMA over stretches: what the plain tokens
+        # on either side of it lost to the interrupted pipeline and what the drafter spent catching up on the tokens
+        # it had not drafted from; charged to the round that would start a stretch
+        self.switch_cost = 0.0
+        self.max_probe_every = 64 * probe_every  # each option's probe interval doubles up to this
+        self._probing = False
+        self.round = 0  # rounds chosen so far: the probe clock
+        self._next_probe: dict = {}  # regime -> the first round in which some option's probe falls due
+        # per (regime, after a drafter?, option) its best width for each cap (`_leaders`), and per regime the options
+        # that can beat plain at all (`relevant`), kept until an estimate changes: inside a plain stretch only the
+        # machine's speed moves, which scales every rate alike, so a plain round does not pay for scoring every
+        # option and width again (on a small model that Python work is a measurable share of a step)
+        self._memo: dict = {}
+        self.chosen: Counter = Counter()  # (name or "plain", k) -> rounds
+
+    def add(self, name: str, max_k: int, shape: str, draft_prior: float | None = None, decay: float = 0.97,
+            measured_tau: dict | None = None) -> Option:
+        """measured_tau: {"width", "greedy", "sampling"} τ measured for this drafter (`read_measured_tau`): the
+        acceptance estimates start from it instead of α = 0.5, so a weak drafter is not tried blindly first."""
+        max_k = min(max_k, max(self.costs) - 1)
+        if max_k < 1:
+            raise ValueError(f"option {name!r}: the verify cost curve must cover at least L = 2")
+        prior = draft_prior if draft_prior is not None else (0.0 if shape == "free" else 0.3 * self.costs[1])
+        alphas = {} if not measured_tau else {
+            regime: alpha_from_tau(measured_tau[regime], int(measured_tau["width"]))
+            for regime in ("greedy", "sampling") if measured_tau.get(regime) is not None}
+        opt = Option(name, max_k, DraftCost(shape, prior), decay=decay, prior_alpha=alphas)
+        self.options[name] = opt
+        self._memo.clear()
+        self._next_probe.clear()
+        return opt
+
+    def clock(self, name: str, regime: str) -> ProbeClock:
+        """Option `name`'s probe clock for `regime`, started (idle from now, the base interval) on first use."""
+        clocks = self.options[name].clocks
+        c = clocks.get(regime)
+        if c is None:
+            c = clocks[regime] = ProbeClock(self.round, self.probe_every)
+        return c
+
+    @property
+    def plain_cost(self) -> float:
+        """Seconds per pipelined plain token now."""
+        return self.scale * self.plain_cal
+
+    def rate(self, name: str | None, k: int, regime: str = "greedy") -> float:
+        """Expected committed tokens per second of `k` drafts from option `name` (None or k = 0: a plain step) if
+        chosen now: after a plain round a drafter's round also carries the cost of switching to it."""
+        if name is None or k == 0:
+            return 1.0 / self.plain_cost
+        return self.rates(name, k, regime)[k - 1]
+
+    def rates(self, name: str, cap: int, regime: str = "greedy") -> list[float]:
+        """[rate(name, k) for k = 1..min(cap, max_k)] in one pass."""
+        opt = self.options[name]
+        stats = opt.acceptance(regime)
+        fixed = max(0.0, self.round_overhead) + (0.0 if self._spec_last else max(0.0, self.switch_cost))
+        vf = self.verify_factor.get(regime, 1.0)
+        out, e, p = [], 1.0, 1.0
+        alphas = stats.alphas()
+        for k in range(1, min(cap, opt.max_k) + 1):
+            p *= alphas[k - 1]
+            e += p
+            out.append(e / (self.scale * (opt.cost(k) + vf * self.costs[k + 1] + fixed)))
+        return out
+
+    def _leaders(self, name: str, regime: str) -> list[tuple[int, float]]:
+        """[(best k, its rate × scale) among k = 1..cap for cap = 1..max_k] of option `name`, kept until an estimate
+        changes. In units of the speed scale, so a plain token moving the scale leaves it valid (every rate, plain's
+        included, scales alike)."""
+        key = (regime, self._spec_last, name)
+        out = self._memo.get(key)
+        if out is None:
+            out, bk, br = [], 0, 0.0
+            for k, r in enumerate(self.rates(name, self.options[name].max_k, regime), start=1):
+                if r * self.scale > br * (1 + 1e-9):
+                    bk, br = k, r * self.scale
+                out.append((bk, br))
+            self._memo[key] = out
+        return out
+
+    def best(self, available: dict[str, int], regime: str = "greedy") -> tuple[str | None, int, float]:
+        """The best (name, k, rate) over the options in `available` ({name: most drafts it can give now}); a drafter
+        has to beat plain decoding by `switch_margin`."""
+        plain = 1.0 / self.plain_cal  # × scale, as `_leaders`
+        best_name, best_k, best_rate = None, 0, plain
+        bar = plain * (1 + 1e-9 + self.switch_margin)
+        for name, cap in available.items():
+            if name not in self.options:
+                raise KeyError(f"unknown option {name!r}")
+            if cap < 1:
+                continue
+            leaders = self._leaders(name, regime)
+            k, r = leaders[min(cap, len(leaders)) - 1]
+            if r > bar and r > best_rate * (1 + 1e-9):
+                best_name, best_k, best_rate = name, k, r
+        return best_name, best_k, best_rate / self.scale
+
+    def pick(self, available: dict[str, int], regime: str = "greedy") -> tuple[str | None, int, bool]:
+        """What `choose` would choose now, without counting it: (name or None, k, whether it is a probe). When the
+        best option is a plain step, an option idle for its probe interval (in this regime) is tried once instead (the
+        best-scoring one of those due) so that its acceptance estimate can recover."""
+        name, k, _ = self.best(available, regime)
+        if name is None:
+            due = [(self._leaders(n, regime)[min(c, self.options[n].max_k) - 1][1], n, c)
+                   for n, c in available.items() if c >= 1 and self._due(n, regime)]
+            if due:
+                _, name, cap = max(due)
+                return name, min(cap, self.options[name].max_k, 4), True
+        return name, k, False
+
+    def choose(self, available: dict[str, int], regime: str = "greedy") -> tuple[str | None, int]:
+        """The option for this round (`pick`), counted: the probe clock advances, the option's idle time restarts."""
+        name, k, self._probing = self.pick(available, regime)
+        self.round += 1
+        if name is not None:
+            clock = self.clock(name, regime)
+            if not self._probing and not self._spec_last:
+                # it wins on its own against plain (margin and switch cost included): probed at the base rate again
+                # (a win inside a stretch is not that)
+                clock.interval = self.probe_every
+            clock.last = self.round
+            self._next_probe.pop(regime, None)
+        self.chosen[(name or "plain", k)] += 1
+        self._spec_last = name is not None
+        return name, k
+
+    def relevant(self, regime: str = "greedy") -> frozenset | None:
+        """After a plain round, the options that could make this round anything but plain: those that beat plain at
+        some width (a scoring pass memoised until an estimate changes) and those whose probe falls due. None after a
+        speculative round (every option counts). `choose` over the available ones among these chooses exactly as
+        over all; when none is available the round is plain (`count_plain`) without asking the drafters.
+
+        In a plain stretch this is what a round costs instead of every drafter's offer and a scoring pass: where the
+        host's bookkeeping competes with the model for the cores (the 2-core CPU runs of this repository) each µs of
+        it per token is a measurable share of a small model's step."""
+        if self._spec_last:
+            return None
+        rel = self._memo.get(regime)
+        if rel is None:
+            rel = self._memo[regime] = frozenset(n for n, o in self.options.items()
+                                                 if self.best({n: o.max_k}, regime)[0] is not None)
+        due = self._next_probe.get(regime)
+        if due is None:
+            due = self._next_probe[regime] = min((c.last + c.interval for c in
+                                                  (self.clock(n, regime) for n in self.options)), default=1 << 62)
+        if self.round + 1 >= due:
+            rel = rel | {n for n in self.options if self._due(n, regime)}
+        return rel
+
+    def _due(self, name: str, regime: str) -> bool:
+        """Option `name` has sat idle for its probe interval by the coming round."""
+        clock = self.clock(name, regime)
+        return self.round + 1 - clock.last >= clock.interval
+
+    def count_plain(self) -> None:
+        """A plain round chosen without `choose` (nothing `relevant` was available, or `pick` said plain): counted as
+        `choose` counts it."""
+        self.round += 1
+        self.chosen[("plain", 0)] += 1
+        self._spec_last = self._probing = False
+
+    def update(self, name: str | None, k: int, n_accepted: int, regime: str = "greedy",
+               draft_time: float | None = None, verify_time: float | None = None) -> None:
+        """After a round: k drafts of `name` proposed, n accepted; measured draft and verify seconds."""
+        self._memo.clear()
+        if name is not None and k > 0:
+            opt = self.options[name]
+            opt.acceptance(regime).update(k, n_accepted)
+            if draft_time is not None:
+                opt.cost.observe(k, draft_time / self.scale)
+            if self._probing:  # a probe that still loses to plain: probe it half as often
+                wins = self.best({name: opt.max_k}, regime)[0] is not None
+                clock = self.clock(name, regime)
+                clock.interval = self.probe_every if wins else min(2 * clock.interval, self.max_probe_every)
+                self._next_probe.pop(regime, None)
+        self._probing = False
+        if verify_time is None:
+            return
+        if name is None or k == 0:  # a plain step through the speculative engine (not pipelined)
+            self.scale = robust_ema(self.scale, verify_time / self.costs[1], self.scale_ema)
+        elif k + 1 in self.costs and self.costs[k + 1] > 0:
+            x = verify_time / (self.scale * self.costs[k + 1])
+            self.verify_factor[regime] = robust_ema(self.verify_factor.get(regime, 1.0), x, self.scale_ema)
+
+    def observe_round_overhead(self, seconds: float) -> None:
+        """Measured wall time of a speculative round (from the previous round's commit to its own) minus its
+        measured draft and verify time. An EMA from 0, each sample capped at two plain steps: one stall (another
+        process, a first-call kernel build) cannot lock the drafters out, a lasting overhead comes through within
+        ~20 speculative rounds."""
+        x = min(max(seconds / self.scale, 0.0), 2.0 * self.plain_cal)
+        self.round_overhead = (1 - self.scale_ema) * self.round_overhead + self.scale_ema * x
+        self._memo.clear()
+
+    def observe_switch(self, seconds: float, ema: float = 0.25) -> None:
+        """What one speculative stretch cost beyond its rounds (`switch_cost`). Samples may be negative (the plain
+        token before a stretch had no next forward to wait for); each is clipped to ±8 plain steps."""
+        cap = 8.0 * self.plain_cal
+        self.switch_cost = (1 - ema) * self.switch_cost + ema * min(max(seconds / self.scale, -cap), cap)
+        self._memo.clear()
+
+    def observe_plain(self, seconds: float) -> None:
+        """Measured seconds of one pipelined plain token: how fast the machine runs now."""
+        self.scale = robust_ema(self.scale, seconds / self.plain_cal, self.scale_ema)
+
+    def summary(self) -> dict:
+        return {
+            "plain_token_ms_now": round(1000 * self.plain_cost, 3),
+            "plain_token_ms_calibrated": round(1000 * self.plain_cal, 3),
+            "verify_cost_ms": {L: round(1000 * c, 3) for L, c in sorted(self.costs.items())},
+            "verify_cost_ratio": {L - 1: round(c / self.costs[1], 3) for L, c in sorted(self.costs.items())},
+            "speed_scale_now": round(self.scale, 3),
+            "verify_factor": {r: round(v, 3) for r, v in sorted(self.verify_factor.items())},
+            "round_overhead_ms": round(1000 * self.scale * self.round_overhead, 3),
+            "switch_cost_ms": round(1000 * self.scale * self.switch_cost, 3),
+            "chosen": {f"{n}:{k}": c for (n, k), c in sorted(self.chosen.items(), key=lambda x: (x[0][0], x[0][1]))},
+            "acceptance": {n: {reg: [round(a, 3) for a in s.alphas()] for reg, s in o.stats.items()}
+                           for n, o in self.options.items()},
+            "draft_cost_ms": {n: {k: round(1000 * self.scale * v, 3) for k, v in sorted(o.cost.by_k.items())}
+                              for n, o in self.options.items()},
+        }

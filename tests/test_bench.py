@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from glimmer_mlx.benchmark import (BenchSettings, encode_prompts, expand_modes, load_prompts, markdown_table,
-                                   render_table)
+from glimmer_mlx.bench import (BenchSettings, encode_prompts, expand_modes, load_prompts, make_random_checkpoint,
+                               markdown_table, render_table)
 from glimmer_mlx.cli import app
 
 CATEGORIES = {"code", "math", "chat", "json", "quote"}
@@ -94,7 +94,7 @@ def test_quick_bench_end_to_end_on_a_tiny_model(tiny_set, tmp_path, monkeypatch)
     path, dflash = tiny_set
     monkeypatch.setenv("GLIMMER_MLX_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "out"
-    r = CliRunner().invoke(app, ["bench", "--quick", "--model", str(path), "--dflash", str(dflash),
+    r = CliRunner().invoke(app, ["bench", "--quick", "--model", str(path), "--draft-model", str(dflash),
                                  "--modes", "ar,dflash,mtp,ngram,auto,mlx-lm", "--dflash-blocks", "4,16,auto",
                                  "--mtp-depths", "1,2", "--max-tokens", "10", "--out", str(out)])
     assert r.exit_code == 0, r.output
@@ -109,32 +109,32 @@ def test_quick_bench_end_to_end_on_a_tiny_model(tiny_set, tmp_path, monkeypatch)
 
 def test_quick_bench_mlx_lm_modes(tmp_path, monkeypatch):
     """mlx-lm's own generation and its draft-model speculation, on a checkpoint written with mlx-lm's utilities."""
-    from glimmer_mlx.bench import make_random_checkpoint
-
     ck = tmp_path / "lm"
     make_random_checkpoint(ck, hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=16, vocab_size=512, sliding_window=8)
     monkeypatch.setenv("GLIMMER_MLX_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "out"
-    r = CliRunner().invoke(app, ["bench", "--quick", "--model", str(ck), "--draft-model", str(ck), "--modes",
+    r = CliRunner().invoke(app, ["bench", "--quick", "--model", str(ck), "--mlx-lm-draft-model", str(ck), "--modes",
                                  "ar,mlx-lm,mlx-lm-draft", "--max-tokens", "8", "--out", str(out)])
     assert r.exit_code == 0, r.output
     res = json.loads((out / "results.json").read_text())
     _check_results(res, out, {"ar", "mlx-lm", "mlx-lm-draft"})
     assert res["results"]["T=0"]["mlx-lm-draft"]["tau"] >= 1.0
-    # no DFlash / MTP for this checkpoint: the modes say why instead of failing
-    r2 = CliRunner().invoke(app, ["bench", "--quick", "--model", str(ck), "--modes", "ar,dflash-b4,mtp-d1",
-                                  "--max-tokens", "4", "--temps", "0", "--categories", "code", "--out",
-                                  str(tmp_path / "o2")])
+    # no DFlash / MTP for this checkpoint (--dflash: the alias of --draft-model): the modes say why instead of failing
+    r2 = CliRunner().invoke(app, ["bench", "--quick", "--model", str(ck), "--dflash", "none", "--modes",
+                                  "ar,dflash-b4,mtp-d1", "--max-tokens", "4", "--temps", "0", "--categories", "code",
+                                  "--out", str(tmp_path / "o2")])
     assert r2.exit_code == 0, r2.output
     res2 = json.loads((tmp_path / "o2" / "results.json").read_text())
-    assert "--dflash" in res2["skipped"]["dflash-b4"] and "MTP" in res2["skipped"]["mtp-d1"]
+    assert "--draft-model" in res2["skipped"]["dflash-b4"] and "MTP" in res2["skipped"]["mtp-d1"]
     assert set(res2["results"]["T=0"]) == {"ar"}
 
 
 def test_bench_errors_are_clear(tmp_path):
     r = CliRunner().invoke(app, ["bench", "--quick", "--modes", "ar,warp", "--out", str(tmp_path)])
     assert r.exit_code == 1 and "unknown mode" in r.output
+    r = CliRunner().invoke(app, ["bench", "--quick", "--dflash", "a", "--draft-model", "b", "--out", str(tmp_path)])
+    assert r.exit_code == 1 and "disagree" in r.output
 
 
 def test_quick_bench_on_the_embedded_model(tmp_path, monkeypatch):

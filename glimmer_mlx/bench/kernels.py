@@ -16,15 +16,14 @@ Paths compared
 
 from __future__ import annotations
 
-import platform
 import statistics
 import time
 
 import mlx.core as mx
 import numpy as np
 
-from . import accept, attention, quantized
-from ._core import metal_available
+from ..kernels import accept, attention, metal_available, quantized
+from ..machine import machine_info
 
 KERNELS = ("accept_greedy", "accept_sampling", "block_attention", "qmm")
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -157,8 +156,7 @@ def run_kernel_bench(*, rows=(1, 2, 4, 8, 16), contexts=(1024, 8192, 32768), ker
                     lambda q=q, kk=kk, vv=vv, mask=mask: mx.eval(
                         mx.fast.scaled_dot_product_attention(q, kk, vv, scale=scale, mask=mask)))
     return {
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "mlx": mx.__version__, "device": str(mx.default_device())},
+        "machine": machine_info(),
         "settings": {"rows": list(rows), "contexts": list(contexts), "kernels": list(kernels), "vocab": vocab,
                      "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "window": window,
                      "in_features": in_features, "out_features": out_features, "bits": bits,
@@ -170,7 +168,8 @@ def run_kernel_bench(*, rows=(1, 2, 4, 8, 16), contexts=(1024, 8192, 32768), ker
     }
 
 
-def render_table(res: dict):
+def render_kernel_table(res: dict):
+    """The results of `run_kernel_bench` as one rich Table."""
     from rich.table import Table
 
     t = Table(title="µs per call (median) — kernel vs reference vs stock MLX")

@@ -1,4 +1,4 @@
-"""Training throughput and τ before/after for BENCHMARKS.md: python tests/train_figures.py
+"""Training throughput and τ before/after for BENCHMARKS.md: python benchmarks/train_figures.py
 
 1. Throughput: a 25M-parameter random Muse Glimmer (width 512, 8 layers, vocab 4096, window 128) — a DFlash drafter
    (1 layer, block 16) and one MTP layer trained on sequences of 256 tokens.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test helpers it trains with
 
 import glimmer_mlx  # noqa: E402
 from glimmer_mlx.models.assistant import Assistant  # noqa: E402
@@ -24,12 +24,11 @@ from glimmer_mlx.train.data import Sequence  # noqa: E402
 from glimmer_mlx.train.loop import TrainConfig  # noqa: E402
 from glimmer_mlx.train.recipes import (acceptance, new_assistant_config, new_mtp_head, param_count,  # noqa: E402
                                        train_dflash, train_mtp)
+from dflash_training import greedy_sequences, token_map_target  # noqa: E402
+from hf_fixtures import build_hf_model, save_hf_model  # noqa: E402
 
 
 def main():
-    from dflash_training import greedy_sequences, token_map_target
-    from hf_fixtures import build_hf_model, save_hf_model
-
     tmp = Path(tempfile.mkdtemp())
     hf = build_hf_model({"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8,
                          "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 4096,

@@ -8,13 +8,15 @@ other processes and thermal drift hit every mode alike). The stop token is ignor
 memory. Per mode: tok/s per repeat (total tokens over total time, over all prompts), its median and spread, and the
 speedup vs plain decoding (`ar`) *in the same repeat*, median over repeats. Greedy outputs of our speculative modes
 are checked against `ar` token by token (lossless). Timings are only comparable inside one results.json.
+
+Every mode of ours decodes as `glimmer generate` would: the drafters come from `strategy.load_drafters`, each mode is
+a `strategy.DecodeSpec` (`settings.decode_spec`), and `Drafters.select` gives the drafter and block size per run.
 """
 
 from __future__ import annotations
 
 import os
 import platform
-import statistics
 import sys
 import time
 from collections import Counter
@@ -23,7 +25,13 @@ from typing import Callable
 
 import mlx.core as mx
 
-from .settings import BenchSettings, load_prompts
+from ..embedded import resolve_model
+from ..generate import GenerationStats, stream_generate
+from ..loading import load
+from ..machine import apple_chip, machine_fingerprint, machine_info, package_version
+from ..strategy import DecodeSpec, Drafters, ModeError, load_drafters
+from .describe import model_desc, summary
+from .settings import BenchSettings, decode_spec, load_prompts
 
 
 class BenchError(RuntimeError):
@@ -35,25 +43,13 @@ class BenchError(RuntimeError):
 
 
 def machine_fingerprint_info() -> dict:
-    """bench.machine_info() + chip (Apple), Python, glimmer-mlx version, relevant environment, fingerprint hash."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    from ..bench import apple_chip, machine_info
-    from ..speculative.auto import machine_fingerprint
-
+    """machine.machine_info() + chip (Apple), OS, Python, glimmer-mlx version, relevant environment, fingerprint."""
     info = machine_info()
-    try:
-        ours = version("glimmer-mlx")
-    except PackageNotFoundError:
-        ours = None
     env = {k: v for k, v in os.environ.items()
            if k.startswith(("MLX_", "OMP_", "OPENBLAS_", "GLIMMER_")) or k in ("LD_PRELOAD", "VECLIB_MAXIMUM_THREADS")}
-    info.update(chip=apple_chip() or info.get("cpu"), python=platform.python_version(), glimmer_mlx=ours, env=env,
-                fingerprint=machine_fingerprint())
-    if platform.system() == "Darwin":
-        info["os"] = f"macOS {platform.mac_ver()[0]}"
-    else:
-        info["os"] = platform.platform()
+    info.update(chip=apple_chip() or info.get("cpu"), python=platform.python_version(),
+                glimmer_mlx=package_version("glimmer-mlx"), env=env, fingerprint=machine_fingerprint())
+    info["os"] = f"macOS {platform.mac_ver()[0]}" if platform.system() == "Darwin" else platform.platform()
     return info
 
 
@@ -110,12 +106,12 @@ def _record(toks, t0, t_first, t_last, n, peak_gb, extra=None) -> dict:
     return r
 
 
-def ours_runner(model, drafter=None, block_size=None, before: Callable | None = None):
-    from ..generate import GenerationStats, stream_generate
+def ours_runner(model, drafters: Drafters, spec: DecodeSpec):
+    """Our generation as `spec` decodes; the drafter is selected per run (it sets the MTP depth the spec asks for,
+    which other modes' runs change)."""
 
     def run(ids, n, temp, seed):
-        if before is not None:
-            before()
+        drafter, block_size = drafters.select(spec)
         stats = GenerationStats()
         toks, t0, tf, tl = _time_stream(ch.tokens for ch in stream_generate(
             model, ids, max_tokens=n, temperature=temp, seed=seed, drafter=drafter, block_size=block_size,
@@ -168,68 +164,22 @@ def mlx_lm_runner(lm_model, draft_model=None, num_draft_tokens: int = 3):
 # the sitting
 
 
-def _summary(xs) -> dict:
-    xs = list(xs)
-    if not xs:
-        return {"median": None, "min": None, "max": None, "spread_pct": None, "values": []}
-    med = statistics.median(xs)
-    return {"median": med, "min": min(xs), "max": max(xs),
-            "spread_pct": 100.0 * (max(xs) - min(xs)) / med if med else 0.0, "values": xs}
-
-
 def _tkey(t: float) -> str:
     return f"T={t:g}"
 
 
-def _load_parts(model, dflash, mtp_model, draft_model, settings: BenchSettings, log):
-    """Target (+ tokenizer), DFlash drafter, MTP drafter, mlx-lm models; and why each absent mode is skipped."""
-    from .. import load
-    from ..embedded import embedded_path, resolve_model
-    from ..loading import CheckpointError
-    from ..speculative import load_drafter
-    from ..speculative.mtp import load_mtp
-
+def _load_parts(model, draft_model, mtp_model, mlx_lm_draft_model, settings: BenchSettings, log):
+    """Target (+ tokenizer), its drafters, mlx-lm's models; and why each mlx-lm mode that cannot run is skipped."""
     embedded = model is None
     path = resolve_model(model, announce=log)
     target, tok = load(path)
     target.eos_token_ids = set()  # benchmark runs never stop early: every mode generates max_tokens
-    skipped, parts = {}, {"target": str(path), "embedded": embedded}
-
-    def optional(arg, part):
-        if arg == "none":
-            return None, "disabled by the command line"
-        if arg is not None:
-            return arg, None
-        if embedded:
-            try:
-                return str(embedded_path(part)), None
-            except FileNotFoundError as e:
-                return None, str(e)
-        return None, None
-
-    dpath, why_d = optional(dflash, "dflash")
-    dflash_d = None
-    if dpath is not None:
-        dflash_d = load_drafter(dpath, target)
-        if dflash_d.kind != "dflash":
-            raise BenchError(f"--dflash {dpath}: not a DFlash drafter (it holds {dflash_d.kind} layers)")
-    elif why_d is None:
-        why_d = "no DFlash drafter given (--dflash)"
-    parts["dflash"] = dpath
-
-    mpath, why_m = optional(mtp_model, "mtp")
-    mtp_d = None
-    if mtp_model is None and getattr(target, "mtp_weights", None) is not None and len(target.mtp_weights):
-        mtp_d, mpath, why_m = load_mtp(None, target), f"{path} (own MTP layers)", None
-    elif mpath is not None:
-        try:
-            mtp_d = load_mtp(mpath, target)
-        except CheckpointError as e:
-            raise BenchError(f"MTP layers {mpath}: {e}") from None
-    elif why_m is None:
-        why_m = "the target has no MTP layers and none were given (--mtp-model)"
-    parts["mtp"] = mpath
-    parts["mtp_layers"] = mtp_d.head.num_layers if mtp_d is not None else None
+    drafters = load_drafters(target, dflash=draft_model, mtp=mtp_model, embedded=embedded, log=log)
+    skipped = {}
+    parts = {"target": str(path), "embedded": embedded,
+             "dflash": drafters.dflash.source if drafters.dflash is not None else None,
+             "mtp": drafters.mtp.source if drafters.mtp is not None else None,
+             "mtp_layers": drafters.mtp.head.num_layers if drafters.mtp is not None else None}
 
     lm = lm_draft = None
     modes = settings.expanded_modes()
@@ -245,79 +195,61 @@ def _load_parts(model, dflash, mtp_model, draft_model, settings: BenchSettings, 
         if "mlx-lm-draft" in modes:
             if lm is None:
                 skipped["mlx-lm-draft"] = skipped.get("mlx-lm", "mlx-lm cannot load the target")
-            elif draft_model is None:
-                skipped["mlx-lm-draft"] = ("no --draft-model given (mlx-lm's draft-model speculation needs a small "
-                                           "model with the same tokenizer)")
+            elif mlx_lm_draft_model is None:
+                skipped["mlx-lm-draft"] = ("no --mlx-lm-draft-model given (mlx-lm's draft-model speculation needs a "
+                                           "small model with the same tokenizer)")
             else:
                 try:
-                    lm_draft, _ = mlx_lm.load(str(draft_model))
+                    lm_draft, _ = mlx_lm.load(str(mlx_lm_draft_model))
                 except Exception as e:  # noqa: BLE001
-                    raise BenchError(f"mlx-lm cannot load --draft-model {draft_model}: {type(e).__name__}: {e}")
+                    raise BenchError(f"mlx-lm cannot load --mlx-lm-draft-model {mlx_lm_draft_model}: "
+                                     f"{type(e).__name__}: {e}")
                 v_t, v_d = target.args.vocab_size, lm_draft.args.vocab_size
                 if v_t != v_d:
-                    raise BenchError(f"--draft-model {draft_model}: vocabulary {v_d} != the target's {v_t} (it must "
-                                     "share the target's tokenizer)")
-                parts["draft_model"] = str(draft_model)
-    return target, tok, dflash_d, why_d, mtp_d, why_m, lm, lm_draft, skipped, parts
+                    raise BenchError(f"--mlx-lm-draft-model {mlx_lm_draft_model}: vocabulary {v_d} != the target's "
+                                     f"{v_t} (it must share the target's tokenizer)")
+                parts["draft_model"] = str(mlx_lm_draft_model)
+    return target, tok, drafters, lm, lm_draft, skipped, parts
 
 
-def run_bench(model: str | None = None, settings: BenchSettings | None = None, *, dflash: str | None = None,
-              mtp_model: str | None = None, draft_model: str | None = None, calibration_dir=None,
+def run_bench(model: str | None = None, settings: BenchSettings | None = None, *, draft_model: str | None = None,
+              mtp_model: str | None = None, mlx_lm_draft_model: str | None = None, calibration_dir=None,
               recalibrate: bool = False, progress: Callable | None = None, log: Callable | None = None) -> dict:
-    """Run the sitting; returns the results dict (what `glimmer bench` writes as results.json)."""
-    from ..bench import _model_desc
-    from ..speculative.auto import make_auto
-    from ..speculative.ngram import NGramDrafter
+    """Run the sitting; returns the results dict (what `glimmer bench` writes as results.json).
 
+    draft_model: our drafter (a DFlash drafter, or a folder of MTP layers), mtp_model: MTP layers, as in `glimmer
+    generate` ("none" disables either; without --model the embedded set's are the default); mlx_lm_draft_model: a
+    small mlx-lm model for mlx-lm's own draft-model speculation (`mlx-lm-draft`)."""
     settings = settings or BenchSettings.from_profile("default")
     settings.validate()
     say = log or (lambda m: None)
     prog = progress or (lambda msg, done=None, total=None: None)
     t_start = time.perf_counter()
     prog("loading models")
-    target, tok, dfl, why_d, mtp, why_m, lm, lm_draft, skipped, parts = _load_parts(
-        model, dflash, mtp_model, draft_model, settings, say)
+    target, tok, drafters, lm, lm_draft, skipped, parts = _load_parts(
+        model, draft_model, mtp_model, mlx_lm_draft_model, settings, say)
     V = target.args.vocab_size
 
     # -- runners per mode
     runners: dict[str, Callable] = {}
-    auto = None
-    auto_depth = max(mtp.head.num_layers, 2) if mtp is not None else None
     for m in settings.expanded_modes():
-        if m == "ar":
-            runners[m] = ours_runner(target)
-        elif m.startswith("dflash-"):
-            if dfl is None:
-                skipped[m] = why_d
-                continue
-            b = "auto" if m == "dflash-auto" else int(m[len("dflash-b"):])
-            if b != "auto" and not 2 <= b <= dfl.block_size:
-                skipped[m] = f"block {b} is outside [2, {dfl.block_size}] (the drafter's trained block size)"
-                continue
-            runners[m] = ours_runner(target, dfl, b)
-        elif m.startswith("mtp-d"):
-            if mtp is None:
-                skipped[m] = why_m
-                continue
-            runners[m] = ours_runner(target, mtp, int(m[len("mtp-d"):]))
-        elif m == "ngram":
-            runners[m] = ours_runner(target, NGramDrafter(V, max_drafts=8))
-        elif m == "auto":
-            if mtp is not None:
-                mtp.set_depth(auto_depth)  # auto's MTP option drafts up to this depth
-            auto = make_auto(target, dflash=dfl, mtp=mtp, ngram=True, calibration_dir=calibration_dir,
-                             recalibrate=recalibrate, log=say)
-            reset = (lambda: mtp.set_depth(auto_depth)) if mtp is not None else None  # mtp-d<N> runs change it
-            runners[m] = ours_runner(target, auto, None, before=reset)
-        elif m == "mlx-lm":
-            if lm is not None:
+        spec = decode_spec(m)
+        if spec is None:  # mlx-lm's own (skipped above when it cannot run)
+            if m == "mlx-lm" and lm is not None:
                 runners[m] = mlx_lm_runner(lm)
-        elif m == "mlx-lm-draft":
-            if lm is not None and lm_draft is not None:
+            elif m == "mlx-lm-draft" and lm is not None and lm_draft is not None:
                 runners[m] = mlx_lm_runner(lm, lm_draft, settings.num_draft_tokens)
+            continue
+        try:
+            drafters.check(spec)
+        except ModeError as e:
+            skipped[m] = str(e)
+            continue
+        runners[m] = ours_runner(target, drafters, spec)
     modes = [m for m in settings.expanded_modes() if m in runners]
-    if auto is not None and mtp is not None:
-        mtp.set_depth(auto_depth)
+    auto = None
+    if "auto" in runners:  # built (and calibrated) once, before the runs: their `select` returns this same object
+        auto = drafters.auto(calibration_dir=calibration_dir, recalibrate=recalibrate, log=say)
     for m, why in skipped.items():
         say(f"skipping {m}: {why}")
 
@@ -393,7 +325,7 @@ def run_bench(model: str | None = None, settings: BenchSettings | None = None, *
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": " ".join(["glimmer"] + sys.argv[1:]) if Path(sys.argv[0]).name == "glimmer" else None,
         "machine": machine_fingerprint_info(),
-        "model": {**parts, **_model_desc(target)},
+        "model": {**parts, **model_desc(target)},
         "settings": {**settings.as_dict(), "modes_run": modes, "ignore_eos": True,
                      "speed": "(max_tokens - 1) / (time of last token - time of first token)"},
         "tokenization": tokenization,
@@ -423,10 +355,10 @@ def _aggregate(runs: list[dict], modes: list[str], cats: list[str]) -> dict:
         committed = sum(x.get("committed", 0) for x in rs_mode)
         rounds = sum(x.get("rounds", 0) for x in rs_mode)
         return {
-            "tps": _summary([tps[r] for r in sorted(tps)]),
-            "speedup": _summary([tps[r] / base[r] for r in sorted(tps) if r in base and base[r] > 0]),
+            "tps": summary([tps[r] for r in sorted(tps)]),
+            "speedup": summary([tps[r] / base[r] for r in sorted(tps) if r in base and base[r] > 0]),
             "tau": committed / rounds if rounds else None,
-            "ttft_ms": _summary([1000 * x["ttft_s"] for x in rs_mode]),
+            "ttft_ms": summary([1000 * x["ttft_s"] for x in rs_mode]),
             "peak_gb": max(x["peak_gb"] for x in rs_mode),
             "runs": len(rs_mode),
         }

@@ -1,20 +1,20 @@
-"""Same-run benchmarks against mlx-lm.
+"""Plain greedy decoding, ours vs mlx-lm, on one checkpoint (`glimmer bench-plain`; `checkpoint.make_random_checkpoint`
+writes one that both load).
 
-`make_random_checkpoint` writes a random-weight Glimmer-architecture, text-only checkpoint **with mlx-lm's own
-model class and save utilities** (`mlx_lm.models.muse_glimmer.Model`, `mlx_lm.utils.quantize_model / save_model /
-save_config`), so one folder loads with both `mlx_lm.load` and `glimmer_mlx.load`.
-
-`bench_plain` loads that folder once per implementation in one process and interleaves repeats of plain greedy
+`bench_plain` loads the folder once per implementation in one process and interleaves repeats of plain greedy
 decoding: ours (`glimmer_mlx.stream_generate`, i.e. what `generate` runs) and mlx-lm's `generate_step`, from the
 same random prompt ids, neither stopping early. Generation speed excludes prefill: (N - 1) tokens over the time from
 the first generated token to the last. Timings are only comparable within one run: compare the per-pair ratios.
+`compare_logits` checks both give the same logits; `decode_step_profile` compares single decode steps.
 """
 
 from __future__ import annotations
 
+import collections
+import io
 import json
 import os
-import platform
+import re
 import statistics
 import time
 from pathlib import Path
@@ -23,117 +23,18 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
+from ..generate import stream_generate
+from ..loading import load
+from ..machine import machine_info
+from ..sampling import Sampler, SamplingParams
+from .describe import model_desc, summary
+
 MODES = ("glimmer", "mlx-lm")
-
-# 213M parameters: 12 × 12.2M (layers) + 2 × 32.8M (embedding, untied lm_head).
-DEFAULT_ARCH = dict(
-    hidden_size=1024,
-    num_hidden_layers=12,
-    intermediate_size=2816,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    head_dim=128,
-    vocab_size=32000,
-    sliding_window=512,
-)
-
-
-def glimmer_config(**overrides) -> dict:
-    """A flat, mlx-lm-style `muse_glimmer` config with explicit per-layer lists, counted backward from the last
-    layer as transformers does (every 4th layer from the end is global attention without RoPE)."""
-    cfg = dict(
-        model_type="muse_glimmer",
-        **DEFAULT_ARCH,
-        rms_norm_eps=1e-5,
-        post_norm_eps=1e-8,
-        qk_scale_factor=3.87,
-        hidden_activation="silu",
-        max_position_embeddings=131072,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=False,
-        final_logit_softcapping=20.0,
-        output_multiplier=0.19611613513818404,
-        bos_token_id=0,
-        eos_token_id=1,
-    )
-    cfg.update(overrides)
-    L = cfg["num_hidden_layers"]
-    theta = cfg["rope_parameters"]["rope_theta"]
-    glob = [(L - 1 - i) % 4 == 0 for i in range(L)]
-    cfg.setdefault("layer_types", ["full_attention" if g else "sliding_attention" for g in glob])
-    cfg.setdefault("layer_rope_theta", [0 if g else theta for g in glob])
-    return cfg
-
-
-def _init_std(name: str, shape) -> float:
-    if name.endswith("embed_tokens.weight"):
-        return 1.0  # the embedding is RMS-normed right away; scale is irrelevant
-    if name == "lm_head.weight":
-        return 0.5  # logits std ≈ 0.5·√D·output_multiplier ≈ 3: a real spread below the softcap
-    return shape[-1] ** -0.5
-
-
-def _write_tokenizer(path: Path, vocab_size: int = 512) -> None:
-    """A tiny byte-level BPE (ids 0/1 = BOS/EOS): enough for both loaders; benchmarks feed token ids."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    special = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot|>"]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["The quick brown fox jumps over the lazy dog. def f(x):\n    return x\n"] * 8, trainer)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": special[0], "eos_token": special[1]}, indent=2))
-
-
-def make_random_checkpoint(path, *, dtype: str = "bf16", q_bits: int | None = None, group_size: int = 64,
-                           seed: int = 0, **config_overrides) -> dict:
-    """Write a random-weight Glimmer text-only checkpoint in mlx-lm's saved layout; returns its config.
-
-    dtype: weights (and, when quantized, affine scales/biases) dtype: "bf16" (mlx-lm's default), "fp16", "fp32".
-    q_bits: quantize every Linear/Embedding whose input dim divides by `group_size` (mlx-lm's `quantize_model`).
-    """
-    from mlx.utils import tree_flatten, tree_unflatten
-    from mlx_lm.models.muse_glimmer import Model, ModelArgs
-    from mlx_lm.utils import quantize_model, save_config, save_model
-
-    from .loading import parse_dtype
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    config = glimmer_config(**config_overrides)
-    model = Model(ModelArgs.from_dict(config))
-    key = mx.random.key(seed)
-    new = []
-    for name, p in tree_flatten(model.parameters()):
-        key, sub = mx.random.split(key)
-        if p.ndim == 2:
-            w = mx.random.normal(p.shape, key=sub) * _init_std(name, p.shape)
-        elif name == "model.norm.weight":  # standard RMSNorm gain ~ 1
-            w = 1.0 + 0.1 * mx.random.normal(p.shape, key=sub)
-        else:  # centered RMSNorm gains (1 + w), w ~ 0
-            w = 0.1 * mx.random.normal(p.shape, key=sub)
-        new.append((name, w.astype(parse_dtype(dtype))))
-    model.update(tree_unflatten(new))
-    mx.eval(model.parameters())
-    if q_bits:
-        model, config = quantize_model(model, config, group_size, q_bits, mode="affine")
-    save_model(path, model, donate_model=True)
-    save_config(dict(config), path / "config.json")
-    (path / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}, indent=2))
-    _write_tokenizer(path)
-    return config
 
 
 def compare_logits(path, n_tokens: int = 64, seed: int = 0) -> dict:
     """Load `path` with both runtimes and compare full-prompt logits (no cache) and a few cached decode steps."""
     import mlx_lm
-
-    from . import load
 
     ours, _ = load(path)
     theirs, _ = mlx_lm.load(str(path))
@@ -163,86 +64,8 @@ def compare_logits(path, n_tokens: int = 64, seed: int = 0) -> dict:
     }
 
 
-# -------------------------------------------------------------------------------------------------------------
-# environment
-
-
-def blas_in_use() -> str:
-    """The BLAS MLX's float32 matmuls call: a preloaded library (LD_PRELOAD) wins over the reference BLAS bundled
-    in the mlx-cpu wheel (numpy's own OpenBLAS, if mapped, is not used by MLX and is not reported)."""
-    pre = [p for p in os.environ.get("LD_PRELOAD", "").replace(":", " ").split() if "blas" in p.lower()]
-    if pre:
-        return f"preloaded {pre[0]}"
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return "unknown"
-    libs = sorted({Path(line.split()[-1]) for line in maps.splitlines() if "blas" in line.lower() and "/" in line})
-    mlx_libs = [f"{p.parent.name}/{p.name}" for p in libs if p.parent.name.startswith("mlx")]
-    return f"bundled reference BLAS ({', '.join(mlx_libs)})" if mlx_libs else "bundled"
-
-
-def cpu_model() -> str | None:
-    """The CPU's model name from /proc/cpuinfo (Linux), or None."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
-def apple_chip() -> str | None:
-    """The chip's name on macOS (`sysctl machdep.cpu.brand_string`, e.g. "Apple M5 Max"), or None elsewhere."""
-    if platform.system() != "Darwin":
-        return None
-    import subprocess
-
-    try:
-        return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
-                              timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def total_memory() -> int | None:
-    """Physical memory in bytes, or None when the OS does not say."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return None
-
-
-def machine_info() -> dict:
-    import mlx_lm
-
-    cpu = cpu_model() or platform.processor()
-    mem = total_memory()
-    mem = mem / 2**30 if mem else None
-    from importlib.metadata import version
-
-    return {
-        "platform": platform.platform(),
-        "cpu": cpu,
-        "nproc": os.cpu_count(),
-        "ram_gib": round(mem, 1) if mem else None,
-        "device": str(mx.default_device()),
-        "mlx": version("mlx"),
-        "mlx_lm": getattr(mlx_lm, "__version__", None) or version("mlx-lm"),
-        "LD_PRELOAD": os.environ.get("LD_PRELOAD", ""),
-        "blas": blas_in_use(),
-    }
-
-
-# -------------------------------------------------------------------------------------------------------------
-# plain decoding, ours vs mlx-lm
-
-
 def _run_glimmer(model, ids: list[int], n: int) -> tuple[list[int], list[float], list[float], float]:
     """(tokens, wall time at each token, process CPU time at each token, start time)."""
-    from .generate import stream_generate
-
     toks, stamps, cpu = [], [], []
     t0 = time.perf_counter()
     for chunk in stream_generate(model, ids, max_tokens=n):
@@ -268,36 +91,6 @@ def _run_mlx_lm(model, ids: list[int], n: int) -> tuple[list[int], list[float], 
     return toks, stamps, cpu, t0
 
 
-def _summary(xs: Sequence[float]) -> dict:
-    xs = list(xs)
-    med = statistics.median(xs)
-    return {"median": med, "min": min(xs), "max": max(xs),
-            "spread_pct": 100.0 * (max(xs) - min(xs)) / med if med else 0.0, "values": xs}
-
-
-def _model_desc(model) -> dict:
-    from mlx.utils import tree_flatten
-
-    from .config import text_param_counts
-    from .models.glimmer import param_count
-
-    q = model.config.quantization
-    a = model.args
-    dtypes = sorted({str(v.dtype) for _, v in tree_flatten(model.parameters())})
-    weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-
-    return {
-        "parameters": sum(text_param_counts(a).values()),
-        "stored_elements": param_count(model),
-        "weight_gb": weight_bytes / 1e9,
-        "dtypes": dtypes,
-        "quantization": {k: v for k, v in (q or {}).items() if not isinstance(v, dict)} or None,
-        "hidden_size": a.hidden_size, "layers": a.num_hidden_layers, "heads": a.num_attention_heads,
-        "kv_heads": a.num_key_value_heads, "head_dim": a.head_dim, "intermediate_size": a.intermediate_size,
-        "vocab_size": a.vocab_size, "sliding_window": a.sliding_window,
-    }
-
-
 def bench_plain(path, *, prompt_tokens: int = 128, gen_tokens: int = 64, repeats: int = 3,
                 modes: Sequence[str] = MODES, warmup_tokens: int = 8, seed: int = 0, out: str | None = None,
                 progress: Callable[[str], None] | None = None) -> dict:
@@ -310,8 +103,6 @@ def bench_plain(path, *, prompt_tokens: int = 128, gen_tokens: int = 64, repeats
     `out` when given.
     """
     import mlx_lm
-
-    from . import load
 
     bad = [m for m in modes if m not in MODES]
     if bad:
@@ -361,22 +152,22 @@ def bench_plain(path, *, prompt_tokens: int = 128, gen_tokens: int = 64, repeats
 
     res = {
         "machine": machine_info(),
-        "model": {"path": str(path), **_model_desc(desc_model)},
+        "model": {"path": str(path), **model_desc(desc_model)},
         "settings": {"prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens, "repeats": repeats,
                      "warmup_tokens": warmup_tokens, "seed": seed, "sampling": "greedy",
                      "speed": "(gen_tokens - 1) / (time of last token - time of first token)"},
         "load_average": {"before": load_before, "after": os.getloadavg()},
-        "modes": {m: {"tps": _summary([x["tps"] for x in runs[m]]),
-                      "median_step_ms": _summary([x["median_step_ms"] for x in runs[m]]),
-                      "cpu_ms_per_token": _summary([x["cpu_ms_per_token"] for x in runs[m]]),
-                      "prefill_s": _summary([x["prefill_time"] for x in runs[m]])} for m in modes},
+        "modes": {m: {"tps": summary([x["tps"] for x in runs[m]]),
+                      "median_step_ms": summary([x["median_step_ms"] for x in runs[m]]),
+                      "cpu_ms_per_token": summary([x["cpu_ms_per_token"] for x in runs[m]]),
+                      "prefill_s": summary([x["prefill_time"] for x in runs[m]])} for m in modes},
     }
     if "glimmer" in runs and "mlx-lm" in runs:
         g, b = runs["glimmer"], runs["mlx-lm"]
-        res["ratio"] = _summary([x["tps"] / y["tps"] for x, y in zip(g, b)])
+        res["ratio"] = summary([x["tps"] / y["tps"] for x, y in zip(g, b)])
         # robust companions: per-pair ratio of median step times, and of process CPU time per token
-        res["ratio_median_step"] = _summary([y["median_step_ms"] / x["median_step_ms"] for x, y in zip(g, b)])
-        res["ratio_cpu"] = _summary([y["cpu_ms_per_token"] / x["cpu_ms_per_token"] for x, y in zip(g, b)])
+        res["ratio_median_step"] = summary([y["median_step_ms"] / x["median_step_ms"] for x, y in zip(g, b)])
+        res["ratio_cpu"] = summary([y["cpu_ms_per_token"] / x["cpu_ms_per_token"] for x, y in zip(g, b)])
         a, b = outputs["glimmer"], outputs["mlx-lm"]
         res["tokens_agree"] = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     if out:
@@ -387,10 +178,6 @@ def bench_plain(path, *, prompt_tokens: int = 128, gen_tokens: int = 64, repeats
 
 def _count_graph(outputs) -> dict[str, int]:
     """Primitive nodes (by name) of the lazy graph that produces `outputs` (via mx.export_to_dot)."""
-    import collections
-    import io
-    import re
-
     f = io.StringIO()
     mx.export_to_dot(f, outputs)
     return dict(collections.Counter(re.findall(r'label\s*=\s*"([A-Za-z]+)', f.getvalue())))
@@ -406,9 +193,6 @@ def decode_step_profile(path, *, prompt_tokens: int = 32, steps: int = 16, seed:
     """
     import mlx_lm
     from mlx_lm.models.cache import make_prompt_cache
-
-    from . import load
-    from .sampling import Sampler, SamplingParams
 
     ours, _ = load(path)
     theirs, _ = mlx_lm.load(str(path))
@@ -467,8 +251,8 @@ def decode_step_profile(path, *, prompt_tokens: int = 32, steps: int = 16, seed:
         "graph_nodes": {k: sum(v.values()) for k, v in graph.items()},
         "graph": graph,
         "build_ms": {k: statistics.median(v) for k, v in build.items()},
-        "sync_step_ms": {k: _summary(v) for k, v in sync.items()},
-        "sync_ratio": _summary([b / a for a, b in zip(sync["glimmer"], sync["mlx-lm"])]),
+        "sync_step_ms": {k: summary(v) for k, v in sync.items()},
+        "sync_ratio": summary([b / a for a, b in zip(sync["glimmer"], sync["mlx-lm"])]),
         "steps": steps,
         "prompt_tokens": prompt_tokens,
     }
@@ -491,7 +275,3 @@ def format_plain(res: dict) -> str:
         lines.append(f"greedy tokens agree for the first {res['tokens_agree']} of {res['settings']['gen_tokens']}; "
                      f"load average {res['load_average']['before'][0]:.1f} → {res['load_average']['after'][0]:.1f}")
     return "\n".join(lines)
-
-
-__all__ = ["glimmer_config", "make_random_checkpoint", "compare_logits", "bench_plain", "decode_step_profile",
-           "format_plain", "machine_info", "blas_in_use", "cpu_model", "apple_chip", "total_memory"]

@@ -1,6 +1,6 @@
 """Build a trained tiny model set for `glimmer bench` on a machine without the embedded model (BENCHMARKS.md):
 
-    python tests/bench_tiny_set.py OUT        # OUT/target (+ MTP layer folder OUT/mtp), OUT/dflash
+    python benchmarks/bench_tiny_set.py OUT   # OUT/target (+ MTP layer folder OUT/mtp), OUT/dflash
 
 Target: the token-map tiny Muse Glimmer of the DFlash tests (6 layers, width 64, vocab 48; its greedy dynamics
 fall into short cycles). DFlash: a 2-layer block-8 drafter trained 300 AdamW steps on the target's greedy
@@ -11,22 +11,22 @@ repetitions but not their meaning.
 
 from __future__ import annotations
 
+import json
+import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test helpers it trains with
+
+import glimmer_mlx  # noqa: E402
+from dflash_training import greedy_sequences, token_map_target, train_drafter  # noqa: E402
+from glimmer_mlx.speculative import load_drafter  # noqa: E402
+from glimmer_mlx.train.recipes import save_assistant, save_mtp  # noqa: E402
+from hf_fixtures import build_hf_drafter  # noqa: E402
+from mtp_training import add_random_mtp, train_mtp  # noqa: E402
 
 
 def build(out: Path) -> None:
-    import shutil
-
-    import glimmer_mlx
-    from dflash_training import greedy_sequences, token_map_target, train_drafter
-    from glimmer_mlx.speculative import load_drafter
-    from glimmer_mlx.train.recipes import save_assistant, save_mtp
-    from hf_fixtures import build_hf_drafter
-    from mtp_training import add_random_mtp, train_mtp
-
     out.mkdir(parents=True, exist_ok=True)
     work = out / "work"
     token_map_target(work)
@@ -46,8 +46,6 @@ def build(out: Path) -> None:
     for f in work.iterdir():
         if f.name != "mtp.safetensors" and f.is_file():
             shutil.copy(f, target / f.name)
-    import json
-
     cfg = json.loads((target / "config.json").read_text())
     for k in ("num_mtp_layers", "mtp_layer_types"):
         cfg.get("text_config", cfg).pop(k, None)
@@ -59,5 +57,5 @@ def build(out: Path) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python tests/bench_tiny_set.py OUT")
+        sys.exit("usage: python benchmarks/bench_tiny_set.py OUT")
     build(Path(sys.argv[1]))

@@ -6,6 +6,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 
+from ..strategy import DecodeSpec
+
 PROFILES = {
     # CI scale: every mode and category once, short generations, one timed repeat
     "quick": dict(prompts_per_category=1, max_tokens=24, repeats=1, warmup_tokens=8),
@@ -14,18 +16,17 @@ PROFILES = {
     # the published comparison on Apple silicon (M5 Max): every prompt, long generations, 5 repeats
     "m5-max": dict(prompts_per_category=4, max_tokens=256, repeats=5, warmup_tokens=32),
 }
-DEFAULT_MODES = ("ar", "dflash", "mtp", "ngram", "auto", "mlx-lm", "mlx-lm-draft")
-BASE_MODES = ("ar", "dflash", "mtp", "ngram", "auto", "mlx-lm", "mlx-lm-draft")
+DEFAULT_MODES = ("ar", "dflash", "mtp", "ngram", "auto", "mlx-lm", "mlx-lm-draft")  # also every mode family
 DEFAULT_BLOCKS = (4, 8, 16, "auto")
 DEFAULT_DEPTHS = (1, 2, 3)
 
 
 def load_prompts() -> dict[str, list[str]]:
-    """The shipped prompt sets by category (package data `benchmark/prompts/prompts.json`)."""
-    text = resources.files("glimmer_mlx.benchmark").joinpath("prompts/prompts.json").read_text(encoding="utf-8")
+    """The shipped prompt sets by category (package data `bench/prompts/prompts.json`)."""
+    text = resources.files("glimmer_mlx.bench").joinpath("prompts/prompts.json").read_text(encoding="utf-8")
     data = json.loads(text)
     if not isinstance(data, dict) or not all(isinstance(v, list) and v for v in data.values()):
-        raise ValueError("benchmark/prompts/prompts.json must map each category to a non-empty list of prompts")
+        raise ValueError("bench/prompts/prompts.json must map each category to a non-empty list of prompts")
     return data
 
 
@@ -53,18 +54,32 @@ def expand_modes(modes: list[str], blocks, depths) -> list[str]:
             out += [f"dflash-{'auto' if b == 'auto' else f'b{b}'}" for b in blocks]
         elif m == "mtp":
             out += [f"mtp-d{d}" for d in depths]
-        elif m in BASE_MODES:
+        elif m in DEFAULT_MODES:
             out.append(m)
         elif m.startswith("dflash-") and (m == "dflash-auto" or (m[7:8] == "b" and m[8:].isdigit())):
             out.append(m)
         elif m.startswith("mtp-d") and m[5:].isdigit():
             out.append(m)
         else:
-            raise ValueError(f"unknown mode {m!r}: choose from {', '.join(BASE_MODES)} or variants dflash-b<N>, "
+            raise ValueError(f"unknown mode {m!r}: choose from {', '.join(DEFAULT_MODES)} or variants dflash-b<N>, "
                              "dflash-auto, mtp-d<N>")
     if "ar" not in out:
         out.insert(0, "ar")  # the baseline every speedup is measured against, in the same run
     return list(dict.fromkeys(out))
+
+
+def decode_spec(mode: str) -> DecodeSpec | None:
+    """An expanded mode of ours → how it decodes: ar, ngram, auto as such, dflash-b<N> → ("dflash", N), dflash-auto →
+    ("dflash", "auto"), mtp-d<N> → ("mtp", N); None for mlx-lm's own modes."""
+    if mode.startswith("mlx-lm"):
+        return None
+    if mode == "dflash-auto":
+        return DecodeSpec("dflash", "auto")
+    if mode.startswith("dflash-b"):
+        return DecodeSpec("dflash", int(mode[len("dflash-b"):]))
+    if mode.startswith("mtp-d"):
+        return DecodeSpec("mtp", int(mode[len("mtp-d"):]))
+    return DecodeSpec(mode)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The embedded default model set (models/glimmer-tiny*): loads by default, matches transformers, and its drafters
+"""The embedded default model set (glimmer_mlx/embedded/glimmer-tiny*): loads by default, matches transformers, and its drafters
 speed up decoding losslessly."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from glimmer_mlx.speculative import DFlashDrafter, MTPDrafter, load_drafter
 
 MODELS = models_dir()
 pytestmark = pytest.mark.skipif(not (MODELS / "glimmer-tiny" / "config.json").exists(),
-                                reason="the embedded model is not built (python models/build_embedded.py)")
+                                reason="the embedded model is not built (python embedded/build_embedded.py)")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from glimmer_mlx.tool_calls import (JsonToolParser, MuseToolParser, ParsedMessag
                                     neutralize_special_tokens, register_format, to_openai_tool_calls,
                                     tool_result_message)
 
-TEMPLATE = (Path(__file__).resolve().parent.parent / "models" / "build" / "chat_template.jinja")
+TEMPLATE = (Path(__file__).resolve().parent.parent / "embedded" / "build" / "chat_template.jinja")
 MUSE_TEMPLATE = TEMPLATE.read_text() if TEMPLATE.exists() else (
     "{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|eot|>{% endfor %}"
     "To call tools, answer to=functions with <atem:function_calls>...")
@@ -312,7 +312,7 @@ def test_openai_conversions_round_trip():
     assert neutralize_special_tokens("a<|eot|>b<|start|>c<|x") == "a<\u200c|eot|>b<\u200c|start|>c<|x"
 
 
-@pytest.mark.skipif(not TEMPLATE.exists(), reason="models/build/chat_template.jinja is missing")
+@pytest.mark.skipif(not TEMPLATE.exists(), reason="embedded/build/chat_template.jinja is missing")
 def test_template_render_then_parse_round_trip():
     """What the chat template renders for an assistant tool-call turn parses back to the same calls."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -342,7 +342,7 @@ def _embedded_dir():
         return None
 
 
-@pytest.mark.skipif(_embedded_dir() is None, reason="the embedded model (models/glimmer-tiny) is not built")
+@pytest.mark.skipif(_embedded_dir() is None, reason="the embedded model (glimmer_mlx/embedded/glimmer-tiny) is not built")
 def test_embedded_tokenizer_round_trip():
     """Assistant turns rendered by the embedded model's template, tokenized, then detokenized token by token as
     generation would: the stream shows only the answer, and the calls parse back exactly."""

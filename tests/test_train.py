@@ -190,7 +190,7 @@ def test_tool_call_conversations_are_training_data(tmp_path):
     from glimmer_mlx.train.data import DataReport, read_conversations, tokenize_conversation
 
     folder = save_tiny_tokenizer(tmp_path / "tok")
-    template = Path(__file__).resolve().parent.parent / "models" / "build" / "chat_template.jinja"
+    template = Path(__file__).resolve().parent.parent / "embedded" / "build" / "chat_template.jinja"
     (folder / "chat_template.jinja").write_text(template.read_text())
     tok = load_tokenizer(folder)
     tools = [{"type": "function", "function": {"name": "read_file", "parameters": {}}}]

@@ -1,11 +1,11 @@
 """Build the embedded default model set under models/: glimmer-tiny (target), glimmer-tiny-dflash, glimmer-tiny-mtp.
 
-    python models/build_embedded.py                 # every stage, in order (≈ 1.5 h on 2 CPU cores)
-    python models/build_embedded.py --stage target  # one stage (data → tokenizer → target → dflash → mtp → measure)
+    python embedded/build_embedded.py                 # every stage, in order (≈ 1.5 h on 2 CPU cores)
+    python embedded/build_embedded.py --stage target  # one stage (data → tokenizer → target → dflash → mtp → measure)
 
 Data (offline, deterministic): the Python standard library's source of the interpreter running the script (files
-hashed into train / held-out), and synthetic chat + agent conversations about that code (models/build/synthetic.py,
-Muse chat/tool format of models/build/chat_template.jinja). The target is trained with transformers' reference
+hashed into train / held-out), and synthetic chat + agent conversations about that code (embedded/build/synthetic.py,
+Muse chat/tool format of embedded/build/chat_template.jinja). The target is trained with transformers' reference
 implementation in torch (the oracle's code path; its HF checkpoint goes through our loader); the DFlash drafter and
 the MTP layer are trained with `glimmer train dflash|mtp`. Intermediate files go to build/embedded/ (git-ignored).
 Seeds are fixed; the target's step count is fixed, so a rerun on the same stdlib and library versions reproduces
@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-BUILD = ROOT / "models" / "build"
-MODELS = ROOT / "models"
+BUILD = ROOT / "embedded" / "build"
+MODELS = ROOT / "glimmer_mlx" / "embedded"
 sys.path.insert(0, str(BUILD))
 
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot|>", "<|eom|>", "<|start|>", "<|message|>",

@@ -1,7 +1,7 @@
 """Figures for the embedded model card: held-out loss, τ and same-run speed of plain vs DFlash vs MTP decoding on
 held-out code and chat prompts (greedy and T=1), and the verify cost curve measured on this machine.
 
-    LD_PRELOAD=.../libblas.so.3 python models/build_embedded.py --stage measure
+    LD_PRELOAD=.../libblas.so.3 python embedded/build_embedded.py --stage measure
 
 Writes benchmarks/results/embedded_figures.json and prints the markdown tables used in the model card / BENCHMARKS.
 """
@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-MODELS = ROOT / "models"
+MODELS = ROOT / "glimmer_mlx" / "embedded"
 MODES = [("ar", None, None), ("dflash-16", "dflash", 16), ("mtp-1", "mtp", 1), ("mtp-2", "mtp", 2),
          ("mtp-3", "mtp", 3)]
 
@@ -128,7 +128,7 @@ def _size(folder: Path) -> str:
 
 
 def write_card(work: Path, res: dict) -> Path:
-    """models/glimmer-tiny/README.md from models/build/model_card.md and the measured figures."""
+    """glimmer_mlx/embedded/glimmer-tiny/README.md from embedded/build/model_card.md and the measured figures."""
     cfg = json.loads((MODELS / "glimmer-tiny" / "config.json").read_text())["text_config"]
     log = json.loads((MODELS / "glimmer-tiny" / "training_log.json").read_text())
     stdlib = json.loads((work / "data" / "stdlib.json").read_text())
@@ -158,7 +158,7 @@ def write_card(work: Path, res: dict) -> Path:
               "preloaded): " + ", ".join(f"L={k}: {v}×" for k, v in vc.items() if k != "step_ms")
               + f"; one decode step = {vc['step_ms']} ms.")
     note = ("Command: `LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python "
-            "models/build_embedded.py --stage measure` (2-core x86-64, MLX CPU backend, fp32; other jobs were "
+            "embedded/build_embedded.py --stage measure` (2-core x86-64, MLX CPU backend, fp32; other jobs were "
             "running, so compare the ratios within a row, not absolute tok/s across rows). "
             f"{len(res['prompts']['code'])} held-out code prompts (openings of held-out stdlib files) and "
             f"{len(res['prompts']['chat'])} held-out chat prompts, {res['max_tokens']} new tokens each, every mode "

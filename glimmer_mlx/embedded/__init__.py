@@ -1,5 +1,6 @@
-"""The embedded default model set shipped in `models/`: a small trained Glimmer target, its DFlash drafter and MTP
-layer (built by `models/build_embedded.py`). Every command that takes `--model` falls back to it."""
+"""The embedded default model set, shipped inside the package (so a wheel install has it): a small trained Glimmer
+target, its DFlash drafter and MTP layer, in `glimmer-tiny`, `glimmer-tiny-dflash`, `glimmer-tiny-mtp` next to this
+file (built by `embedded/build_embedded.py` in the source tree). Every command that takes `--model` falls back to it."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ EMBEDDED = "glimmer-tiny"
 
 
 def models_dir() -> Path:
-    """`models/` next to the package (a source checkout or an editable install)."""
-    return Path(__file__).resolve().parent.parent / "models"
+    """The folder holding the embedded model set (package data)."""
+    return Path(__file__).resolve().parent
 
 
 def embedded_path(part: str = "target") -> Path:
@@ -22,8 +23,8 @@ def embedded_path(part: str = "target") -> Path:
     path = models_dir() / names[part]
     if not (path / "config.json").exists():
         raise FileNotFoundError(
-            f"the embedded model is missing: {path} has no config.json. It ships in the source tree under models/ "
-            f"(rebuild it with `python models/build_embedded.py`); or pass --model.")
+            f"the embedded model is missing: {path} has no config.json. It ships in the package (glimmer_mlx/embedded; "
+            f"rebuild it with `python embedded/build_embedded.py` in a source checkout); or pass --model.")
     return path
 
 

@@ -16,7 +16,7 @@ import mlx.nn as nn
 
 from ..cache import KVCache
 from ..config import ConfigError, normalize_rope_parameters
-from .glimmer import F32, activation
+from .glimmer import MLP, rms
 
 
 @dataclass
@@ -73,7 +73,7 @@ class AssistantRMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x):
-        return self.weight * mx.fast.rms_norm(x.astype(F32), None, self.eps).astype(x.dtype)
+        return self.weight * rms(x, self.eps)
 
 
 class DraftAttention(nn.Module):
@@ -127,23 +127,11 @@ class DraftAttention(nn.Module):
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B_, L, -1))
 
 
-class DraftMLP(nn.Module):
-    def __init__(self, cfg: AssistantConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.act = activation(cfg.hidden_act)
-
-    def __call__(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DraftLayer(nn.Module):
     def __init__(self, cfg: AssistantConfig, i: int):
         super().__init__()
         self.self_attn = DraftAttention(cfg, i)
-        self.mlp = DraftMLP(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
         self.input_layernorm = AssistantRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = AssistantRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

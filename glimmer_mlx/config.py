@@ -51,10 +51,6 @@ class TextConfig:
     eos_token_id: int | list[int] | None = 200_001
     pad_token_id: int | None = None
 
-    @property
-    def n_rep(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
     def is_sliding(self, i: int) -> bool:
         return self.layer_types[i] == "sliding_attention"
 

@@ -96,11 +96,6 @@ def smart_resize(height: int, width: int, patch_size: int = PATCH_SIZE * MERGE_S
     return a * patch_size, b * patch_size
 
 
-def num_image_tokens(height: int, width: int, max_tokens: int = MAX_IMAGE_TOKENS) -> int:
-    h, w = smart_resize(height, width, PATCH_SIZE * MERGE_SIZE, max_tokens)
-    return (h // PATCH_SIZE) * (w // PATCH_SIZE) // MERGE_SIZE**2
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # torch's uint8 antialiased Lanczos resize (what torchvision >= 0.27 runs on CPU), in numpy
 

@@ -24,8 +24,7 @@ over with an empty cache: a full prefill, correct but slower. Each turn's `stats
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator
 
 from .cache import DEFAULT_MAX_REWIND, CacheRewindError, rewind_cache
@@ -52,19 +51,9 @@ def common_prefix(a: list, b: list) -> int:
 
 
 @dataclass
-class TurnRecord:
-    """What the latest turn did to the cache (for stats and tests)."""
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    prefilled_tokens: int = 0
-    reason: str = ""
-
-
-@dataclass
 class PlainRate:
     tokens_per_s: float = 0.0
-    source: str = ""  # "ar turn" | "calibration"
-    at: float = field(default_factory=time.time)
+    source: str = ""  # "latest ar turn" | "calibration (N greedy tokens)"
 
 
 
@@ -94,7 +83,6 @@ class Session:
         self.keys: list = []  # what `cache` holds, one key per position
         # id(drafter) -> (keys its state covers, ids of the drafter objects whose state that is)
         self._dstate: dict[int, tuple] = {}
-        self.last = TurnRecord()
         self.plain_rate: PlainRate | None = None
         self.totals = {"turns": 0, "prompt_tokens": 0, "prefilled_tokens": 0, "generated_tokens": 0}
 
@@ -207,7 +195,6 @@ class Session:
         if budget < max_tokens:
             stats.extra["max_tokens_clamped"] = budget
         reuse, reason = self._reuse(keys, drafter)
-        self.last = TurnRecord(len(ids), reuse, len(ids) - reuse, reason)
         stats.extra.update(cache=reason, cached_tokens=reuse, prefilled_tokens=len(ids) - reuse)
         decoder = build_decoder(self.model, drafter, Sampler(params, seed), drafts=drafts,
                                 prefill_step=self.prefill_step, cache=self.cache)

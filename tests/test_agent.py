@@ -513,7 +513,7 @@ def test_mlx_backend_on_a_tiny_model(tiny_checkpoint, tmp_path, ws):
         {"type": "function", "id": "call_1", "function": {"name": "list_files", "arguments": {"path": "."}}}]},
         {"role": "tool", "name": "list_files", "content": "README.md\nsrc/", "tool_call_id": "call_1"}]
     backend(msgs2, TOOL_SPECS)
-    assert backend.session.last.cached_tokens >= len(ids) - 1  # the shared prefix was not prefilled again
+    assert backend.last_stats.extra["cached_tokens"] >= len(ids) - 1  # the shared prefix was not prefilled again
     root, _ = ws
     agent = Agent(backend, box(root), max_steps=1, transcript=Transcript(tmp_path / "t.jsonl"))
     res = agent.run("List the files.")

@@ -338,12 +338,13 @@ class MLXBackend:
         return "".join(parts)
 
 
-def load_backend(model: str | None, *, mode: str = "ar", block_size=None, draft_model: str | None = None,
+def load_backend(model: str | None, *, mode: str | None = None, block_size=None, draft_model: str | None = None,
                  mtp_model: str | None = None, announce=None, **kwargs) -> MLXBackend:
     """Load the target (the embedded model, with its drafters, when `model` is None) into a Session
-    (`session.load_session`: draft_model a DFlash drafter or MTP layers, mtp_model MTP layers) and check the mode."""
-    return MLXBackend(load_session(model, draft_model=draft_model, mtp_model=mtp_model, announce=announce), mode=mode,
-                      block_size=block_size, **kwargs)
+    (`session.load_session`: draft_model a DFlash drafter or MTP layers, mtp_model MTP layers) and check the mode
+    (None: the session's default, `auto` when a drafter is loaded)."""
+    session = load_session(model, draft_model=draft_model, mtp_model=mtp_model, announce=announce)
+    return MLXBackend(session, mode=mode or session.default_mode(), block_size=block_size, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------- rich UI

@@ -77,7 +77,8 @@ class Chat:
         self.input = input_fn
         self.mode = mode or session.default_mode()
         self.block_size = block_size
-        session.check_mode(self.mode, block_size)  # ModeError now, not at the first turn
+        # a ModeError now, not at the first turn; `auto` is built (and calibrates, once per machine) before the prompt
+        session.drafters.resolve(DecodeSpec(self.mode, block_size))
         self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                              repetition_penalty=repetition_penalty)
         self.seed = seed

@@ -162,8 +162,9 @@ class Drafters:
         return ["ar"] + [m for m in ("dflash", "mtp") if getattr(self, m) is not None] + ["ngram", "auto"]
 
     def default_mode(self) -> str:
-        """The mode a command uses when none is asked for: DFlash if loaded, else MTP, else plain."""
-        return "dflash" if self.dflash is not None else "mtp" if self.mtp is not None else "ar"
+        """The mode a command uses when none is asked for: `auto` when a drafter model is loaded (it decodes plainly
+        wherever no drafter pays, BENCHMARKS.md), else plain decoding."""
+        return "auto" if self.dflash is not None or self.mtp is not None else "ar"
 
     def ngram(self, drafts: int = NGRAM_DRAFTS) -> NGramDrafter:
         d = self._ngram.get(drafts)

@@ -24,9 +24,9 @@ def linear(max_L=17, c=10 * MS):
     return {L: c * L for L in range(1, max_L + 1)}
 
 
-def chooser(costs, options, probe_every=16):
+def chooser(costs, options):
     """options: {name: (max_k, shape, draft_seconds, alphas)}."""
-    ch = AutoChooser(costs, probe_every=probe_every)
+    ch = AutoChooser(costs)
     for name, (max_k, shape, draft, alphas) in options.items():
         opt = ch.add(name, max_k, shape, draft_prior=draft)
         opt.acceptance("greedy").set_alphas(alphas)
@@ -132,7 +132,7 @@ def test_choice_is_never_worse_than_plain_on_random_tables():
         opts = {"dflash": (15, "block", rng.uniform(0, 2) * base, list(rng.uniform(0, 1, 15))),
                 "mtp": (3, "chain", rng.uniform(0, 1) * base, list(rng.uniform(0, 1, 3))),
                 "ngram": (8, "free", 0.0, list(rng.uniform(0, 1, 8)))}
-        ch = chooser(costs, opts, probe_every=10 ** 9)
+        ch = chooser(costs, opts)
         avail = {"dflash": 15, "mtp": 3, "ngram": int(rng.integers(0, 9))}
         avail = {k: v for k, v in avail.items() if v > 0}
         for spec_last in (False, True):  # after a plain round, and inside a speculative stretch
@@ -149,7 +149,7 @@ def test_choice_is_never_worse_than_plain_on_random_tables():
 
 def test_relevant_options_choose_as_all_options_do():
     """After a plain round `relevant` names the options that could make a round anything but plain; choosing over
-    the available ones among them is choosing over all (random tables, probes falling due along the way)."""
+    the available ones among them is choosing over all (random tables, exploration of uncertain estimates included)."""
     rng = np.random.default_rng(1)
     for _ in range(200):
         costs = {L: 10 * MS * (1 + rng.uniform(0, 0.3) * (L - 1)) for L in range(1, 17)}
@@ -157,88 +157,140 @@ def test_relevant_options_choose_as_all_options_do():
                 "mtp": (3, "chain", rng.uniform(0, 1) * 10 * MS, list(rng.uniform(0, 1, 3))),
                 "ngram@2": (8, "free", 0.0, list(rng.uniform(0, 1, 8))),
                 "ngram@4": (8, "free", 0.0, list(rng.uniform(0, 1, 8)))}
-        ch = chooser(costs, opts, probe_every=int(rng.integers(1, 6)))
-        ch.round = int(rng.integers(0, 12))
+        ch = chooser(costs, opts)
+        for name in rng.choice(list(opts), size=2, replace=False):  # two options keep an uncertain estimate
+            ch.options[name].stats["greedy"] = AcceptanceStats(opts[name][0], prior=(float(rng.uniform(0, 3)), 4.0))
+        remaining = int(rng.integers(1, 2000))
         avail = {"dflash": int(rng.integers(1, 16)), "mtp": 3, f"ngram@{rng.choice([2, 4])}": int(rng.integers(1, 9))}
         rel = ch.relevant()
-        assert ch.pick({n: c for n, c in avail.items() if n in rel}) == ch.pick(avail)
+        among = {n: c for n, c in avail.items() if n in rel}
+        assert ch.pick(among, remaining=remaining) == ch.pick(avail, remaining=remaining)
         winners = {n for n, (mk, *_rest) in opts.items() if ch.best({n: mk})[0] is not None}
         assert winners <= rel
         ch._spec_last = True
         assert ch.relevant() is None  # inside a speculative stretch every option counts
 
 
-def test_relevant_is_empty_when_nothing_beats_plain_until_a_probe_falls_due():
-    ch = chooser(flat(), {"mtp": (2, "chain", 8 * MS, [0.1]), "ngram@3": (8, "free", 0.0, [0.05])}, probe_every=4)
-    seen = []
-    for _ in range(4):
-        seen.append(ch.relevant())
-        if not seen[-1]:
-            ch.count_plain()
-    assert seen[:3] == [frozenset()] * 3 and seen[3] == {"mtp", "ngram@3"}  # the 4th round: both probes due
-    assert ch.chosen[("plain", 0)] == 3 and ch.round == 3
-    assert ch.choose({"mtp": 2}) == ("mtp", 2)  # the probe (n-gram had nothing to offer this round)
-    assert ch.round == 4 and ch.clock("mtp", "greedy").last == 4
+def test_relevant_is_empty_when_not_even_the_optimistic_scenario_beats_plain():
+    """Pinned (certain) estimates that lose to plain: no option is relevant, so a plain stretch asks no drafter;
+    an uncertain estimate whose optimistic scenario would win is relevant."""
+    ch = chooser(flat(), {"mtp": (2, "chain", 8 * MS, [0.1]), "ngram@3": (8, "free", 0.0, [0.0])})
+    assert ch.relevant() == frozenset()
+    ch.options["ngram@3"].stats["greedy"] = AcceptanceStats(8, prior=(0.2, 4.0))  # mean 0.05, but only 4 rounds
+    ch.update(None, 0, 0)  # an estimate changed: the memo goes
+    assert ch.relevant() == {"ngram@3"}
+    ch._spec_last = True
+    assert ch.relevant() is None  # inside a speculative stretch every option counts
+
+
+def simulate(ch, name, alpha, rounds, remaining, regime="greedy", cap=None, seed=0):
+    """`rounds` choices over {name: cap}, the option's drafts accepted i.i.d. with probability `alpha`; returns the
+    rounds that drafted (explored or exploited)."""
+    import random
+
+    rng, spec = random.Random(seed), []
+    cap = cap or ch.options[name].max_k
+    for i in range(rounds):
+        n, k = ch.choose({name: cap}, regime, remaining=remaining if isinstance(remaining, int) else remaining(i))
+        if n is None:
+            continue
+        spec.append(i)
+        acc = 0
+        while acc < k and rng.random() < alpha:
+            acc += 1
+        ch.update(n, k, acc, regime)
+    return spec
+
+
+def stock_like(max_L=17):
+    """A steep verify cost curve like MLX's bundled BLAS: L tokens cost ~0.6·L plain steps."""
+    return {L: 10 * MS * (1 + 0.6 * (L - 1)) for L in range(1, max_L + 1)}
+
+
+def test_steep_curve_and_weak_drafter_never_speculate():
+    """Stock-BLAS-like costs and a drafter measured at τ 1.2 (its eval.json): not even its optimistic scenario beats
+    plain, so over a long sitting of long requests it is never tried."""
+    ch = AutoChooser(stock_like())
+    ch.add("dflash", 15, "block", draft_prior=8 * MS, measured_tau={"width": 15, "greedy": 1.2, "sampling": 1.2})
+    ch.add("mtp", 3, "chain", draft_prior=5 * MS, measured_tau={"width": 1, "greedy": 1.6, "sampling": 1.4})
+    for regime in ("greedy", "sampling"):
+        spec = []
+        for i in range(3000):
+            name, k = ch.choose({"dflash": 15, "mtp": 3}, regime, remaining=4096)
+            if name is not None:
+                spec.append(name)
+        assert spec == []
+    assert ch.relevant("greedy") == frozenset()
+
+
+def test_flat_curve_and_strong_drafter_converge_within_a_few_rounds():
+    """A nearly flat curve, a drafter whose eval.json undersells it (τ 1.5 measured, α 0.85 in fact): the mean says
+    plain, exploration tries it, and within a few rounds it is chosen every round."""
+    costs = {L: 10 * MS * (1 + 0.03 * (L - 1)) for L in range(1, 17)}
+    ch = AutoChooser(costs)
+    ch.add("dflash", 7, "block", draft_prior=6 * MS, measured_tau={"width": 7, "greedy": 1.5, "sampling": 1.5})
+    assert ch.best({"dflash": 7})[0] is None  # by its prior alone: plain
+    spec = simulate(ch, "dflash", 0.85, 200, remaining=500)
+    assert spec[:3] == [0, 1, 2] and len(spec) >= 195  # explored at once, then exploited
+    assert ch.explored["dflash"] <= 3
+    assert ch.best({"dflash": 7})[0] == "dflash"
+
+
+def test_short_requests_pay_for_no_exploration_they_cannot_earn_back():
+    """The same uncertain drafter: a request of a few tokens never explores it, a long one does; the threshold
+    falls between, and a shrinking budget stops exploring before the end of the request."""
+    costs = {L: 10 * MS * (1 + 0.05 * (L - 1)) for L in range(1, 17)}
+
+    def fresh():
+        ch = AutoChooser(costs)
+        ch.add("dflash", 7, "block", draft_prior=6 * MS, measured_tau={"width": 7, "greedy": 1.4, "sampling": 1.4})
+        return ch
+
+    assert simulate(fresh(), "dflash", 0.85, 24, remaining=4) == []
+    long = simulate(fresh(), "dflash", 0.85, 24, remaining=2000)
+    assert long and long[0] == 0
+    threshold = next(r for r in range(1, 4000) if fresh().pick({"dflash": 7}, remaining=r)[2])
+    assert 4 < threshold < 2000
+    ch = fresh()
+    assert ch.pick({"dflash": 7}, remaining=threshold)[2] and not ch.pick({"dflash": 7}, remaining=threshold - 1)[2]
+
+
+def test_exploration_stops_once_the_estimate_settles_and_comes_back_when_it_fades():
+    """An optimistic prior that turns out wrong (α 0.05 in fact): a few exploration rounds, then none while the
+    evidence is fresh; left idle, its counts fade toward the prior and the question comes back (once in a while)."""
+    ch = AutoChooser({L: 10 * MS * (1 + 0.1 * (L - 1)) for L in range(1, 17)})
+    ch.add("ngram@2", 8, "free", draft_prior=0.0)  # α 0.5 from the default prior (1 of 2)
+    first = simulate(ch, "ngram@2", 0.05, 400, remaining=1000)
+    burst = [i for i in first if i < 100]
+    assert burst == list(range(len(burst))) and 3 <= len(burst) <= 25  # one burst at the start, then it settles
+    later = [i for i in first if i >= 100]
+    assert all(b - a >= 100 for a, b in zip([burst[-1]] + later, later) if b - a > 1)  # brief returns, far apart
+    assert len(first) <= 0.1 * 400
+    idle = [ch.choose({}, "greedy", remaining=1000) for _ in range(3000)]  # no match offered: idle, fading
+    assert all(c == (None, 0) for c in idle)
+    again = simulate(ch, "ngram@2", 0.05, 400, remaining=1000)
+    assert again[:1] == [0] and len(again) <= 0.1 * 400  # the faded estimate is explored again, briefly
+
+
+def test_estimates_and_exploration_are_per_regime():
+    """A drafter that wins at greedy is exploited there, while at T = 1 (its own, poor estimate) it is not."""
+    ch = chooser({L: 10 * MS * (1 + 0.05 * (L - 1)) for L in range(1, 17)}, {"mtp": (2, "chain", 0.0, [0.9])})
+    ch.options["mtp"].acceptance("sampling").set_alphas([0.02])
+    assert ch.choose({"mtp": 2}, "greedy", remaining=100)[0] == "mtp"
+    assert [ch.choose({"mtp": 2}, "sampling", remaining=100) for _ in range(50)] == [(None, 0)] * 50
 
 
 def test_a_plain_stretch_is_only_interrupted_for_a_clear_gain():
     """A drafter 5 % better than plain (within estimation noise) is not chosen, after a plain round or inside a
     speculative stretch; 20 % better is."""
     costs = {L: 10 * MS for L in range(1, 17)}
-    ch = chooser(costs, {"mtp": (1, "chain", 0.0, [0.05])}, probe_every=10 ** 9)  # E = 1.05 per 10 ms
+    ch = chooser(costs, {"mtp": (1, "chain", 0.0, [0.05])})  # E = 1.05 per 10 ms
     assert ch.rate("mtp", 1) == pytest.approx(1.05 * ch.rate(None, 0))
     assert ch.choose({"mtp": 1}) == (None, 0)
     ch._spec_last = True
     assert ch.choose({"mtp": 1}) == (None, 0)
-    ch = chooser(costs, {"mtp": (1, "chain", 0.0, [0.2])}, probe_every=10 ** 9)
+    ch = chooser(costs, {"mtp": (1, "chain", 0.0, [0.2])})
     assert ch.choose({"mtp": 1}) == ("mtp", 1)
-
-
-def test_probe_after_plain_run_and_backoff():
-    ch = chooser(linear(), {"dflash": (7, "block", 5 * MS, [0.1])}, probe_every=4)
-    picks = [ch.choose({"dflash": 7}) for _ in range(4)]
-    assert picks[:3] == [(None, 0)] * 3 and picks[3] == ("dflash", 4)  # the 4th plain round becomes a probe
-    ch.update("dflash", 4, 0, draft_time=5 * MS, verify_time=50 * MS)  # the probe failed
-    assert ch.clock("dflash", "greedy").interval == 8
-    picks = [ch.choose({"dflash": 7}) for _ in range(8)]
-    assert picks[:7] == [(None, 0)] * 7 and picks[7][0] == "dflash"
-
-
-def test_another_drafter_winning_does_not_reset_a_losers_probe_backoff():
-    """n-gram lookup winning whenever the context repeats must not bring back frequent probes of a drafter whose
-    probes keep losing (each costs about a plain step on this kind of machine)."""
-    costs = {L: 10 * MS * (1 + 0.05 * (L - 1)) for L in range(1, 17)}
-    ch = chooser(costs, {"mtp": (2, "chain", 8 * MS, [0.1]), "ngram": (8, "free", 0.0, [0.99])}, probe_every=4)
-    probes = []
-    for i in range(400):
-        avail = {"mtp": 2, "ngram": 6} if i % 5 == 0 else {"mtp": 2}
-        name, k = ch.choose(avail)
-        if name == "ngram":
-            ch.update("ngram", k, k, verify_time=costs[k + 1])
-        elif name == "mtp":
-            probes.append(i)
-            ch.update("mtp", k, 0, draft_time=8 * MS * k, verify_time=costs[k + 1])
-    gaps = np.diff(probes)
-    # the interval doubles each time (a probe falling due in a round n-gram wins waits for the next round)
-    assert all(g - e in (0, 1) for g, e in zip(gaps[:4], [8, 16, 32, 64]))
-    assert ch.clock("mtp", "greedy").interval == ch.max_probe_every
-    assert ch.chosen[("ngram", 6)] >= 70  # n-gram kept winning meanwhile
-
-
-def test_probe_clocks_are_per_regime():
-    """A drafter that wins at greedy is probed at the base rate there, while at T = 1 (its own acceptance
-    estimate) its losing probes keep backing off; a regime's clock starts when the regime is first used."""
-    ch = chooser(flat(), {"mtp": (2, "chain", 0.0, [0.9])}, probe_every=4)
-    ch.options["mtp"].acceptance("sampling").set_alphas([0.05])
-    for _ in range(3):
-        assert ch.choose({"mtp": 2}, "greedy")[0] == "mtp"
-        ch.update("mtp", 2, 2, "greedy", verify_time=10 * MS)
-    start = ch.round
-    picks = [ch.choose({"mtp": 2}, "sampling") for _ in range(4)]
-    assert picks[:3] == [(None, 0)] * 3 and picks[3][0] == "mtp"  # idle since the regime began, not since round 0
-    ch.update("mtp", 2, 0, "sampling", verify_time=10 * MS)
-    assert ch.clock("mtp", "sampling").interval == 8 and ch.clock("mtp", "sampling").last == start + 4
-    assert ch.clock("mtp", "greedy").interval == 4
 
 
 def test_calibrated_plain_cost_and_one_speed_scale_enter_the_rates():
@@ -334,7 +386,7 @@ class Scripted(AutoChooser):
         self.__dict__.update(base.__dict__)
         self.script, self.i = script, 0
 
-    def relevant(self, regime="greedy"):
+    def relevant(self, regime="greedy", remaining=None):
         return None  # every drafter is asked for its offer
 
     def _next(self, available):
@@ -345,10 +397,10 @@ class Scripted(AutoChooser):
             return None, 0
         return name, min(k, available[name])
 
-    def pick(self, available, regime="greedy"):
+    def pick(self, available, regime="greedy", remaining=None):
         return (*self._next(available), False)
 
-    def choose(self, available, regime="greedy"):
+    def choose(self, available, regime="greedy", remaining=None):
         name, k = self._next(available)
         self.i += 1
         self.chosen[(name or "plain", k)] += 1
@@ -398,29 +450,30 @@ def test_auto_greedy_identical_to_plain_with_every_drafter_in_turn(tiny, tmp_pat
     assert used == {n or "plain" for n, _ in script}
 
 
-def _ngram_auto(model, alphas: dict, probe_every=16):
-    auto = make_auto(model, ngram=4, verify_costs=flat(), probe_every=probe_every)
+def _ngram_auto(model, alphas: dict):
+    auto = make_auto(model, ngram=4, verify_costs=flat())
     for name, opt in auto.chooser.options.items():
         opt.acceptance("greedy").set_alphas([alphas.get(name, 0.0)])
     return auto
 
 
 def test_plan_in_a_plain_stretch_does_not_ask_drafters_that_cannot_win(tiny, monkeypatch):
-    """Nothing beats plain: `plan` counts plain rounds without an n-gram lookup (on a 2-core machine that
-    per-token bookkeeping was a measurable share of a small model's step) until a probe falls due."""
+    """Nothing beats plain, not even optimistically: `plan` counts plain rounds without an n-gram lookup (on a 2-core
+    machine that per-token bookkeeping was a measurable share of a small model's step), however long the request."""
     model, _, _ = tiny
-    auto = _ngram_auto(model, {}, probe_every=8)
+    auto = _ngram_auto(model, {})
     ng = auto.drafters["ngram"]
     peeks, real = [], ng.peek
     monkeypatch.setattr(ng, "peek", lambda k: (peeks.append(k), real(k))[1])
     auto.start([], [1, 2, 1, 2])
     plans = []
-    for i in range(8):
-        plans.append(auto.plan(4, "greedy"))
+    for i in range(200):
+        plans.append(auto.plan(4, "greedy", 10_000))
         auto.accept([], [1 if i % 2 == 0 else 2])
-    assert plans == [True] * 7 + [False]  # the 8th round probes an n-gram option (1 2 1 2 … always matches)
-    assert len(peeks) == 1 and auto.chooser.chosen[("plain", 0)] == 7
-    assert ng.index.tokens == [1, 2] * 5 + [1]  # the lookup saw every token committed before it
+    assert plans == [True] * 200  # (1 2 1 2 … always matches, but every n-gram option is pinned at α = 0)
+    assert peeks == [] and auto.chooser.chosen[("plain", 0)] == 200
+    auto._sync()
+    assert auto.drafters["ngram"].index.tokens == [1, 2] * 102  # the lookup saw every token committed, in one go
 
 
 def test_a_speculative_plan_is_chosen_afresh_with_the_token_it_could_not_see(tiny):
@@ -435,7 +488,7 @@ def test_a_speculative_plan_is_chosen_afresh_with_the_token_it_could_not_see(tin
         auto = _ngram_auto(model, {"ngram@2": 0.9, "ngram@3": 0.9, "ngram@4": 0.9})
         ch = auto.chooser
         auto.start([], ids)
-        assert auto.plan(4, "greedy") is False and ch.round == 0  # speculative: not counted yet
+        assert auto.plan(4, "greedy", 100) is False and ch.round == 0  # speculative: not counted yet
         auto.accept([], [nxt])
         drafts, _ = auto.propose(nxt, len(ids), 4, sampler, ids + [nxt])
         assert drafts == expected and ch.round == 1
@@ -573,22 +626,26 @@ def test_round_overhead_is_charged_to_drafting_and_capped():
     assert ch.summary()["round_overhead_ms"] == pytest.approx(8.0, rel=1e-2)
 
 
-def test_switch_cost_is_charged_only_to_a_round_that_starts_a_speculative_stretch():
-    """A drafter with E = 1.5 tokens per 10 ms round beats 10 ms plain steps inside a speculative stretch; once a
+def test_switch_cost_is_charged_only_to_a_round_that_starts_a_stretch_and_spread_over_its_horizon():
+    """A drafter with E = 1.5 tokens per 10 ms round beats 10 ms plain steps inside a speculative stretch. Once a
     stretch is measured to cost 10 ms more than its rounds (the plain tokens around it, a drafter catching up), it
-    no longer pays to start one."""
+    does not pay to start one for the last token or two of a request — the whole switch falls on one round — but it
+    does when the stretch can run for the rest of a long request (the switch spread over the horizon's tokens)."""
     costs = {L: 10 * MS for L in range(1, 17)}
-    ch = chooser(costs, {"mtp": (1, "chain", 0.0, [0.5])}, probe_every=10 ** 9)
+    ch = chooser(costs, {"mtp": (1, "chain", 0.0, [0.5])})
     assert ch.choose({"mtp": 1}) == ("mtp", 1)
     for _ in range(40):
         ch.observe_switch(10 * MS)
     assert ch.switch_cost == pytest.approx(10 * MS, rel=1e-3)
     assert ch.rate("mtp", 1) == pytest.approx(1.5 / (10 * MS))  # the last choice was a drafter: no switch
     ch._spec_last = False
+    ch.set_horizon(1)
     assert ch.rate("mtp", 1) == pytest.approx(1.5 / (20 * MS), rel=1e-4)
-    assert ch.choose({"mtp": 1}) == (None, 0)  # a plain stretch is not interrupted
-    ch._spec_last, ch._memo = True, {}
-    assert ch.choose({"mtp": 1}) == ("mtp", 1)  # a running stretch goes on
+    ch.set_horizon(64)
+    assert ch.rate("mtp", 1) == pytest.approx(1.5 / ((10 + 10 * 1.5 / 64) * MS), rel=1e-4)
+    assert ch.choose({"mtp": 1}, remaining=2) == (None, 0)  # the end of a request: a plain stretch goes on
+    assert ch.choose({"mtp": 1}, remaining=500) == ("mtp", 1)  # a long one: worth switching
+    assert ch.choose({"mtp": 1}, remaining=2) == ("mtp", 1)  # and a running stretch goes on
     ch.observe_switch(1.0)  # a one-second stall moves it by at most 0.25 × 8 plain steps
     assert ch.switch_cost <= 0.75 * 10 * MS + 0.25 * 80 * MS + 1e-12
 
@@ -629,3 +686,40 @@ def test_adaptive_block_width_takes_the_cached_calibration(tiny, tmp_path, monke
         r = glimmer_mlx.generate(model, prompt, max_tokens=12, drafter=d, block_size="auto")
         assert r.tokens == plain and r.stats.mode == "dflash" and "auto" in r.stats.extra
     assert calls == [1] and len(list(tmp_path.glob("costs-*.json"))) == 1
+
+
+def test_auto_forced_plain_runs_the_model_calls_plain_decoding_runs(tiny, tmp_path, monkeypatch):
+    """A machine where no drafter can pay (a linear verify cost curve: k drafts cost k + 1 steps): auto decodes
+    plainly with exactly plain decoding's target calls — one per token, the prefill's chunks aside — and no drafter
+    forward at all (DFlash and MTP catch up only when they draft)."""
+    from glimmer_mlx.models.assistant import Assistant
+    from glimmer_mlx.models.glimmer import Model
+    from glimmer_mlx.models.mtp import MTPHead
+
+    model, _, dpath = tiny
+    calls = {"target": 0, "dflash": 0, "mtp": 0}
+
+    def counting(cls, key, attr="__call__"):
+        real = getattr(cls, attr)
+
+        def wrapped(self, *a, **kw):
+            calls[key] += 1
+            return real(self, *a, **kw)
+
+        monkeypatch.setattr(cls, attr, wrapped)
+
+    counting(Model, "target")
+    counting(Assistant, "dflash")
+    counting(MTPHead, "mtp", "forward_depth")
+    auto = make_auto(model, dflash=glimmer_mlx.load_drafter(dpath, model),
+                     mtp=glimmer_mlx.load_drafter(model.path, model), ngram=4, verify_costs=linear(6))
+    prompt = [5, 6, 7, 8] * 6  # repeats: n-gram lookup finds matches all along
+    for temp in (0.0, 1.0):
+        counts = []
+        for drafter in (None, auto):
+            calls.update(target=0, dflash=0, mtp=0)
+            r = glimmer_mlx.generate(model, prompt, max_tokens=40, temperature=temp, seed=1, drafter=drafter)
+            counts.append(dict(calls))
+            if drafter is not None:
+                assert r.stats.extra["plain_rounds"] == 39 and r.stats.extra["tau"] == 1.0
+        assert counts[0] == counts[1] == {"target": 40, "dflash": 0, "mtp": 0}  # 1 prefill call + 39 steps

@@ -29,7 +29,8 @@ def test_mode_expansion_and_profiles():
     with pytest.raises(ValueError, match="unknown mode"):
         expand_modes(["dflash-x"], [4], [1])
     q = BenchSettings.from_profile("quick")
-    assert q.repeats == 1 and q.prompts_per_category == 1 and q.temps == [0.0, 1.0]
+    assert q.repeats == 2 and q.prompts_per_category == 1 and q.temps == [0.0, 1.0]
+    assert q.expanded_modes() == ["ar", "dflash-b8", "dflash-auto", "mtp-d1", "ngram", "auto", "mlx-lm", "mlx-lm-draft"]
     m5 = BenchSettings.from_profile("m5-max", temps="0")
     assert m5.repeats == 5 and m5.max_tokens == 256 and m5.temps == [0.0]
     for bad in (dict(profile="fast"), dict(max_tokens=1), dict(categories="code,poetry"), dict(temps="0,x"),
@@ -96,7 +97,7 @@ def test_quick_bench_end_to_end_on_a_tiny_model(tiny_set, tmp_path, monkeypatch)
     out = tmp_path / "out"
     r = CliRunner().invoke(app, ["bench", "--quick", "--model", str(path), "--draft-model", str(dflash),
                                  "--modes", "ar,dflash,mtp,ngram,auto,mlx-lm", "--dflash-blocks", "4,16,auto",
-                                 "--mtp-depths", "1,2", "--max-tokens", "10", "--out", str(out)])
+                                 "--mtp-depths", "1,2", "--max-tokens", "10", "--repeats", "1", "--out", str(out)])
     assert r.exit_code == 0, r.output
     res = json.loads((out / "results.json").read_text())
     _check_results(res, out, {"ar", "dflash-b4", "dflash-auto", "mtp-d1", "mtp-d2", "ngram", "auto"})
@@ -105,6 +106,8 @@ def test_quick_bench_end_to_end_on_a_tiny_model(tiny_set, tmp_path, monkeypatch)
     assert "mlx-lm" in res["skipped"]  # a transformers checkpoint with a vision tower: mlx-lm refuses it, said so
     assert res["model"]["embedded"] is False and res["model"]["mtp_layers"] == 1
     assert "greedy outputs identical to ar" in r.output and "verify cost" in r.output
+    assert len(res["verdict"]) == 2 and all(("fastest mode here" in v and "auto" in v) for v in res["verdict"])
+    assert all(v in " ".join(r.output.split()) for v in res["verdict"])
 
 
 def test_quick_bench_mlx_lm_modes(tmp_path, monkeypatch):
@@ -115,7 +118,7 @@ def test_quick_bench_mlx_lm_modes(tmp_path, monkeypatch):
     monkeypatch.setenv("GLIMMER_MLX_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "out"
     r = CliRunner().invoke(app, ["bench", "--quick", "--model", str(ck), "--mlx-lm-draft-model", str(ck), "--modes",
-                                 "ar,mlx-lm,mlx-lm-draft", "--max-tokens", "8", "--out", str(out)])
+                                 "ar,mlx-lm,mlx-lm-draft", "--max-tokens", "8", "--repeats", "1", "--out", str(out)])
     assert r.exit_code == 0, r.output
     res = json.loads((out / "results.json").read_text())
     _check_results(res, out, {"ar", "mlx-lm", "mlx-lm-draft"})
@@ -147,7 +150,8 @@ def test_quick_bench_on_the_embedded_model(tmp_path, monkeypatch):
     monkeypatch.setenv("GLIMMER_MLX_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "out"
     r = CliRunner().invoke(app, ["bench", "--quick", "--modes", "ar,dflash,mtp,ngram,auto,mlx-lm",
-                                 "--dflash-blocks", "4,auto", "--mtp-depths", "1", "--out", str(out)])
+                                 "--dflash-blocks", "4,auto", "--mtp-depths", "1", "--repeats", "1", "--max-tokens", "24",
+                                 "--out", str(out)])
     assert r.exit_code == 0, r.output
     res = json.loads((out / "results.json").read_text())
     assert res["model"]["embedded"] is True

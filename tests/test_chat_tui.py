@@ -94,12 +94,12 @@ def test_chat_session_in_a_terminal(chat_model, tmp_path):
     try:
         tm.wait(r"you ›")
         s = tm.screen()
-        assert "mode dflash" in s and "modes available: ar, dflash, mtp, ngram, auto" in s
+        assert "mode auto" in s and "modes available: ar, dflash, mtp, ngram, auto" in s  # the default with drafters
         tm.line("Hello there")
         s = tm.wait(STATS)
         n, new, cached = map(int, re.findall(STATS, s)[-1])
         assert cached == 0 and new > 0 and n <= 12
-        assert re.search(r"τ [\d.]+ · ×[\d.]+ vs plain [\d.]+ tok/s \(calibration \(32 greedy tokens\)\) · dflash", s)
+        assert re.search(r"τ [\d.]+ · ×[\d.]+ vs plain [\d.]+ tok/s \(calibration \(32 greedy tokens\)\) · auto", s)
         # a second turn reuses the cache: at least the whole first prompt is cached
         tm.send("-l", "line one \\")
         tm.send("Enter")

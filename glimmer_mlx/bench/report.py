@@ -18,6 +18,38 @@ def _speed_cell(d: dict) -> str:
     return f"{s['median']:.2f}×"
 
 
+def verdict(res: dict) -> list[str]:
+    """One plain-language line per temperature: which mode is fastest here and why — what a round of the best
+    speculative mode commits (τ) against what it costs in plain steps (τ / speedup, as measured), next to the
+    calibrated cost of a verify — and how often `auto` drafted."""
+    ratio = {int(k): v for k, v in ((res.get("calibration") or {}).get("verify_cost_ratio") or {}).items()}
+    lines = []
+    for tkey, modes in res["results"].items():
+        speed = {m: d["speedup"]["median"] for m, d in modes.items() if d["speedup"]["median"] is not None}
+        best = max(speed, key=speed.get)
+        line = f"{tkey}: " + ("plain decoding is the fastest mode here" if best == "ar" else
+                              f"{best} is the fastest mode here ({speed[best]:.2f}× plain)")
+        spec = [m for m, d in modes.items() if d.get("tau") and m in speed and m != "auto"
+                and not m.endswith("-auto") and not m.startswith("mlx-lm")]  # the fixed-width modes
+        if spec:
+            m = max(spec, key=speed.get)
+            tau = modes[m]["tau"]
+            line += (f"; {m} commits τ {tau:.2f} tokens a round, and its round costs {tau / speed[m]:.1f} plain "
+                     "steps")
+            if 8 in ratio:
+                line += f" (a verify of 8 drafts alone {ratio[8]:.1f})"
+        if "auto" in speed:
+            chosen = {}
+            for per_cat in res.get("auto_choices", {}).get(tkey, {}).values():
+                for key, v in per_cat.items():
+                    chosen[key.startswith("plain")] = chosen.get(key.startswith("plain"), 0) + v
+            total = sum(chosen.values())
+            share = f", drafting in {100 * chosen.get(False, 0) / total:.0f} % of its rounds" if total else ""
+            line += f"; auto {speed['auto']:.2f}× plain{share}"
+        lines.append(line)
+    return lines
+
+
 def render_table(res: dict) -> list:
     """One rich Table per temperature: mode | tok/s (spread) | × plain | τ | TTFT | peak GB | × plain per category;
     then a note on skipped modes, the lossless check and the verify cost curve."""
@@ -64,6 +96,7 @@ def render_table(res: dict) -> list:
         notes.append(f"auto's rounds by drafter, {tkey}: " + "; ".join(parts))
     if notes:
         out.append(Text("\n".join(notes), style="dim"))
+    out.append(Text("\n".join(verdict(res)), style="bold"))
     return out
 
 

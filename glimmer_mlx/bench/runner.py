@@ -31,6 +31,7 @@ from ..loading import load
 from ..machine import apple_chip, machine_fingerprint, machine_info, package_version
 from ..strategy import DecodeSpec, Drafters, ModeError, load_drafters
 from .describe import model_desc, summary
+from .report import verdict
 from .settings import BenchSettings, decode_spec, load_prompts
 
 
@@ -320,7 +321,7 @@ def run_bench(model: str | None = None, settings: BenchSettings | None = None, *
         s = auto.chooser.summary()
         calib = {**auto.calibration, "verify_cost_ms": s["verify_cost_ms"], "verify_cost_ratio": s["verify_cost_ratio"],
                  "taps": list(auto.taps)}
-    return {
+    res = {
         "schema": "glimmer-bench/1",
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": " ".join(["glimmer"] + sys.argv[1:]) if Path(sys.argv[0]).name == "glimmer" else None,
@@ -339,6 +340,8 @@ def run_bench(model: str | None = None, settings: BenchSettings | None = None, *
         "runs": runs,
         "wall_s": time.perf_counter() - t_start,
     }
+    res["verdict"] = verdict(res)
+    return res
 
 
 def _aggregate(runs: list[dict], modes: list[str], cats: list[str]) -> dict:

@@ -9,8 +9,10 @@ from importlib import resources
 from ..strategy import DecodeSpec
 
 PROFILES = {
-    # CI scale: every mode and category once, short generations, one timed repeat
-    "quick": dict(prompts_per_category=1, max_tokens=24, repeats=1, warmup_tokens=8),
+    # a first look, under 3 min on a 2-core CPU: every category, 2 repeats (so the spread shows), one fixed DFlash
+    # block and MTP depth next to their auto widths
+    "quick": dict(prompts_per_category=1, max_tokens=32, repeats=2, warmup_tokens=8, dflash_blocks=[8, "auto"],
+                  mtp_depths=[1]),
     # this CPU: enough repeats for a median and a spread
     "default": dict(prompts_per_category=2, max_tokens=96, repeats=3, warmup_tokens=16),
     # the published comparison on Apple silicon (M5 Max): every prompt, long generations, 5 repeats

@@ -50,8 +50,8 @@ def generate(
     image: Images = [],
     verbose: bool = typer.Option(True, "--verbose/--quiet", help="Print the stats line."),
 ):
-    """Generate text from a prompt (optionally with images). Default mode: plain decoding, or the drafter given with
-    --draft-model; --mode picks another."""
+    """Generate text from a prompt (optionally with images). Default mode: plain decoding; with --draft-model or
+    --mtp-model, auto over the drafters loaded; --mode picks another."""
     if prompt == "-":
         prompt = sys.stdin.read()
     mode, width = decode_spec(mode, block_size, dflash=dflash, mtp=mtp, auto=auto, mtp_depth=mtp_depth)

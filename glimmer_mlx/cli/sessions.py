@@ -55,7 +55,7 @@ def chat(
     stats: bool = typer.Option(True, "--stats/--no-stats", help="Print the stats line after each answer."),
 ):
     """Chat in the terminal: streaming answers, history, /commands (/help), prompt-cache reuse across turns.
-    Default mode: dflash if a DFlash drafter is loaded, else mtp, else ar."""
+    Default mode: auto when a drafter is loaded (the embedded model has two), else ar."""
     mode, width = decode_spec(mode, block_size, dflash=dflash, mtp=mtp, auto=auto)
     if max_tokens < 1:
         fail(f"--max-tokens must be >= 1, got {max_tokens}")
@@ -94,7 +94,7 @@ def serve(
 ):
     """A local OpenAI-compatible server: /v1/chat/completions (streaming, tools), /v1/completions, /v1/models,
     /health. One model resident, requests queued, prompt cache reused across a growing conversation. --mode is the
-    default decoding mode (default: dflash, else mtp, else ar); requests may override it with
+    default decoding mode (default: auto when a drafter is loaded, else ar); requests may override it with
     {"glimmer": {"mode": ..., "block_size": ...}}."""
     mode, width = decode_spec(mode, block_size, dflash=dflash, mtp=mtp, auto=auto)
     session = open_session(model, draft_model, mtp_model, dtype, max_context)
@@ -125,7 +125,7 @@ def agent(
     transcript: Optional[str] = typer.Option(None, "--transcript", help="JSONL transcript to write (default: "
                                              "~/.cache/glimmer-mlx/agent/TIME.jsonl)."),
     resume: Optional[str] = typer.Option(None, "--resume", help="Continue the run of this transcript."),
-    mode: Mode = "ar",
+    mode: Mode = None,
     block_size: BlockSize = None,
     draft_model: DraftModel = None,
     mtp_model: MtpModel = None,

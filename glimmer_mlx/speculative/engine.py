@@ -64,8 +64,9 @@ class SpeculativeDecoder:
         taps = self.plain.prefill(ids, input_embeddings=input_embeddings, reuse=reuse)
         self._start = (taps, "extend" if reuse else "start")
 
-    def plain_next(self, k: int) -> bool:
-        """Whether a round that could draft up to k (>= 1) drafts is plain instead: never, at a fixed width."""
+    def plain_next(self, k: int, budget: int) -> bool:
+        """Whether a round that could draft up to k (>= 1) drafts, with `budget` tokens of the request left, is plain
+        instead: never, at a fixed width."""
         return False
 
     def _queue_next(self, left: int) -> bool:
@@ -73,7 +74,7 @@ class SpeculativeDecoder:
         is queued before this round's token is read back)."""
         if left <= 1:
             return left == 1  # the last token is a plain step
-        plain = self.plain_next(min(self.max_k, left - 1))
+        plain = self.plain_next(min(self.max_k, left - 1), left)
         self._spec_next = not plain
         return plain
 
@@ -86,7 +87,7 @@ class SpeculativeDecoder:
             self.last_round = "first"
             return [t]
         k = min(self.max_k, budget - 1)
-        if self.plain.queued or k == 0 or (not spec_next and self.plain_next(k)):
+        if self.plain.queued or k == 0 or (not spec_next and self.plain_next(k, budget)):
             return self._plain_round(budget)
         return self._spec_round(k)
 
@@ -172,11 +173,12 @@ class AutoDecoder(SpeculativeDecoder):
         self._t_commit = None  # when the previous round's tokens were committed (None before the first)
         self._after = None  # what that round was: "plain", "spec" (a measured speculative round) or None
 
-    def plain_next(self, k: int) -> bool:
-        return self.drafter.plan(k, self._regime)
+    def plain_next(self, k: int, budget: int) -> bool:
+        return self.drafter.plan(k, self._regime, budget)
 
     def step(self, budget: int) -> list[int]:
         auto, t_prev = self.drafter, self._t_commit
+        auto.remaining = budget  # what a speculative round chosen now can still earn back
         final = budget <= 1 and not self.plain.queued  # the last token, its forward not queued: not a plain stretch's
         out = super().step(budget)
         now = time.perf_counter()

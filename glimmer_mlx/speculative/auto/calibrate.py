@@ -4,6 +4,7 @@ drafts) and of a pipelined plain token, measured once per machine and model and 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import time
@@ -16,6 +17,7 @@ from ...files import write_atomic
 from ...machine import cache_dir, machine_fingerprint
 from ...runtime.plain import plain_token_seconds
 from ...runtime.prefill import prefill
+from ...sampling import Sampler, SamplingParams
 
 CALIBRATION_CONTEXT = 128  # prompt tokens in the cache while the verify cost curve is measured
 
@@ -103,3 +105,29 @@ def load_or_calibrate(model, taps, max_len: int, *, directory=None, recalibrate:
     return costs, {**info, "cached": False, "plain_token_s": plain}
 
 
+
+
+def measure_draft_costs(target, drafters: dict, taps: tuple, tap_idx: dict, context: int = 32,
+                        repeats: int = 3) -> dict[str, float]:
+    """Seconds one round of each model drafter costs at its most drafts, measured now on a scratch context of
+    `context` tokens (the minimum of `repeats` rounds after a warm-up): the starting estimate of what drafting costs
+    (without it a drafter's first rounds would be chosen on a guess). n-gram lookup costs ~nothing and is skipped.
+    Each drafter is timed on a shallow copy (its weights, a state of its own): the drafter's own state is untouched."""
+    model_drafters = {n: copy.copy(d) for n, d in drafters.items() if n != "ngram"}
+    if not model_drafters:
+        return {}
+    ids = [2 + i % max(1, target.args.vocab_size - 2) for i in range(context)]
+    _, tapped = prefill(target, target.make_cache(), ids, taps=taps)
+    mx.eval(tapped)
+    sampler = Sampler(SamplingParams())
+    out = {}
+    for n, d in model_drafters.items():
+        times = []
+        kind = type(d)  # the class's own methods: the copy carries the instance's attributes, wrappers included
+        for _ in range(repeats + 1):
+            kind.start(d, [tapped[i] for i in tap_idx[n]], ids + [ids[-1]])
+            t0 = time.perf_counter()
+            kind.propose(d, ids[-1], context, d.max_drafts, sampler, ids + [ids[-1]])
+            times.append(time.perf_counter() - t0)
+        out[n] = min(times[1:])
+    return out

@@ -15,14 +15,15 @@ Rate of an option (drafter d, k drafts):  E_d(k) / s·(draft_d(k) + v·C(k+1) + 
 - o: a speculative round's measured time outside its draft and verify windows; w, charged only to a round that would
   interrupt a plain stretch: what a speculative stretch measurably costs beyond its rounds (the plain tokens either
   side lose their pipelining; a drafter that sat idle catches up on the tokens since it last drafted).
-A drafter must also beat plain by `switch_margin` (10 %): every estimate is noisy and the best looking option is
-the one most likely overestimated. n-gram lookup is only an option in a round where the context's suffix occurred
-before (its drafts are known in advance: `peek`), one option per matched n-gram size. Because plain is always one of
-the options and every option is scored in the same time unit, `auto` decodes plainly whenever no drafter pays (up
-to the cost of occasional probes: an option idle for its probe interval is tried once in a round that would
-otherwise be plain, so that its acceptance estimate can recover; its interval doubles, 16 → 1024 rounds, while its
-probes keep losing; one clock per regime, as the estimate is). Inside a plain stretch a round asks only the options
-that could change a plain choice (`AutoChooser.relevant`), so a stretch costs what plain decoding costs.
+Exploiting, a drafter must also beat plain by `switch_margin` (10 %): every estimate is noisy and the best looking
+option is the one most likely overestimated. n-gram lookup is only an option in a round where the context's suffix
+occurred before (its drafts are known in advance: `peek`), one option per matched n-gram size. Because plain is
+always one of the options and every option is scored in the same time unit, `auto` decodes plainly whenever no
+drafter pays, except for exploration rounds that the rest of the request can pay for (`AutoChooser.explore`: the
+expected saving over the remaining tokens if the option's uncertain acceptance turns out better, against what the
+round costs; an option whose optimistic acceptance cannot beat plain is never tried). Inside a plain stretch a round
+asks only the options that could change a plain choice (`AutoChooser.relevant`), so a stretch costs what plain
+decoding costs.
 
 `AutoChooser` is this decision logic, pure (unit-tested against synthetic cost/acceptance tables): it is told what
 each round cost and accepted, and it never touches a model.
@@ -30,6 +31,7 @@ each round cost and accepted, and it never touches a model.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -40,12 +42,16 @@ class AcceptanceStats:
     """Decayed accepted/tried counts per draft position. Position 0 starts from the prior (1 of 2, i.e. α = 0.5,
     unless given); a deeper position j is shrunk toward position j−1's estimate with the prior's weight (decaying
     with the counts), not toward 0.5: a position rarely reached keeps what the earlier ones measured instead of
-    leaning on an optimistic constant (n-gram drafts at T = 1 rarely get past the first)."""
+    leaning on an optimistic constant (n-gram drafts at T = 1 rarely get past the first). then: a prior (accepted,
+    tried) for every deeper position as well, for drafters whose later drafts follow their first (an n-gram copy:
+    once its first token is right, the rest mostly are)."""
 
-    def __init__(self, max_k: int, decay: float = 0.97, prior: tuple[float, float] = (1.0, 2.0)):
+    def __init__(self, max_k: int, decay: float = 0.97, prior: tuple[float, float] = (1.0, 2.0),
+                 then: tuple[float, float] | None = None):
         self.max_k, self.decay, self.prior = max_k, decay, prior
-        self.acc = [prior[0]] + [0.0] * (max_k - 1)
-        self.tried = [prior[1]] + [0.0] * (max_k - 1)
+        deep = then or (0.0, 0.0)
+        self.base = ([prior[0]] + [deep[0]] * (max_k - 1), [prior[1]] + [deep[1]] * (max_k - 1))  # prior counts
+        self.acc, self.tried = list(self.base[0]), list(self.base[1])
         self.shrink = prior[1]  # weight of "like the position before" for positions >= 1
 
     def alphas(self) -> list[float]:
@@ -84,6 +90,31 @@ class AcceptanceStats:
             if j < n_accepted:
                 self.acc[j] += 1
 
+    def age(self, factor: float) -> None:
+        """Evidence fades while the option sits idle (the context it was measured in may be gone): every count moves
+        toward the prior's by `factor`, so the estimate's uncertainty grows back and exploring it can pay again."""
+        for j in range(self.max_k):
+            self.acc[j] = self.base[0][j] + (self.acc[j] - self.base[0][j]) * factor
+            self.tried[j] = self.base[1][j] + (self.tried[j] - self.base[1][j]) * factor
+        self.shrink = self.prior[1] + (self.shrink - self.prior[1]) * factor
+
+    def spread(self) -> float:
+        """Standard deviation of the first draft's acceptance under its posterior (the Beta of its decayed counts,
+        normal approximation); every position moves with it in the scenarios `AutoChooser` explores over."""
+        n = max(self.tried[0], 0.0)
+        m = (self.acc[0] + 0.5) / (n + 1.0)
+        return math.sqrt(m * (1.0 - m) / (n + 2.0))
+
+
+# five equally likely values of a normal variable (the midpoints of its quintiles, in standard deviations): the
+# scenarios an option's uncertain acceptance is explored over
+SCENARIOS = (-1.28, -0.52, 0.0, 0.52, 1.28)
+# a scenario counts as a saving only if it beats the incumbent by this much: nothing is explored for a gain that
+# unmeasured per-round overheads would eat
+MIN_GAIN = 0.01
+# a speculative stretch is expected to run for the rest of the request, up to this many tokens: the cost of switching
+# into it (`AutoChooser.switch_cost`) is spread over them (over a whole round when fewer remain)
+SWITCH_HORIZON = 64
 
 
 PRIOR_WEIGHT = 4.0  # a drafter's own measured τ (its eval.json) counts as this many observed rounds
@@ -100,7 +131,6 @@ def alpha_from_tau(tau: float, width: int) -> float:
         else:
             hi = mid
     return (lo + hi) / 2
-
 
 
 def robust_ema(old: float | None, x: float, w: float, clip: float = 3.0) -> float:
@@ -141,15 +171,6 @@ class DraftCost:
 
 
 @dataclass
-class ProbeClock:
-    """When an option last drafted (the chooser's round) and how many idle rounds it waits for a probe; one per
-    regime, as the acceptance estimate a probe refreshes is."""
-
-    last: int
-    interval: int
-
-
-@dataclass
 class Option:
     name: str
     max_k: int
@@ -157,18 +178,21 @@ class Option:
     stats: dict = field(default_factory=dict)  # "greedy" | "sampling" -> AcceptanceStats
     decay: float = 0.97
     prior_alpha: dict = field(default_factory=dict)  # regime -> α from the drafter's measured τ (else 0.5)
-    clocks: dict = field(default_factory=dict)  # regime -> ProbeClock (the chooser starts it on first use)
+    then_alpha: dict = field(default_factory=dict)  # regime -> α of the drafts after an accepted one (else shrunk)
+    touched: dict = field(default_factory=dict)  # regime -> the chooser's round of its latest observation
 
     def acceptance(self, regime: str) -> AcceptanceStats:
         if regime not in self.stats:
-            a = self.prior_alpha.get(regime)
+            a, t = self.prior_alpha.get(regime), self.then_alpha.get(regime)
             prior = (1.0, 2.0) if a is None else (a * PRIOR_WEIGHT, PRIOR_WEIGHT)
-            self.stats[regime] = AcceptanceStats(self.max_k, self.decay, prior=prior)
+            then = None if t is None else (t * PRIOR_WEIGHT / 2, PRIOR_WEIGHT / 2)
+            self.stats[regime] = AcceptanceStats(self.max_k, self.decay, prior=prior, then=then)
         return self.stats[regime]
 
 
 class AutoChooser:
-    """Per round: the (option, k) with the highest expected tokens per second, or (None, 0) for a plain step.
+    """Per round: the (option, k) with the highest expected tokens per second, or (None, 0) for a plain step —
+    or, when the rest of the request can pay for it, a round that explores an option whose acceptance is uncertain.
 
     verify_costs: {L: seconds of a target forward over L tokens} for L = 1..max_k+1 (the calibrated curve);
     plain_cost: calibrated seconds per pipelined plain token (default: the single forward, verify_costs[1]).
@@ -178,18 +202,28 @@ class AutoChooser:
     decoding plainly (another process, a longer context) then raises the drafters' costs too, and every comparison
     stays between figures measured at the same speed. A verify round does more than the calibrated forward
     (sampling the target's distributions, the acceptance test, rewinding): `verify_factor` (per regime) is its
-    measured time over the calibrated forward's."""
+    measured time over the calibrated forward's.
 
-    def __init__(self, verify_costs: dict[int, float], probe_every: int = 16, scale_ema: float = 0.1,
-                 switch_margin: float = 0.1, plain_cost: float | None = None):
+    Exploration (`explore`): an option's first-draft acceptance is uncertain (its decayed counts, the drafter's
+    measured τ as the prior); over five equally likely scenarios of it (`SCENARIOS`, every position shifted alike)
+    the expected saving per token over the incumbent (the best choice by the mean estimates) is EI. One round of the
+    option resolves a share of that uncertainty, n_new / (n + n_new) with n the counts so far and n_new the positions
+    it tries; over the `remaining` tokens of the request that is worth remaining · EI · share. It is explored only
+    when that exceeds what the round costs against the incumbent by the mean estimates. So an option whose
+    optimistic scenario cannot beat plain is never tried (EI = 0), a short request pays for no exploration that
+    cannot pay back, and a long one tries a promising option until its estimate settles. Counts of an option left
+    idle fade toward its prior (`age`), so the question comes back when the context may have changed."""
+
+    def __init__(self, verify_costs: dict[int, float], scale_ema: float = 0.1, switch_margin: float = 0.1,
+                 plain_cost: float | None = None, age_every: int = 64, age: float = 0.998):
         if 1 not in verify_costs:
             raise ValueError("verify_costs needs L = 1 (a plain step)")
         self.costs = {int(L): float(c) for L, c in verify_costs.items()}
         self.plain_cal = float(plain_cost) if plain_cost else self.costs[1]
         self.options: dict[str, Option] = {}
-        self.probe_every, self.scale_ema = probe_every, scale_ema
-        # a drafter must promise this much more than plain decoding: every estimate is noisy, and the option that
-        # looks best is the one most likely overestimated
+        self.scale_ema = scale_ema
+        # exploiting a drafter it must promise this much more than plain decoding: every estimate is noisy, and the
+        # option that looks best is the one most likely overestimated
         self.switch_margin = switch_margin
         self._spec_last = False  # the latest choice was a drafter
         self.scale = 1.0  # measured / calibrated time of a plain token, EMA
@@ -201,21 +235,23 @@ class AutoChooser:
         # on either side of it lost to the interrupted pipeline and what the drafter spent catching up on the tokens
         # it had not drafted from; charged to the round that would start a stretch
         self.switch_cost = 0.0
-        self.max_probe_every = 64 * probe_every  # each option's probe interval doubles up to this
-        self._probing = False
-        self.round = 0  # rounds chosen so far: the probe clock
-        self._next_probe: dict = {}  # regime -> the first round in which some option's probe falls due
-        # per (regime, after a drafter?, option) its best width for each cap (`_leaders`), and per regime the options
-        # that can beat plain at all (`relevant`), kept until an estimate changes: inside a plain stretch only the
-        # machine's speed moves, which scales every rate alike, so a plain round does not pay for scoring every
-        # option and width again (on a small model that Python work is a measurable share of a step)
+        self.round = 0  # rounds chosen so far
+        self.horizon = SWITCH_HORIZON  # see `set_horizon`
+        self.age_every, self.age = age_every, age  # idle evidence fades by age ** age_every every age_every rounds
+        # per (regime, after a drafter?, option) its best width for each cap (`_leaders`), its exploration terms
+        # (`_explore_terms`), and per regime the options that could beat plain at all (`relevant`), kept until an
+        # estimate changes: inside a plain stretch only the machine's speed moves, which scales every rate alike, so
+        # a plain round does not pay for scoring every option and width again (on a small model that Python work is
+        # a measurable share of a step)
         self._memo: dict = {}
         self.chosen: Counter = Counter()  # (name or "plain", k) -> rounds
+        self.explored: Counter = Counter()  # name -> rounds chosen to explore it
 
     def add(self, name: str, max_k: int, shape: str, draft_prior: float | None = None, decay: float = 0.97,
-            measured_tau: dict | None = None) -> Option:
+            measured_tau: dict | None = None, then_alpha: dict | None = None) -> Option:
         """measured_tau: {"width", "greedy", "sampling"} τ measured for this drafter (`read_measured_tau`): the
-        acceptance estimates start from it instead of α = 0.5, so a weak drafter is not tried blindly first."""
+        acceptance estimates start from it instead of α = 0.5, so a weak drafter is not tried blindly first.
+        then_alpha: {regime: α} of the drafts after an accepted one (`AcceptanceStats` then)."""
         max_k = min(max_k, max(self.costs) - 1)
         if max_k < 1:
             raise ValueError(f"option {name!r}: the verify cost curve must cover at least L = 2")
@@ -223,19 +259,11 @@ class AutoChooser:
         alphas = {} if not measured_tau else {
             regime: alpha_from_tau(measured_tau[regime], int(measured_tau["width"]))
             for regime in ("greedy", "sampling") if measured_tau.get(regime) is not None}
-        opt = Option(name, max_k, DraftCost(shape, prior), decay=decay, prior_alpha=alphas)
+        opt = Option(name, max_k, DraftCost(shape, prior), decay=decay, prior_alpha=alphas,
+                     then_alpha=dict(then_alpha or {}))
         self.options[name] = opt
         self._memo.clear()
-        self._next_probe.clear()
         return opt
-
-    def clock(self, name: str, regime: str) -> ProbeClock:
-        """Option `name`'s probe clock for `regime`, started (idle from now, the base interval) on first use."""
-        clocks = self.options[name].clocks
-        c = clocks.get(regime)
-        if c is None:
-            c = clocks[regime] = ProbeClock(self.round, self.probe_every)
-        return c
 
     @property
     def plain_cost(self) -> float:
@@ -249,25 +277,35 @@ class AutoChooser:
             return 1.0 / self.plain_cost
         return self.rates(name, k, regime)[k - 1]
 
-    def rates(self, name: str, cap: int, regime: str = "greedy") -> list[float]:
-        """[rate(name, k) for k = 1..min(cap, max_k)] in one pass."""
+    def rates(self, name: str, cap: int, regime: str = "greedy", shift: float = 0.0) -> list[float]:
+        """[rate(name, k) for k = 1..min(cap, max_k)] in one pass; shift: every position's acceptance moved by it
+        (a scenario of `explore`). After a plain round a drafter's round also carries the cost of switching to it,
+        spread over the tokens the stretch can run (`horizon`)."""
         opt = self.options[name]
         stats = opt.acceptance(regime)
-        fixed = max(0.0, self.round_overhead) + (0.0 if self._spec_last else max(0.0, self.switch_cost))
+        fixed = max(0.0, self.round_overhead)
+        switch = 0.0 if self._spec_last else max(0.0, self.switch_cost)
         vf = self.verify_factor.get(regime, 1.0)
         out, e, p = [], 1.0, 1.0
         alphas = stats.alphas()
         for k in range(1, min(cap, opt.max_k) + 1):
-            p *= alphas[k - 1]
+            p *= min(1.0, max(0.0, alphas[k - 1] + shift))
             e += p
-            out.append(e / (self.scale * (opt.cost(k) + vf * self.costs[k + 1] + fixed)))
+            cost = opt.cost(k) + vf * self.costs[k + 1] + fixed + switch * min(1.0, e / self.horizon)
+            out.append(e / (self.scale * cost))
         return out
+
+    def set_horizon(self, remaining: int | None) -> None:
+        """The tokens a stretch started now can run: the request's remaining tokens, at most `SWITCH_HORIZON` (None:
+        unknown, the most), rounded down to a power of two (so the memoised tables stay few)."""
+        h = SWITCH_HORIZON if remaining is None else max(1, min(int(remaining), SWITCH_HORIZON))
+        self.horizon = 1 << (h.bit_length() - 1)
 
     def _leaders(self, name: str, regime: str) -> list[tuple[int, float]]:
         """[(best k, its rate × scale) among k = 1..cap for cap = 1..max_k] of option `name`, kept until an estimate
         changes. In units of the speed scale, so a plain token moving the scale leaves it valid (every rate, plain's
         included, scales alike)."""
-        key = (regime, self._spec_last, name)
+        key = (regime, self._spec_last, self.horizon, name)
         out = self._memo.get(key)
         if out is None:
             out, bk, br = [], 0, 0.0
@@ -279,8 +317,8 @@ class AutoChooser:
         return out
 
     def best(self, available: dict[str, int], regime: str = "greedy") -> tuple[str | None, int, float]:
-        """The best (name, k, rate) over the options in `available` ({name: most drafts it can give now}); a drafter
-        has to beat plain decoding by `switch_margin`."""
+        """The best (name, k, rate) over the options in `available` ({name: most drafts it can give now}) by the mean
+        estimates; a drafter has to beat plain decoding by `switch_margin`."""
         plain = 1.0 / self.plain_cal  # × scale, as `_leaders`
         best_name, best_k, best_rate = None, 0, plain
         bar = plain * (1 + 1e-9 + self.switch_margin)
@@ -295,38 +333,69 @@ class AutoChooser:
                 best_name, best_k, best_rate = name, k, r
         return best_name, best_k, best_rate / self.scale
 
-    def pick(self, available: dict[str, int], regime: str = "greedy") -> tuple[str | None, int, bool]:
-        """What `choose` would choose now, without counting it: (name or None, k, whether it is a probe). When the
-        best option is a plain step, an option idle for its probe interval (in this regime) is tried once instead (the
-        best-scoring one of those due) so that its acceptance estimate can recover."""
-        name, k, _ = self.best(available, regime)
-        if name is None:
-            due = [(self._leaders(n, regime)[min(c, self.options[n].max_k) - 1][1], n, c)
-                   for n, c in available.items() if c >= 1 and self._due(n, regime)]
-            if due:
-                _, name, cap = max(due)
-                return name, min(cap, self.options[name].max_k, 4), True
+    def _explore_terms(self, name: str, cap: int, regime: str, incumbent: tuple) -> tuple[float, float, int]:
+        """(EI × share, loss, k) of exploring option `name` (at most `cap` drafts) against `incumbent` = (name or
+        None, its rate × scale): see the class docstring. Scale-free, kept until an estimate changes."""
+        key = ("explore", regime, self._spec_last, self.horizon, name, cap, incumbent)
+        out = self._memo.get(key)
+        if out is None:
+            stats = self.options[name].acceptance(regime)
+            sd = stats.spread()
+            t_inc = 1.0 / incumbent[1]  # calibrated seconds per token of the incumbent
+            ei, k_e = 0.0, 1
+            for z in SCENARIOS:
+                rs = [r * self.scale for r in self.rates(name, cap, regime, shift=z * sd)]
+                top = max(rs)
+                if top > incumbent[1] * (1 + MIN_GAIN):
+                    ei += (t_inc - 1.0 / top) / len(SCENARIOS)
+                if z == SCENARIOS[-1]:  # the width the optimistic scenario would draft at: the one to try
+                    k_e = 1 + rs.index(top)
+            mean = self.rates(name, k_e, regime)[k_e - 1] * self.scale
+            e_mean = stats.expected_tokens(k_e)
+            loss = max(0.0, e_mean * (1.0 / mean - t_inc))  # calibrated seconds this round loses on the incumbent
+            n_new = min(e_mean, k_e)  # positions one round tries, about
+            share = n_new / (max(stats.tried[0], 0.0) + n_new)
+            out = self._memo[key] = (ei * share, loss, k_e)
+        return out
+
+    def explore(self, available: dict[str, int], regime: str, incumbent: tuple, remaining: int):
+        """(name, k) of the option worth exploring now, or None: remaining · EI · share must exceed the round's loss
+        against the incumbent ((name or None, rate × scale)); the largest surplus wins."""
+        best, surplus = None, 0.0
+        for name, cap in available.items():
+            if cap < 1 or name == incumbent[0]:
+                continue
+            value, loss, k = self._explore_terms(name, min(cap, self.options[name].max_k), regime, incumbent)
+            if remaining * value - loss > surplus:
+                best, surplus = (name, k), remaining * value - loss
+        return best
+
+    def pick(self, available: dict[str, int], regime: str = "greedy",
+             remaining: int | None = None) -> tuple[str | None, int, bool]:
+        """What `choose` would choose now, without counting it: (name or None, k, whether it explores). remaining:
+        the request's tokens still to generate (None: unknown, no exploration)."""
+        self.set_horizon(remaining)
+        name, k, rate = self.best(available, regime)
+        if remaining is not None and remaining > 1:
+            e = self.explore(available, regime, (name, rate * self.scale), remaining)
+            if e is not None:
+                return e[0], e[1], True
         return name, k, False
 
-    def choose(self, available: dict[str, int], regime: str = "greedy") -> tuple[str | None, int]:
-        """The option for this round (`pick`), counted: the probe clock advances, the option's idle time restarts."""
-        name, k, self._probing = self.pick(available, regime)
-        self.round += 1
-        if name is not None:
-            clock = self.clock(name, regime)
-            if not self._probing and not self._spec_last:
-                # it wins on its own against plain (margin and switch cost included): probed at the base rate again
-                # (a win inside a stretch is not that)
-                clock.interval = self.probe_every
-            clock.last = self.round
-            self._next_probe.pop(regime, None)
+    def choose(self, available: dict[str, int], regime: str = "greedy",
+               remaining: int | None = None) -> tuple[str | None, int]:
+        """The option for this round (`pick`), counted."""
+        name, k, explores = self.pick(available, regime, remaining)
+        self._tick()
+        if explores:
+            self.explored[name] += 1
         self.chosen[(name or "plain", k)] += 1
         self._spec_last = name is not None
         return name, k
 
-    def relevant(self, regime: str = "greedy") -> frozenset | None:
-        """After a plain round, the options that could make this round anything but plain: those that beat plain at
-        some width (a scoring pass memoised until an estimate changes) and those whose probe falls due. None after a
+    def relevant(self, regime: str = "greedy", remaining: int | None = None) -> frozenset | None:
+        """After a plain round, the options that could make this round anything but plain: those whose optimistic
+        scenario beats plain by `MIN_GAIN` at some width (a scoring pass memoised until an estimate changes). None after a
         speculative round (every option counts). `choose` over the available ones among these chooses exactly as
         over all; when none is available the round is plain (`count_plain`) without asking the drafters.
 
@@ -335,29 +404,34 @@ class AutoChooser:
         it per token is a measurable share of a small model's step."""
         if self._spec_last:
             return None
-        rel = self._memo.get(regime)
+        self.set_horizon(remaining)
+        rel = self._memo.get((regime, self.horizon))
         if rel is None:
-            rel = self._memo[regime] = frozenset(n for n, o in self.options.items()
-                                                 if self.best({n: o.max_k}, regime)[0] is not None)
-        due = self._next_probe.get(regime)
-        if due is None:
-            due = self._next_probe[regime] = min((c.last + c.interval for c in
-                                                  (self.clock(n, regime) for n in self.options)), default=1 << 62)
-        if self.round + 1 >= due:
-            rel = rel | {n for n in self.options if self._due(n, regime)}
+            plain = 1.0 / self.plain_cal
+            rel = self._memo[(regime, self.horizon)] = frozenset(
+                n for n, o in self.options.items()
+                if max(self.rates(n, o.max_k, regime, shift=SCENARIOS[-1] * o.acceptance(regime).spread()))
+                * self.scale > plain * (1 + MIN_GAIN))
         return rel
-
-    def _due(self, name: str, regime: str) -> bool:
-        """Option `name` has sat idle for its probe interval by the coming round."""
-        clock = self.clock(name, regime)
-        return self.round + 1 - clock.last >= clock.interval
 
     def count_plain(self) -> None:
         """A plain round chosen without `choose` (nothing `relevant` was available, or `pick` said plain): counted as
         `choose` counts it."""
-        self.round += 1
+        self._tick()
         self.chosen[("plain", 0)] += 1
-        self._spec_last = self._probing = False
+        self._spec_last = False
+
+    def _tick(self) -> None:
+        """A round is chosen; every `age_every` rounds the evidence of the options idle since the last time fades."""
+        self.round += 1
+        if self.round % self.age_every:
+            return
+        factor = self.age ** self.age_every
+        for opt in self.options.values():
+            for regime, stats in opt.stats.items():
+                if opt.touched.get(regime, -1) <= self.round - self.age_every:
+                    stats.age(factor)
+        self._memo.clear()
 
     def update(self, name: str | None, k: int, n_accepted: int, regime: str = "greedy",
                draft_time: float | None = None, verify_time: float | None = None) -> None:
@@ -366,14 +440,9 @@ class AutoChooser:
         if name is not None and k > 0:
             opt = self.options[name]
             opt.acceptance(regime).update(k, n_accepted)
+            opt.touched[regime] = self.round
             if draft_time is not None:
                 opt.cost.observe(k, draft_time / self.scale)
-            if self._probing:  # a probe that still loses to plain: probe it half as often
-                wins = self.best({name: opt.max_k}, regime)[0] is not None
-                clock = self.clock(name, regime)
-                clock.interval = self.probe_every if wins else min(2 * clock.interval, self.max_probe_every)
-                self._next_probe.pop(regime, None)
-        self._probing = False
         if verify_time is None:
             return
         if name is None or k == 0:  # a plain step through the speculative engine (not pipelined)
@@ -413,6 +482,7 @@ class AutoChooser:
             "round_overhead_ms": round(1000 * self.scale * self.round_overhead, 3),
             "switch_cost_ms": round(1000 * self.scale * self.switch_cost, 3),
             "chosen": {f"{n}:{k}": c for (n, k), c in sorted(self.chosen.items(), key=lambda x: (x[0][0], x[0][1]))},
+            "explored": dict(sorted(self.explored.items())),
             "acceptance": {n: {reg: [round(a, 3) for a in s.alphas()] for reg, s in o.stats.items()}
                            for n, o in self.options.items()},
             "draft_cost_ms": {n: {k: round(1000 * self.scale * v, 3) for k, v in sorted(o.cost.by_k.items())}

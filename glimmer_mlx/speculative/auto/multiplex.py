@@ -10,11 +10,23 @@ import mlx.core as mx
 
 from ..ngram import NGramDrafter
 from ..protocol import Drafter
-from .calibrate import load_or_calibrate
+from .calibrate import load_or_calibrate, measure_draft_costs
 from .chooser import AutoChooser
 
 
 _SHAPES = {"dflash": "block", "mtp": "chain", "ngram": "free"}
+# the first draft's acceptance after an n-gram match of each size, as measured on the embedded set and the trained
+# tiny set (BENCHMARKS.md): auto's starting estimate for n-gram lookup, as a drafter's eval.json τ is for it; and
+# the acceptance of the drafts after an accepted one (a copy that starts right mostly goes on right)
+NGRAM_ALPHA = {1: (0.08, 0.08), 2: (0.2, 0.1), 3: (0.6, 0.3)}  # size -> (greedy, sampling); 4 and longer: below
+NGRAM_ALPHA_LONG = (0.75, 0.4)
+NGRAM_THEN = {"greedy": 0.8, "sampling": 0.5}
+
+
+def ngram_prior(size: int) -> dict:
+    """A measured-τ-like prior (one draft per round) for n-gram lookup after a match of `size` tokens."""
+    greedy, sampling = NGRAM_ALPHA.get(size, NGRAM_ALPHA_LONG)
+    return {"width": 1, "greedy": 1.0 + greedy, "sampling": 1.0 + sampling}
 
 
 class AutoDrafter:
@@ -38,7 +50,7 @@ class AutoDrafter:
         return next(iter(self.drafters)) if len(self.drafters) == 1 and "ngram" not in self.drafters else "auto"
 
     def __init__(self, target, drafters: list, *, verify_costs: dict[int, float] | None = None,
-                 calibration_dir=None, recalibrate: bool = False, probe_every: int = 16, log=None):
+                 calibration_dir=None, recalibrate: bool = False, log=None):
         if not drafters:
             raise ValueError("auto needs at least one drafter (DFlash, MTP or n-gram)")
         self.target = target
@@ -57,19 +69,27 @@ class AutoDrafter:
             verify_costs, self.calibration = load_or_calibrate(target, self.taps, self.max_drafts + 1,
                                                                directory=calibration_dir, recalibrate=recalibrate,
                                                                log=log)
-        self.chooser = AutoChooser(verify_costs, probe_every=probe_every,
-                                   plain_cost=self.calibration.get("plain_token_s"))
+        self.chooser = AutoChooser(verify_costs, plain_cost=self.calibration.get("plain_token_s"))
+        self.draft_costs = measure_draft_costs(target, self.drafters, self.taps, self._tap_idx)
         self._kind_of: dict[str, str] = {}  # option name -> drafter kind
         for n, d in self.drafters.items():
-            names = [n] if n != "ngram" else [f"ngram@{m}" for m in range(d.index.min_n, d.index.max_n + 1)]
-            for name in names:
-                self.chooser.add(name, d.max_drafts, _SHAPES[n], measured_tau=d.measured_tau)
-                self._kind_of[name] = n
+            cost = self.draft_costs.get(n)
+            if cost is not None and _SHAPES[n] == "chain":
+                cost /= d.max_drafts  # one forward per draft
+            if n == "ngram":
+                for m in range(d.index.min_n, d.index.max_n + 1):
+                    self.chooser.add(f"ngram@{m}", d.max_drafts, "free", measured_tau=ngram_prior(m),
+                                     then_alpha=NGRAM_THEN)
+                    self._kind_of[f"ngram@{m}"] = n
+            else:
+                self.chooser.add(n, d.max_drafts, _SHAPES[n], draft_prior=cost, measured_tau=d.measured_tau)
+                self._kind_of[n] = n
         self._ngram_options = frozenset(o for o, n in self._kind_of.items() if n == "ngram")
         self._pending = None
         self._round = None  # (draft + verify seconds, catch-up seconds) of the last speculative round
         self._stretch = 0.0  # the running speculative stretch's cost beyond its rounds (`lead`, catch-ups)
         self._rewound: dict[str, int] = {}  # each drafter's rewind point (`rewind_context`, then `extend`)
+        self.remaining: int | None = None  # tokens of the request still to generate (the decoder sets it per round)
         self._reset_log()
 
     def _reset_log(self) -> None:
@@ -126,23 +146,24 @@ class AutoDrafter:
                 available[n] = cap
         return available
 
-    def plan(self, k: int, regime: str) -> bool:
-        """Whether the next round is plain, decided before this round's token is known (AutoDecoder queues the next
-        plain forward on it). A plain answer is counted as the round's choice. Otherwise the round is speculative
-        and `propose` chooses it afresh, with the token this plan could not see: a decision taken on the n-gram
-        index one token behind would draft from a match the latest token may already have broken. Inside a plain
-        stretch only the options that could change a plain choice are asked what they offer
-        (`AutoChooser.relevant`)."""
-        among = self.chooser.relevant(regime)
+    def plan(self, k: int, regime: str, remaining: int) -> bool:
+        """Whether the next round (with `remaining` tokens of the request left) is plain, decided before this round's
+        token is known (AutoDecoder queues the next plain forward on it). A plain answer is counted as the round's
+        choice. Otherwise the round is speculative and `propose` chooses it afresh, with the token this plan could
+        not see: a decision taken on the n-gram index one token behind would draft from a match the latest token
+        may already have broken. Inside a plain stretch only the options that could change a plain choice are asked
+        what they offer (`AutoChooser.relevant`)."""
+        among = self.chooser.relevant(regime, remaining)
         available = self._available(k, among)
-        if (among is not None and not available) or self.chooser.pick(available, regime)[0] is None:
+        if (among is not None and not available) or self.chooser.pick(available, regime, remaining)[0] is None:
             self.chooser.count_plain()
             return True
         return False
 
     def propose(self, anchor: int, pos: int, k: int, sampler, history: list[int]):
+        """`remaining`: the request's tokens still to generate in this round (set by the decoder)."""
         regime = "greedy" if sampler.params.greedy else "sampling"
-        name, kk = self.chooser.choose(self._available(k), regime)
+        name, kk = self.chooser.choose(self._available(k), regime, self.remaining)
         t0 = time.perf_counter()
         steady = True
         if name is None:

@@ -22,6 +22,7 @@ prefilled vs reused from the cache.
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import sys
@@ -31,6 +32,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from .files import write_atomic
 from .image_processing import ImageError, preprocess_image
 from .multimodal import require_vision
 from .runtime.loop import GenerationStats
@@ -44,7 +46,7 @@ COMMANDS = [
     ("/help", "this list"),
     ("/clear", "start a new conversation (keeps the system prompt and settings)"),
     ("/image PATH", "attach an image to your next message (repeatable)"),
-    ("/save FILE", "write the conversation and settings as JSON"),
+    ("/save FILE", "write the conversation and settings as JSON (asks before replacing an existing file)"),
     ("/load FILE", "replace the conversation by one saved with /save"),
     ("/mode [ar|dflash|mtp|auto] [WIDTH]", "show or switch the decoding mode (WIDTH: DFlash block size or MTP depth)"),
     ("/temp [T]", "show or set the sampling temperature (0 = greedy)"),
@@ -242,11 +244,27 @@ class Chat:
             raise ChatError("usage: /save FILE")
         data = {"format": "glimmer-chat", "version": 1, "messages": self.messages, "mode": self.mode,
                 "block_size": self.block_size, "sampling": self.sampling, "system_prompt": self.system_prompt}
-        try:
-            Path(arg).expanduser().write_text(json.dumps(data, indent=2, ensure_ascii=False))
+        path = Path(arg).expanduser()
+        if path.is_dir():
+            raise ChatError(f"cannot write {arg}: it is a folder; give a file name")
+        if os.path.lexists(path) and not self.confirm(f"{arg} exists; replace it? [y/N] "):
+            self.info(f"not saved ({arg} is unchanged)")
+            return
+        try:  # a temporary file renamed over the target: a full disk or a crash leaves the old file as it was
+            write_atomic(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
         except OSError as e:
-            raise ChatError(f"cannot write {arg}: {e.strerror or e}") from None
+            raise ChatError(f"cannot write {arg}: {e.strerror or e}; nothing was saved"
+                            + (" (the existing file is unchanged)" if os.path.lexists(path) else "")) from None
         self.info(f"saved {len(self.messages)} messages to {arg}")
+
+    def confirm(self, question: str) -> bool:
+        """Ask a yes/no question on the input; only y / yes is a yes (Ctrl-D or Ctrl-C: no)."""
+        try:
+            answer = self.input(question)
+        except (EOFError, KeyboardInterrupt):
+            self.out.write("\n")
+            return False
+        return answer.strip().lower() in ("y", "yes")
 
     def load(self, arg: str) -> None:
         if not arg:

@@ -55,15 +55,17 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .config import ConfigError, parse_config
+from .files import FileFormatError, present, read_text
+from .files import read_json as read_json_file
 from .generate import generate
-from .loading import (CheckpointError, check_vision, check_weights, load, parse_dtype, quantize_like, read_json,
-                      read_safetensors_header, resolve_path, weight_files)
+from .loading import (CheckpointError, check_vision, check_weights, gen_eos_ids, has_file, load, parse_dtype,
+                      quantize_like, read_json, read_safetensors_header, resolve_path, weight_files)
 from .models.assistant import Assistant, AssistantConfig
 from .models.glimmer import Model, rms
 from .quantization import (GLIMMER_RECIPES, MIXED_RECIPES, MODE_DEFAULTS, RECIPES, VISION_LINEAR_RE, layer_index,
                            recipe_bits)
 from .speculative import load_drafter
-from .tokenizer import load_tokenizer
+from .tokenizer import TokenizerError, check_chat_template, load_tokenizer
 
 
 class ConvertError(CheckpointError):
@@ -240,7 +242,7 @@ def _source_tensors(path: Path) -> list[tuple[str, Path, dict, int]]:
     """[(name, file, header entry, absolute data start)] over all shards, validated, in file/offset order."""
     files = weight_files(path)
     index = path / "model.safetensors.index.json"
-    wm = read_json(index)["weight_map"] if index.exists() else None
+    wm = read_json(index)["weight_map"] if has_file(index) else None
     out, seen = [], {}
     for f in files:
         header = read_safetensors_header(f)
@@ -272,7 +274,7 @@ def build_plan(src, out_dtype=None, settings: QuantSettings | None = None, *, te
     settings = (settings or QuantSettings()).resolved()
     path = resolve_path(src)
     cfg_path = path / "config.json"
-    if not cfg_path.exists():
+    if not has_file(cfg_path):
         raise CheckpointError(f"{path}: no config.json in the checkpoint folder")
     raw = read_json(cfg_path)
     if not isinstance(raw, dict):
@@ -823,6 +825,49 @@ class ConvertResult:
     quality: dict
 
 
+def _check_reservation(out: Path, reserved: tuple[int, int]) -> None:
+    try:
+        st = os.lstat(out)
+        ok = (st.st_dev, st.st_ino) == reserved and sorted(os.listdir(out)) == [RESERVED_MARKER]
+    except OSError:
+        ok = False
+    if not ok:
+        raise ConvertError(f"{out} was changed by someone else while converting (it is no longer the empty folder "
+                           "this conversion reserved); it is left as it is")
+
+
+def _drop_reservation(out: Path, reserved: tuple[int, int]) -> None:
+    """Remove the empty OUT this conversion created, and only that (not a folder someone put in its place, nor
+    files someone put in it)."""
+    try:
+        st = os.lstat(out)
+        if (st.st_dev, st.st_ino) != reserved:
+            return
+        if os.listdir(out) == [RESERVED_MARKER]:
+            os.unlink(out / RESERVED_MARKER)
+        os.rmdir(out)  # fails (and keeps everything) unless empty
+    except OSError:
+        pass
+
+
+def check_side_files(src: Path) -> None:
+    """The files convert copies next to the weights, read as the loader reads them: tokenizer.json,
+    tokenizer_config.json, chat templates (jinja2 syntax), generation_config.json and the other JSON side files.
+    A broken one fails the conversion naming it (the output would not load)."""
+    try:
+        load_tokenizer(src)
+        gen_eos_ids(src)
+        for f in sorted(src.glob("*.jinja")):
+            if present(f):
+                check_chat_template(read_text(f), str(f))
+        for pat in _COPY_GLOBS:
+            for f in sorted(src.glob(pat)):
+                if f.suffix == ".json" and present(f):
+                    read_json_file(f)
+    except (TokenizerError, FileFormatError) as e:
+        raise CheckpointError(str(e)) from None
+
+
 def _stale_temp_folders(out: Path) -> list[Path]:
     stale = []
     for p in out.parent.glob(f".{out.name}.glimmer-convert-*"):
@@ -836,6 +881,88 @@ def _stale_temp_folders(out: Path) -> list[Path]:
         except PermissionError:
             continue
     return stale
+
+
+RESERVED_MARKER = ".glimmer-convert-reserved"  # the only entry of an OUT folder a running conversion reserved
+
+
+def backup_name(out: Path) -> Path:
+    """Where `--force` moves the existing OUT for the moment it swaps the new folder in: OUT.glimmer-old-<pid>."""
+    return out.parent / f"{out.name}.glimmer-old-{os.getpid()}"
+
+
+def _backups(out: Path) -> list[Path]:
+    """Folders earlier `--force` conversions to `out` moved aside and did not delete (killed mid-swap)."""
+    pat = re.compile(re.escape(out.name) + r"\.glimmer-old-\d+(?:-\d+)?")
+    return sorted(p for p in out.parent.iterdir() if pat.fullmatch(p.name) and (p.is_dir() or p.is_symlink()))
+
+
+class _OutLock:
+    """Exclusive right to convert into `out` while held: an flock on the sibling `.OUT.glimmer-convert.lock` (the
+    kernel releases it when the process dies, so a killed conversion never blocks the next one)."""
+
+    def __init__(self, out: Path):
+        import fcntl
+
+        self.path = out.parent / f".{out.name}.glimmer-convert.lock"
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                try:
+                    pid = os.read(fd, 32).decode(errors="replace").strip() or "?"
+                finally:
+                    os.close(fd)
+                raise ConvertError(f"{out}: another conversion (pid {pid}) is writing it right now; wait for it to "
+                                   "finish or choose another output folder") from None
+            try:  # the previous holder may have unlinked the file between our open and our flock: retry on the new one
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+        os.close(self.fd)
+        self.fd = None
+
+
+def _recover_backups(out: Path, log: Callable[[str], None]) -> None:
+    """(Holding the lock.) A backup left by a `--force` conversion killed between its two renames: restored when OUT
+    is missing, else reported; never deleted."""
+    backups = _backups(out)
+    if not backups:
+        return
+    if not os.path.lexists(out):
+        if len(backups) > 1:
+            raise ConvertError(f"{out} is missing, and interrupted --force conversions left these earlier versions of "
+                               f"it: {', '.join(map(str, backups))}; rename the one you want back to {out} and rerun")
+        os.rename(backups[0], out)
+        log(f"{out} was missing: an earlier --force conversion was killed while replacing it; your previous folder "
+            f"was restored from {backups[0]}")
+        return
+    for b in backups:
+        log(f"{b} holds what {out} held before an earlier --force conversion replaced it (that conversion was "
+            "interrupted before deleting it); it is kept: delete it yourself if you do not need it")
+
+
+def _is_stale_reservation(out: Path) -> bool:
+    """(Holding the lock.) OUT is an empty folder reserved by a conversion that is gone (it held only our marker)."""
+    try:
+        return out.is_dir() and not out.is_symlink() and os.listdir(out) == [RESERVED_MARKER]
+    except OSError:
+        return False
 
 
 def _layer_table(plan: Plan) -> list[dict]:
@@ -877,24 +1004,19 @@ def convert(src, out, *, quantize: bool = False, q_bits: int | None = None, q_gr
     out = Path(out).expanduser().absolute()
     settings = QuantSettings(quantize=quantize, bits=q_bits, group_size=q_group_size, mode=q_mode, recipe=recipe,
                              quantize_vision=quantize_vision)
-    if out.exists():
-        if not force:
-            raise ConvertError(f"{out} already exists; pass --force (force=True) to replace it")
-        if not out.is_dir():
-            raise ConvertError(f"{out} exists and is not a folder; refusing to replace it")
     t0 = time.perf_counter()
     srcr = resolve_path(src).resolve()
     if out.resolve() == srcr or srcr in out.resolve().parents or out.resolve() in srcr.parents:
         raise ConvertError(f"{out}: the output folder must not be the source folder, inside it, or contain it")
+    if os.path.lexists(out) and not out.is_dir():
+        raise ConvertError(f"{out} exists and is not a folder; refusing to replace it")
     plan = build_plan(srcr, dtype, settings, text_only=text_only, max_shard_bytes=max_shard_bytes)
     plan.src_arg = str(src)
+    check_side_files(plan.src)
     if plan.kind == "drafter" and evaluate and target is None:
         plan.notes.append("drafter τ not measured: pass --target (the drafter's target model)")
     for n in plan.notes:
         log(n)
-    for p in _stale_temp_folders(out):
-        shutil.rmtree(p, ignore_errors=True)
-        log(f"removed {p} left by an earlier conversion that was killed")
 
     need = plan.out_bytes + (16 << 20)
     free = _free_bytes(out.parent)
@@ -913,8 +1035,32 @@ def convert(src, out, *, quantize: bool = False, q_bits: int | None = None, q_gr
             raise KeyboardInterrupt(f"signal {signum}")
 
         old_handler = signal.signal(signal.SIGTERM, on_term)
-    stage = "planning"
+    stage = "reserving the output folder"
+    lock = reserved = old = None
     try:
+        lock = _OutLock(out)  # one conversion per OUT at a time; everything below holds it
+        _recover_backups(out, log)
+        for p in _stale_temp_folders(out):
+            shutil.rmtree(p, ignore_errors=True)
+            log(f"removed {p} left by an earlier conversion that was killed")
+        if _is_stale_reservation(out):
+            (out / RESERVED_MARKER).write_text(str(os.getpid()))
+            st = out.stat()
+            reserved = (st.st_dev, st.st_ino)
+        elif os.path.lexists(out):
+            if not force:
+                raise ConvertError(f"{out} already exists; pass --force (force=True) to replace it")
+            if not out.is_dir():
+                raise ConvertError(f"{out} exists and is not a folder; refusing to replace it")
+        else:
+            try:  # the reservation: an empty OUT of our own, so nobody else's folder can appear there unnoticed
+                out.mkdir()
+            except FileExistsError:
+                raise ConvertError(f"{out} was just created by someone else; it is left as it is") from None
+            st = out.stat()
+            reserved = (st.st_dev, st.st_ino)
+            (out / RESERVED_MARKER).write_text(str(os.getpid()))
+        stage = "planning"
         tmp.mkdir()
         stage = "writing shards"
         mx.reset_peak_memory()
@@ -984,19 +1130,33 @@ def convert(src, out, *, quantize: bool = False, q_bits: int | None = None, q_gr
         (tmp / "README.md").write_text(model_card(plan, summary, quality))
 
         stage = "moving the result into place"
-        old = None
-        if out.exists():
-            old = out.parent / f".{out.name}.glimmer-old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            out.rename(old)
+        if reserved is not None:
+            _check_reservation(out, reserved)
+            os.unlink(out / RESERVED_MARKER)
+            try:  # renaming a folder onto an empty folder replaces it; onto a non-empty one fails (nothing moves)
+                os.rename(tmp, out)
+            except OSError:
+                raise ConvertError(f"{out} was changed by someone else while converting (it is no longer the empty "
+                                   "folder this conversion reserved); it is left as it is") from None
+            reserved = None
+        else:  # --force over an existing OUT: move it aside under a predictable name, move the new one in
+            old = backup_name(out)
+            n = 1
+            while os.path.lexists(old):
+                old, n = backup_name(out).with_name(f"{backup_name(out).name}-{n}"), n + 1
+            os.rename(out, old)
             try:
-                tmp.rename(out)
+                os.rename(tmp, out)
             except BaseException:
-                old.rename(out)
+                os.rename(old, out)
+                old = None
                 raise
-        else:
-            tmp.rename(out)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if reserved is not None:
+            _drop_reservation(out, reserved)
+        if lock is not None:
+            lock.release()
         if created_parent is not None:
             shutil.rmtree(created_parent, ignore_errors=True) if not any(created_parent.rglob("*")) else None
         what = f"nothing was written to {out}" + (" (the existing folder is unchanged)" if out.exists() else "")
@@ -1008,8 +1168,16 @@ def convert(src, out, *, quantize: bool = False, q_bits: int | None = None, q_gr
     finally:
         if old_handler is not None:
             signal.signal(signal.SIGTERM, old_handler)
-    if old is not None:  # the new folder is in place; the replaced one goes
-        shutil.rmtree(old, ignore_errors=True)
+    try:
+        if old is not None:  # the new folder is in place; the replaced one goes (the user asked for it: --force)
+            if old.is_symlink():
+                old.unlink()
+            else:
+                shutil.rmtree(old, ignore_errors=True)
+            if os.path.lexists(old):
+                log(f"could not delete {old} (what {out} held before); delete it yourself")
+    finally:
+        lock.release()
     summary["seconds_total"] = time.perf_counter() - t0
     return ConvertResult(out=out, summary=summary, quality=quality)
 

@@ -1,4 +1,5 @@
-"""What a checkpoint is and what it needs, from its config.json alone (no weights are read)."""
+"""What a checkpoint is and what it needs, from its config.json and the safetensors headers (no tensor data is read:
+the headers are checked as `load` checks them, so a corrupt or mismatched checkpoint fails here too)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from mlx.utils import tree_flatten
 
 from .cache import DEFAULT_MAX_REWIND
 from .config import ModelConfig, TextConfig, parse_config, text_param_counts
-from .loading import load_config, read_json, resolve_path
+from .loading import check_checkpoint, load_config, read_json, resolve_path
 from .models.assistant import Assistant, AssistantConfig
 from .models.glimmer import Model, expected_vision_shapes
 from .quantization import MODE_DEFAULTS, VISION_LINEAR_RE, layer_index, recipe_bits
@@ -42,6 +43,7 @@ def kv_cache_bytes(config: ModelConfig, context: int, bytes_per_elem: int = 2) -
 def model_info(path_or_repo, contexts=(4096, 32768, 131072)) -> dict:
     path = resolve_path(path_or_repo)
     config = load_config(path)
+    weights = check_checkpoint(path, config, require_weights=False)
     t = config.text
     counts = param_counts(config)
     total = sum(counts.values())
@@ -62,7 +64,10 @@ def model_info(path_or_repo, contexts=(4096, 32768, 131072)) -> dict:
         w = total * bpp / 1e9
         memory.append({"format": fmt, "weights_gb": w,
                        "total_gb": [w + kv_cache_bytes(config, c) / 1e9 for c in contexts]})
-    return {"path": str(path), "model_type": config.model_type, "architecture": arch,
+    arch["weights"] = ("none (config.json only: no *.safetensors, nothing else checked)" if weights is None else
+                       f"{weights['tensors']} tensors in {weights['files']} file(s), {weights['bytes'] / 1e9:.3f} GB; "
+                       "headers, names and shapes checked (data not read)")
+    return {"path": str(path), "model_type": config.model_type, "architecture": arch, "weights": weights,
             "parameters": dict(counts, total=total), "contexts": list(contexts), "memory": memory}
 
 

@@ -5,6 +5,7 @@ Every failure names the file and tensor involved and says what was expected and 
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -16,9 +17,11 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .config import ConfigError, ModelConfig, parse_config
+from .files import FileFormatError, open_binary, present
+from .files import read_json as read_json_file
 from .models.glimmer import Model, expected_vision_shapes
 from .models.vision import VisionConfig, VisionEncoder
-from .tokenizer import load_tokenizer
+from .tokenizer import TokenizerError, load_tokenizer
 
 
 class CarriedWeights:
@@ -39,8 +42,10 @@ class CheckpointError(ValueError):
 DTYPES = {"bf16": mx.bfloat16, "bfloat16": mx.bfloat16, "fp16": mx.float16, "float16": mx.float16,
           "fp32": mx.float32, "float32": mx.float32}
 
+# every dtype of the safetensors format (bytes per element; None: packed below a byte, size not checked here)
 _ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2,
-                "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U64": 8}
+                "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U64": 8, "C64": 8,
+                "F4": None, "F6_E2M3": None, "F6_E3M2": None}
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken", "README.md"]
 
@@ -61,7 +66,18 @@ def parse_dtype(dtype) -> mx.Dtype | None:
 def resolve_path(path_or_repo: str | os.PathLike) -> Path:
     """A local folder, or a Hub repo id downloaded (or found in the local cache) with huggingface-hub."""
     p = Path(path_or_repo).expanduser()
-    if p.exists():
+    try:
+        p.stat()
+        found = True
+    except FileNotFoundError:
+        found = False
+        if os.path.islink(p):
+            raise CheckpointError(f"{p}: dangling symbolic link (it points to {os.readlink(p)}, which does not "
+                                  "exist)") from None
+    except OSError as e:
+        reason = "symbolic link loop" if e.errno == errno.ELOOP else (e.strerror or str(e))
+        raise CheckpointError(f"{p}: cannot open the checkpoint folder ({reason})") from None
+    if found:
         if not p.is_dir():
             raise CheckpointError(f"{p}: expected a checkpoint folder, found a file")
         return p
@@ -89,19 +105,26 @@ def resolve_path(path_or_repo: str | os.PathLike) -> Path:
         raise CheckpointError(f"{s}: could not fetch from the Hub: {type(e).__name__}: {e}") from None
 
 
-def read_json(path: Path) -> dict:
+def read_json(path: Path, expect: type | None = None):
+    """A checkpoint's JSON file (files.read_json: folders, links, permissions, UTF-8 and JSON errors name the file);
+    expect=dict also checks it is a JSON object."""
     try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: file not found") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: invalid JSON ({e})") from None
+        return read_json_file(path, expect)
+    except FileFormatError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def has_file(path: Path) -> bool:
+    """files.present, failing as a CheckpointError."""
+    try:
+        return present(path)
+    except FileFormatError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def load_config(path: Path) -> ModelConfig:
     cfg_path = path / "config.json"
-    if not cfg_path.exists():
+    if not has_file(cfg_path):
         raise CheckpointError(f"{path}: no config.json in the checkpoint folder")
     try:
         return parse_config(read_json(cfg_path), where=str(cfg_path))
@@ -111,18 +134,24 @@ def load_config(path: Path) -> ModelConfig:
 
 def read_safetensors_header(path: Path) -> dict[str, dict]:
     """Parse and validate a safetensors header without loading data: {name: {dtype, shape, data_offsets}}."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, header length missing)")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8:
-            raise CheckpointError(
-                f"{path}: corrupt or truncated safetensors header (header claims {n} bytes, file has {size - 8} "
-                "after the length prefix)"
-            )
-        raw = f.read(n)
+    try:
+        has_file(path)
+        with open_binary(path) as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, header length missing)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise CheckpointError(
+                    f"{path}: corrupt or truncated safetensors header (header claims {n} bytes, file has {size - 8} "
+                    "after the length prefix)"
+                )
+            raw = f.read(n)
+    except FileFormatError as e:
+        raise CheckpointError(str(e)) from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read it ({e.strerror or e})") from None
     try:
         header = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -134,10 +163,14 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
     for name, info in header.items():
         try:
             dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-            if not all(isinstance(x, int) and x >= 0 for x in (begin, end, *shape)):
+            if not isinstance(shape, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                      for x in (begin, end, *shape)):
                 raise ValueError
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor '{name}'") from None
+        if dtype not in _ST_ITEMSIZE:
+            raise CheckpointError(f"{path}: tensor '{name}' has dtype {dtype!r}, which is not a safetensors dtype "
+                                  f"(known: {', '.join(_ST_ITEMSIZE)})")
         if begin > end:
             raise CheckpointError(
                 f"{path}: corrupt: tensor '{name}' has data offsets [{begin}, {end}] (begin after end)"
@@ -158,26 +191,53 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
 
 def weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
-    if index.exists():
-        wm = read_json(index).get("weight_map")
+    if has_file(index):
+        wm = read_json(index, dict).get("weight_map")
         if not isinstance(wm, dict) or not wm:
             raise CheckpointError(f"{index}: no 'weight_map'")
+        bad = [v for v in wm.values() if not isinstance(v, str) or not v or Path(v).name != v or v in (".", "..")]
+        if bad:
+            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names in the "
+                                  f"checkpoint folder, got {bad[0]!r}")
         files = sorted(set(wm.values()))
-        missing = [f for f in files if not (path / f).exists()]
+        missing = [f for f in files if not has_file(path / f)]
         if missing:
             raise CheckpointError(f"{index}: shard(s) listed in the index are missing from {path}: {missing}")
         return [path / f for f in files]
     files = sorted(path.glob("*.safetensors"))
+    for f in files:
+        has_file(f)  # a folder or a broken link named *.safetensors fails here, naming it
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors weight files (and no model.safetensors.index.json)")
     return files
+
+
+def checkpoint_tensors(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{name: (dtype, shape)} over all shards from the safetensors headers alone (nothing else is read), with every
+    header check of the loader: sizes and offsets against each file's size, index vs shards, no tensor twice."""
+    files = weight_files(path)
+    index = path / "model.safetensors.index.json"
+    wm = read_json(index)["weight_map"] if has_file(index) else None
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    where: dict[str, Path] = {}
+    for f in files:
+        header = read_safetensors_header(f)
+        if wm is not None:
+            absent = [k for k, v in wm.items() if v == f.name and k not in header]
+            if absent:
+                raise CheckpointError(f"{f}: tensor(s) listed for this shard in the index are absent: {absent[:5]}")
+        for k, info in header.items():
+            if k in out:
+                raise CheckpointError(f"{f}: tensor '{k}' is also present in {where[k]}")
+            out[k], where[k] = (info["dtype"], tuple(info["shape"])), f
+    return out
 
 
 def load_weights(path: Path) -> dict[str, mx.array]:
     """All tensors of a checkpoint, lazily (mx.load maps the files; nothing is read until evaluated)."""
     files = weight_files(path)
     index = path / "model.safetensors.index.json"
-    wm = read_json(index)["weight_map"] if index.exists() else None
+    wm = read_json(index)["weight_map"] if has_file(index) else None
     weights: dict[str, mx.array] = {}
     for f in files:
         header = read_safetensors_header(f)
@@ -301,10 +361,10 @@ def _attach_vision(model: Model, config: ModelConfig, vision: dict[str, mx.array
     model.set_vision(enc)
 
 
-def load_model(path: Path, dtype=None, *, lazy: bool = False) -> Model:
-    config = load_config(path)
-    dtype = parse_dtype(dtype)
-    text, vision = Model.sanitize(load_weights(path))
+def _split_checked(path: Path, config: ModelConfig, weights: dict):
+    """(model, text, vision, mtp): the checkpoint's tensors (arrays or anything with a .shape) mapped and checked
+    against the model config.json describes."""
+    text, vision = Model.sanitize(weights)
     mtp = {k: text.pop(k) for k in [k for k in text if k.startswith(("mtp.", "model.mtp."))]}
     model = Model(config)
     if config.text.tie_word_embeddings:
@@ -313,6 +373,46 @@ def load_model(path: Path, dtype=None, *, lazy: bool = False) -> Model:
         quantize_like(model, config.quantization, text)
     check_weights(model, text, path, config.quantization)
     check_vision(config, vision, path)
+    return model, text, vision, mtp
+
+
+class _Shape:
+    def __init__(self, shape):
+        self.shape = shape
+
+
+def check_checkpoint(path: Path, config: ModelConfig | None = None, *, require_weights: bool = True) -> dict | None:
+    """What `load` checks, from config.json and the safetensors headers only (no tensor data is read): every header
+    against its file's size, the index against the shards, every tensor name and shape against config.json,
+    generation_config.json. Returns {"files", "tensors", "bytes"}; raises CheckpointError naming the file (and
+    tensor) otherwise. require_weights=False: None for a folder without any weight file (config.json only)."""
+    config = config or load_config(path)
+    if not require_weights and not has_file(path / "model.safetensors.index.json") \
+            and not any(path.glob("*.safetensors")):
+        return None
+    tensors = checkpoint_tensors(path)
+    _split_checked(path, config, {k: _Shape(s) for k, (_, s) in tensors.items()})
+    gen_eos_ids(path)
+    files = weight_files(path)
+    return {"files": len(files), "tensors": len(tensors), "bytes": sum(f.stat().st_size for f in files)}
+
+
+def gen_eos_ids(path: Path) -> list[int]:
+    """generation_config.json's eos_token_id (an id or a list of ids), [] without the file."""
+    gc = path / "generation_config.json"
+    if not has_file(gc):
+        return []
+    e = read_json(gc, dict).get("eos_token_id")
+    ids = [e] if isinstance(e, int) else (e or [])
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise CheckpointError(f"{gc}: 'eos_token_id' must be a token id or a list of token ids, got {e!r}")
+    return ids
+
+
+def load_model(path: Path, dtype=None, *, lazy: bool = False) -> Model:
+    config = load_config(path)
+    dtype = parse_dtype(dtype)
+    model, text, vision, mtp = _split_checked(path, config, load_weights(path))
     if dtype is not None:
         text = {k: (v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in text.items()}
         vision = {k: (v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in vision.items()}
@@ -320,11 +420,7 @@ def load_model(path: Path, dtype=None, *, lazy: bool = False) -> Model:
     _attach_vision(model, config, vision, dtype, lazy)
     model.path = path
     model.mtp_weights = CarriedWeights(mtp)  # MTP layers, built on demand by speculative.load_drafter
-    eos = set(config.text.eos_token_ids)
-    if (path / "generation_config.json").exists():
-        e = read_json(path / "generation_config.json").get("eos_token_id")
-        eos.update([e] if isinstance(e, int) else (e or []))
-    model.eos_token_ids = eos
+    model.eos_token_ids = set(config.text.eos_token_ids) | set(gen_eos_ids(path))
     if not lazy:
         mx.eval(model.parameters())
     model.eval()
@@ -339,5 +435,8 @@ def load(path_or_repo, dtype=None, *, lazy: bool = False):
     """
     path = resolve_path(path_or_repo)
     model = load_model(path, dtype, lazy=lazy)
-    tokenizer = load_tokenizer(path, model.config)
+    try:
+        tokenizer = load_tokenizer(path, model.config)
+    except (TokenizerError, FileFormatError) as e:
+        raise CheckpointError(str(e)) from None
     return model, tokenizer

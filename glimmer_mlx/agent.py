@@ -32,7 +32,7 @@ from .runtime.loop import GenerationStats
 from .session import load_session
 from .tool_calls import (ToolCall, ToolParser, assistant_message, get_parser, neutralize_special_tokens,
                          tool_result_message)
-from .tools import TOOL_SPECS, ToolBox, ToolError, Workspace, coerce_arguments
+from .tools import TOOL_SPECS, ToolBox, ToolError, Workspace, coerce_arguments, visible
 
 # The system prompt the embedded model was trained with (embedded/build/agent_system.txt).
 DEFAULT_SYSTEM = ("You are glimmer, a coding agent working in a local workspace. Use the tools to look at and change "
@@ -153,6 +153,10 @@ class Agent:
         self.messages: list[dict] = []
         if self.toolbox.show is None:
             self.toolbox.show = self.ui.show
+        context = getattr(backend, "max_context", None)
+        if isinstance(context, int) and context > 0:  # one tool result must fit a small model's context:
+            # about a quarter of it (≈ 3-4 characters per token), so that a long line or file is clipped, not fatal
+            self.toolbox.max_chars = min(self.toolbox.max_chars, max(context, 500))
 
     # -- bookkeeping ---------------------------------------------------------------------------------------------
     def _record(self, record: dict) -> None:
@@ -322,6 +326,7 @@ class MLXBackend:
         self.session, self.mode, self.block_size = session, mode, block_size
         self.max_tokens, self.temperature, self.top_p, self.seed = max_tokens, temperature, top_p, seed
         self.chat_template = tok.chat_template
+        self.max_context = session.max_context  # the agent sizes tool results to it
         self.last_stats = None
 
     def __call__(self, messages, tools, on_text=None) -> str:
@@ -362,7 +367,7 @@ class RichUI(AgentUI):
             self.console.print(f"[dim]step {n}/{max_steps}[/]")
 
     def text(self, delta):
-        self.console.out(delta, end="", highlight=False)
+        self.console.out(visible(delta), end="", highlight=False)
 
     def end_text(self):
         self.console.out("")
@@ -371,32 +376,34 @@ class RichUI(AgentUI):
         if call.name == "final_answer":  # shown as the answer
             return
 
-        args = ", ".join(f"{k}={_clip(json.dumps(v, ensure_ascii=False), 60)}" for k, v in call.arguments.items())
-        self.console.print(f"[bold cyan]→ {escape(call.name)}[/]({escape(args)})", soft_wrap=True)
+        args = ", ".join(f"{visible(str(k), keep='')}={_clip(json.dumps(v, ensure_ascii=False), 60)}"
+                         for k, v in call.arguments.items())
+        self.console.print(f"[bold cyan]→ {escape(visible(call.name, keep=''))}[/]({escape(visible(args, keep=''))})",
+                           soft_wrap=True)
 
     def tool_result(self, call, result, ok):
         lines = result.splitlines() or [""]
         head = "\n".join(lines[:8]) + (f"\n… {len(lines) - 8} more lines" if len(lines) > 8 else "")
         style = "dim" if ok else "red"
-        self.console.print(f"[{style}]{escape(_indent(head))}[/]", soft_wrap=True)
+        self.console.print(f"[{style}]{escape(visible(_indent(head)))}[/]", soft_wrap=True)
 
     def error(self, message):
-        self.console.print(f"[yellow]! malformed reply: {escape(message)}[/]", soft_wrap=True)
+        self.console.print(f"[yellow]! malformed reply: {escape(visible(message))}[/]", soft_wrap=True)
 
-    def show(self, kind, text):
+    def show(self, kind, text):  # before a consent question: control characters shown escaped, never acted on
         if kind == "diff":
-            self.console.print(Syntax(text, "diff", theme="ansi_dark", background_color="default"))
+            self.console.print(Syntax(visible(text), "diff", theme="ansi_dark", background_color="default"))
         else:
-            self.console.print(f"[bold]$ {escape(text)}[/]", soft_wrap=True)
+            self.console.print(f"[bold]$ {escape(visible(text, keep=''))}[/]", soft_wrap=True)
 
     def final(self, answer):
         if self.out.is_terminal:
-            self.out.print(Panel(escape(answer), title="answer", border_style="green"))
+            self.out.print(Panel(escape(visible(answer)), title="answer", border_style="green"))
         else:
             self.out.out(answer, highlight=False)
 
     def stopped(self, reason):
-        self.console.print(f"[bold yellow]{escape(reason)}[/]", soft_wrap=True)
+        self.console.print(f"[bold yellow]{escape(visible(reason))}[/]", soft_wrap=True)
 
 
 def _clip(s: str, n: int) -> str:
@@ -416,7 +423,9 @@ def default_transcript_path() -> Path:
 
 
 def terminal_confirm(question: str) -> bool:
-    """Ask on the terminal (default no); end of input (no terminal) declines."""
+    """Ask on the terminal (default no); end of input (no terminal) declines. The question is shown with its
+    control characters escaped (the toolbox escapes them already; this holds for any caller)."""
+    question = visible(question, keep="")
     aborts = (typer.Abort,)
     try:
         import click
@@ -443,9 +452,13 @@ def run_command(task: str | None, *, backend_factory: Callable[[], Backend], wor
     if timeout <= 0:
         raise ValueError(f"--timeout must be > 0, got {timeout}")
     records = Transcript.load(resume) if resume is not None else None
-    ws = Workspace(Path(workspace or os.getcwd()))
-    if records is not None and workspace is None and records[0].get("workspace"):
-        ws = Workspace(Path(records[0]["workspace"]))  # resume where the run was
+    ws = Workspace(Path(workspace or os.getcwd()))  # always the command line's (or the current folder), never the
+    if records is not None:                         # transcript's: a transcript must not choose the jail
+        recorded = records[0].get("workspace")
+        if recorded is not None and (not isinstance(recorded, str)
+                                     or os.path.realpath(recorded) != str(ws.root)):
+            raise ValueError(f"transcript {resume} was recorded in workspace {visible(str(recorded), keep='')!r}, "
+                             f"not {str(ws.root)!r}; run it from that folder or pass --workspace to resume it")
     path = Path(transcript) if transcript else Path(resume) if resume else default_transcript_path()
     fork = resume is not None and path.resolve() != Path(resume).resolve()
     if (resume is None or fork) and path.exists() and path.stat().st_size > 0:

@@ -1,12 +1,27 @@
 """The agent's built-in tools, confined to a workspace folder (the jail).
 
-Every path argument is resolved against the workspace with symlinks followed (realpath) and refused when it lands
-outside: `..` components, absolute paths outside, symlinks pointing out and symlinked parent folders all fail with a
-`ToolError` whose message goes back to the model. There is no delete tool and no network tool. `write_file` and
-`patch_file` show a unified diff and ask before writing (unless `yes`), and write atomically (temp file + rename).
-`run` executes a shell command with cwd = the workspace and a timeout; it asks first unless `yes` or an allowlist
-prefix permits it. A shell command can do anything the user can (network, deletion, paths outside the workspace):
-the confirmation (or a narrow allowlist) is the guard, not the jail.
+The jail works on file descriptors, not on path strings: every file tool opens the workspace folder, then walks
+the path one component at a time with `os.open(name, O_DIRECTORY | O_NOFOLLOW, dir_fd=parent)`, and opens the
+last one with `O_NOFOLLOW` (reads also `O_NONBLOCK`, so a FIFO never blocks). A second process that swaps a folder
+or file for a symlink mid-call therefore cannot redirect it: the kernel refuses the symlink. Policy:
+
+- `..`, `~`, NUL bytes and absolute paths outside the workspace are refused before anything is opened;
+- symlinks are never followed (not even ones that point inside): the tool result says the path is a symlink;
+- only regular files are read; a file with more than one hard link (it may be an outside file's other name) or
+  on another file system than the workspace (a mount point) is refused, and so is a folder on another one;
+- writes create a temporary file in the parent folder's descriptor and `os.replace` it over the name (both
+  relative to that descriptor): atomic, and a symlink at the name is replaced, never written through;
+- reads take at most MAX_FILE_BYTES + 1 bytes from disk; results are clipped per line and in total (`max_chars`,
+  which the agent lowers to fit a small model's context) with a visible "[clipped …]" marker.
+
+There is no delete tool and no network tool. `write_file` and `patch_file` show a unified diff and ask before
+writing (unless `yes`). `run` executes a shell command with cwd = the workspace and a timeout; it asks first unless
+`yes` or an allowlist entry matches the whole command (exact argument vector; a trailing `*` word allows any further
+arguments). Its output is read in chunks and capped (head + tail kept, the process killed far past the cap), and
+nothing it starts outlives it: it runs under a small reaper process that is, on Linux, a child subreaper
+(PR_SET_CHILD_SUBREAPER), so descendants that detach with setsid are still found and killed; elsewhere only the
+command's process group is killed. A shell command can do anything the user can (network, deletion, paths outside
+the workspace): the confirmation (or a narrow allowlist) is the guard, not the jail.
 
 Tool results use the formats the embedded model was trained on (embedded/build/synthetic.py): `list_files` one name
 per line (folders end with "/"), `read_file` numbered lines (`"{n:>4}  {line}"`), `search` `path:line:text`,
@@ -16,19 +31,22 @@ per line (folders end with "/"), `read_file` numbered lines (`"{n:>4}  {line}"`)
 from __future__ import annotations
 
 import difflib
-import json
+import errno
 import fnmatch
+import json
 import os
 import re
+import secrets
+import select
 import shlex
 import signal
+import stat
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
-
-from .files import write_atomic
 
 try:  # the `regex` package (an mlx-lm dependency in practice) can time a search out; `re` cannot
     import regex as _rx
@@ -58,15 +76,24 @@ TOOL_NAMES = [t["function"]["name"] for t in TOOL_SPECS]
 EXACT_TEXT = {"content", "old", "new"}
 
 MAX_LIST = 200  # entries listed
-MAX_READ_CHARS = 60_000  # characters returned by one read_file
-MAX_FILE_BYTES = 2_000_000  # files larger than this are not read or searched
+MAX_READ_CHARS = 60_000  # characters of one tool result (read_file, search, run): ToolBox.max_chars
+MAX_LINE_CHARS = 2_000  # characters of one line read_file returns
+MAX_FILE_BYTES = 2_000_000  # files larger than this are not read or searched (at most this + 1 bytes are read)
 MAX_MATCHES = 100  # search hits returned
 MAX_LINE = 300  # characters of a matching line shown
-MAX_OUTPUT = 16_000  # characters of a command's output returned (head and tail)
+MAX_OUTPUT = 16_000  # bytes of a command's output kept (head and tail)
+OUTPUT_KILL_BYTES = 16_000_000  # a command that writes more than this is killed
 MAX_DIFF = 12_000  # characters of a diff shown to the user
+MAX_PATH = 4_096  # characters of a path argument
+MAX_DEPTH = 64  # folder levels a search descends
 SEARCH_SECONDS = 10.0  # time one search may take
 SKIP_DIRS = {".git", "__pycache__", ".venv", "venv", "node_modules", ".mypy_cache", ".pytest_cache", ".tox"}
-SHELL_META = re.compile(r"[;&|`$<>(){}\n\\*?\[\]!~]")
+SHELL_META = re.compile(r"[;&|`$<>(){}\n\r\\*?\[\]!~#]")
+ANY_ARGS = "*"  # an allowlist entry's last word: any further arguments
+
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0)
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
 
 class ToolError(Exception):
@@ -74,45 +101,266 @@ class ToolError(Exception):
 
 
 class JailError(ToolError):
-    """A path outside the workspace."""
+    """A path outside the workspace (or one the jail will not follow: a symlink, a hard link, a mount point)."""
+
+
+class Missing(ToolError):
+    """No such file or folder."""
+
+
+# characters a terminal may act on (C0 but tab/newline, DEL, C1), bidi and zero-width controls, line separators and
+# lone surrogates (undecodable bytes of a file name)
+_BIDI = set("\u061c\u200b\u200c\u200d\u200e\u200f\u2028\u2029\u202a\u202b\u202c\u202d\u202e"
+            "\u2060\u2066\u2067\u2068\u2069\ufeff")
+
+
+def _hidden(ch: str) -> bool:
+    o = ord(ch)
+    return o < 0x20 or 0x7f <= o < 0xa0 or ch in _BIDI or 0xd800 <= o < 0xe000
+
+
+def visible(text: str, keep: str = "\n\t") -> str:
+    """`text` with every control character a terminal could act on written as a visible escape (`\\x1b`, `\\r`,
+    `\\u202e`): what the user sees is what is there. `keep`: characters left as they are (newline and tab; pass ""
+    for one-line text such as a command or a path)."""
+    if not any(_hidden(ch) for ch in text):
+        return text
+    out = []
+    for ch in text:
+        if ch in keep or not _hidden(ch):
+            out.append(ch)
+        elif ch == "\r":
+            out.append("\\r")
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\t":
+            out.append("\\t")
+        else:
+            out.append(f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}")
+    return "".join(out)
 
 
 @dataclass
 class Workspace:
+    """The jail: a folder, opened by descriptor for every operation (see the module docstring)."""
+
     root: Path
 
     def __post_init__(self):
-        root = Path(os.path.realpath(os.fspath(self.root)))
+        given = os.path.abspath(os.fspath(self.root))
+        root = Path(os.path.realpath(given))
         if not root.is_dir():
             raise NotADirectoryError(f"workspace {self.root} is not a folder")
         self.root = root
+        self.aliases = sorted({str(root), given}, key=len, reverse=True)  # absolute spellings of the root
+        st = os.stat(root)
+        self.dev, self.ino = st.st_dev, st.st_ino
 
-    def resolve(self, path) -> Path:
-        """The real path of `path` (relative to the workspace, or absolute inside it); JailError when it is not
-        confined to the workspace. The file need not exist; its existing parents are resolved through symlinks."""
+    # -- paths (no file system access) -------------------------------------------------------------------------
+    def parts(self, path) -> list[str]:
+        """The components of `path` (relative to the workspace, or absolute inside it); JailError for `..`, `~`,
+        NUL bytes, an absolute path outside, a path longer than MAX_PATH."""
         if path is None:
             path = "."
         if not isinstance(path, str):
             raise JailError(f"a path must be a string, got {type(path).__name__}")
         if "\x00" in path:
             raise JailError("a path must not contain a NUL character")
+        if len(path) > MAX_PATH:
+            raise JailError(f"a path must be at most {MAX_PATH} characters, got {len(path)}")
         if path.strip() == "":
             path = "."
         if path.startswith("~"):
             raise JailError(f"{path!r}: '~' paths are outside the workspace; use paths relative to the workspace")
-        p = Path(path)
-        if ".." in p.parts:
+        if os.path.isabs(path):
+            for alias in self.aliases:
+                base = alias.rstrip("/")
+                if path == alias or path.startswith(base + "/"):
+                    path = path[len(base):]
+                    break
+            else:
+                raise JailError(f"{path!r} is outside the workspace; only paths inside it are allowed")
+        parts = [p for p in path.split("/") if p not in ("", ".")]
+        if ".." in parts:
             raise JailError(f"{path!r}: '..' is not allowed in paths; use paths inside the workspace")
-        full = p if p.is_absolute() else self.root / p
-        real = Path(os.path.realpath(full))
-        if real != self.root and self.root not in real.parents:
-            how = "is a symlink (or has a symlinked parent) pointing" if not p.is_absolute() else "is"
-            raise JailError(f"{path!r} {how} outside the workspace; only paths inside it are allowed")
-        return real
+        return parts
+
+    def resolve(self, path) -> Path:
+        """The absolute path `path` names in the workspace (lexically: symlinks are not resolved, the tools refuse
+        them when they open it); JailError when it is not confined to the workspace."""
+        return self.root.joinpath(*self.parts(path))
 
     def rel(self, real: Path) -> str:
         r = real.relative_to(self.root).as_posix()
         return r or "."
+
+    # -- descriptors ---------------------------------------------------------------------------------------------
+    def open_root(self) -> int:
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != (self.dev, self.ino):
+            os.close(fd)
+            raise JailError(f"the workspace folder {self.root} was replaced since the agent started; refused")
+        return fd
+
+    def _refusal(self, fd: int, name: str, shown: str, err: OSError, want: str) -> ToolError:
+        """Why opening `name` in folder `fd` failed, as the message for the model."""
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except OSError:
+            st = None
+        if st is not None and stat.S_ISLNK(st.st_mode):
+            return JailError(f"{shown} is a symlink; the file tools never follow symlinks (use the path of the "
+                             f"real file inside the workspace)")
+        if isinstance(err, FileNotFoundError) or st is None:
+            return Missing(f"{shown}: no such {want}")
+        if err.errno == errno.ENOTDIR or not stat.S_ISDIR(st.st_mode) and want == "folder":
+            return ToolError(f"{shown} is not a folder")
+        return ToolError(f"{shown}: {err.strerror or err}")
+
+    def check_dev(self, fd: int, shown: str) -> os.stat_result:
+        st = os.fstat(fd)
+        if st.st_dev != self.dev:
+            os.close(fd)
+            raise JailError(f"{shown} is on another file system than the workspace (a mount point); refused")
+        return st
+
+    def open_dir(self, parts: list[str], *, create: bool = False) -> int:
+        """A descriptor of the folder `parts` (the caller closes it), walked from the root without following any
+        symlink; missing folders are made when `create`."""
+        fd = self.open_root()
+        try:
+            for i, name in enumerate(parts):
+                shown = "/".join(parts[:i + 1])
+                try:
+                    nfd = os.open(name, _DIR, dir_fd=fd)
+                except FileNotFoundError as e:
+                    if not create:
+                        raise self._refusal(fd, name, shown, e, "folder") from None
+                    try:
+                        os.mkdir(name, 0o777, dir_fd=fd)
+                    except FileExistsError:
+                        pass
+                    try:
+                        nfd = os.open(name, _DIR, dir_fd=fd)
+                    except OSError as e2:
+                        raise self._refusal(fd, name, shown, e2, "folder") from None
+                except OSError as e:
+                    raise self._refusal(fd, name, shown, e, "folder") from None
+                os.close(fd)
+                fd = -1
+                self.check_dev(nfd, shown)
+                fd = nfd
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            raise
+        return fd
+
+    def lstat(self, parts: list[str]) -> os.stat_result | None:
+        """The entry `parts` names, not following a symlink there (None when it does not exist)."""
+        if not parts:
+            return os.stat(self.root)
+        fd = self.open_dir(parts[:-1])
+        try:
+            return os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        finally:
+            os.close(fd)
+
+    def _check_file(self, st: os.stat_result, shown: str) -> None:
+        if stat.S_ISLNK(st.st_mode):
+            raise JailError(f"{shown} is a symlink; the file tools never follow symlinks (use the path of the real "
+                            f"file inside the workspace)")
+        if stat.S_ISDIR(st.st_mode):
+            raise ToolError(f"{shown} is a folder, not a file (use list_files)")
+        if not stat.S_ISREG(st.st_mode):
+            raise ToolError(f"{shown} is not a regular file (a FIFO, socket or device); refused")
+        if st.st_nlink > 1:
+            raise JailError(f"{shown} has {st.st_nlink} hard links; a hard link can be another name of a file "
+                            f"outside the workspace, so the file tools refuse it")
+        if st.st_dev != self.dev:
+            raise JailError(f"{shown} is on another file system than the workspace (a mount point); refused")
+
+    def read_bytes(self, parts: list[str], dir_fd: int | None = None) -> tuple[bytes, os.stat_result]:
+        """The content of regular file `parts` (at most MAX_FILE_BYTES; larger is a ToolError) and its stat.
+        `dir_fd`: the open parent folder (then `parts` is [name])."""
+        shown = "/".join(parts) or "."
+        if not parts:
+            raise ToolError(". is a folder, not a file (use list_files)")
+        pfd = self.open_dir(parts[:-1]) if dir_fd is None else dir_fd
+        try:
+            name = parts[-1]
+            try:
+                pre = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+            except OSError as e:
+                raise self._refusal(pfd, name, shown, e, "file") from None
+            self._check_file(pre, shown)  # refuse FIFOs and devices before opening them
+            try:
+                fd = os.open(name, _READ, dir_fd=pfd)
+            except OSError as e:
+                raise self._refusal(pfd, name, shown, e, "file") from None
+        finally:
+            if dir_fd is None:
+                os.close(pfd)
+        try:
+            st = os.fstat(fd)
+            self._check_file(st, shown)  # what was opened, whatever was there a moment before
+            if st.st_size > MAX_FILE_BYTES:
+                raise ToolError(f"{shown} is {st.st_size} bytes, larger than the {MAX_FILE_BYTES}-byte limit")
+            os.set_blocking(fd, True)
+            chunks, n = [], 0
+            while n <= MAX_FILE_BYTES:
+                b = os.read(fd, min(1 << 20, MAX_FILE_BYTES + 1 - n))
+                if not b:
+                    break
+                chunks.append(b)
+                n += len(b)
+            if n > MAX_FILE_BYTES:
+                raise ToolError(f"{shown} is larger than the {MAX_FILE_BYTES}-byte limit")
+            return b"".join(chunks), st
+        finally:
+            os.close(fd)
+
+    def write_bytes(self, parts: list[str], data: bytes, mode: int | None = None) -> None:
+        """Replace file `parts` by `data` atomically: a temporary file in the parent folder's descriptor, flushed,
+        then renamed over the name (relative to that descriptor). `mode`: the permissions (None: a new file's,
+        0o666 less the umask). Missing parent folders are made; a folder or symlink at the name is refused."""
+        shown = "/".join(parts)
+        pfd = self.open_dir(parts[:-1], create=True)
+        try:
+            name = parts[-1]
+            try:
+                st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+            except FileNotFoundError:
+                st = None
+            if st is not None and stat.S_ISLNK(st.st_mode):
+                raise JailError(f"{shown} is a symlink; the file tools never follow or replace symlinks")
+            if st is not None and not stat.S_ISREG(st.st_mode):
+                raise ToolError(f"{shown} is not a regular file" if not stat.S_ISDIR(st.st_mode)
+                                else f"{shown} is a folder")
+            tmp = f".glimmer-{secrets.token_hex(6)}.tmp"
+            fd = os.open(tmp, _CREATE, 0o666 if mode is None else 0o600, dir_fd=pfd)
+            try:
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view):]
+                    if mode is not None:
+                        os.fchmod(fd, mode)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(tmp, name, src_dir_fd=pfd, dst_dir_fd=pfd)
+            except BaseException:
+                try:
+                    os.unlink(tmp, dir_fd=pfd)
+                except OSError:
+                    pass
+                raise
+        finally:
+            os.close(pfd)
 
 
 def _is_text(data: bytes) -> bool:
@@ -125,24 +373,23 @@ def _is_text(data: bytes) -> bool:
     return True
 
 
-def _read_text(real: Path, rel: str) -> str:
-    if not real.exists():
-        raise ToolError(f"{rel}: no such file")
-    if real.is_dir():
-        raise ToolError(f"{rel} is a folder, not a file (use list_files)")
-    if not real.is_file():  # a FIFO or device would block or never end
-        raise ToolError(f"{rel} is not a regular file")
-    size = real.stat().st_size
-    if size > MAX_FILE_BYTES:
-        raise ToolError(f"{rel} is {size} bytes, larger than the {MAX_FILE_BYTES}-byte limit")
-    data = real.read_bytes()
-    if not _is_text(data):
-        raise ToolError(f"{rel} is a binary file (not UTF-8 text)")
-    return data.decode("utf-8", errors="replace")
-
-
 def numbered(text: str, start: int = 1) -> str:
     return "\n".join(f"{i:>4}  {line}" for i, line in enumerate(text.splitlines(), start))
+
+
+def clip_line(line: str, limit: int) -> str:
+    """`line` cut to `limit` characters, with a visible marker saying how many were cut."""
+    if len(line) <= limit:
+        return line
+    return f"{line[:limit]} … [clipped {len(line) - limit} characters]"
+
+
+def clip_text(text: str, limit: int) -> str:
+    """`text` cut to about `limit` characters (head and tail kept), with a visible marker."""
+    if len(text) <= limit:
+        return text
+    half = max(limit // 2, 1)
+    return f"{text[:half]}\n... [clipped {len(text) - 2 * half} characters] ...\n{text[-half:]}"
 
 
 def unified_diff(old: str, new: str, rel: str) -> str:
@@ -155,21 +402,29 @@ def unified_diff(old: str, new: str, rel: str) -> str:
 
 
 def allowed_by(command: str, allow: list[str]) -> bool:
-    """Whether an allowlist prefix permits `command` without asking: the command's words start with the prefix's
-    words and it holds no shell operators, substitutions, redirections or globs (so `ls; rm -rf x` or `ls $(rm x)`
-    never pass as `ls`)."""
+    """Whether an allowlist entry permits `command` without asking. The command must hold no shell operators,
+    substitutions, redirections, quotes or globs, and its words (shlex-split) must equal the entry's words exactly;
+    an entry whose last word is a lone `*` (ANY_ARGS) allows any further arguments after the words before it (use
+    with care: `git diff *` also allows `git diff --output=/elsewhere`). Never a prefix match."""
     if not allow or SHELL_META.search(command):
         return False
     try:
         words = shlex.split(command)
     except ValueError:
         return False
-    for prefix in allow:
+    if not words:
+        return False
+    for entry in allow:
         try:
-            pw = shlex.split(prefix)
+            pw = shlex.split(entry)
         except ValueError:
             continue
-        if pw and words[:len(pw)] == pw:
+        if not pw:
+            continue
+        if pw[-1] == ANY_ARGS:
+            if len(pw) > 1 and words[:len(pw) - 1] == pw[:-1]:
+                return True
+        elif words == pw:
             return True
     return False
 
@@ -188,11 +443,95 @@ def _search_line(rx, line: str, deadline: float, pattern: str):
                         f"catastrophically?); use a simpler pattern") from None
 
 
-def _clip_output(text: str) -> str:
-    if len(text) <= MAX_OUTPUT:
-        return text
-    half = MAX_OUTPUT // 2
-    return f"{text[:half]}\n... [{len(text) - MAX_OUTPUT} characters cut] ...\n{text[-half:]}"
+class _Capped:
+    """A command's output as it streams: the first and last `cap // 2` bytes kept, the rest only counted."""
+
+    def __init__(self, cap: int):
+        self.half = max(cap // 2, 1)
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.total = 0
+
+    def add(self, chunk: bytes) -> None:
+        self.total += len(chunk)
+        room = self.half - len(self.head)
+        if room > 0:
+            self.head += chunk[:room]
+            chunk = chunk[room:]
+        if chunk:
+            self.tail += chunk[-self.half:]
+            if len(self.tail) > 2 * self.half:
+                del self.tail[:-self.half]
+
+    def text(self) -> str:
+        tail = bytes(self.tail[-self.half:])
+        cut = self.total - len(self.head) - len(tail)
+        head = self.head.decode("utf-8", errors="replace")
+        if cut <= 0:
+            return (bytes(self.head) + bytes(self.tail)).decode("utf-8", errors="replace")
+        return f"{head}\n... [clipped {cut} bytes] ...\n{tail.decode('utf-8', errors='replace')}"
+
+
+# The reaper `run` starts the shell under (python -I -S -c REAPER COMMAND): on Linux a child subreaper, so every
+# descendant, even one that left the process group and the session (setsid), becomes its child once orphaned; when
+# the shell ends (or on SIGTERM: timeout, too much output) it kills the shell's process group, then every child it
+# has, level by level, until none is left. Exit status: the shell's (128 + N for signal N).
+REAPER = r"""
+import os, signal, subprocess, sys, time
+try:
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER (Linux)
+except Exception:
+    pass
+shell, stopping = None, False
+def stop(*_):
+    global stopping
+    stopping = True
+    if shell is not None:
+        try:
+            os.killpg(shell.pid, signal.SIGKILL)
+        except OSError:
+            pass
+signal.signal(signal.SIGTERM, stop)
+shell = subprocess.Popen(sys.argv[1], shell=True, stdin=subprocess.DEVNULL, start_new_session=True)
+if stopping:
+    stop()
+rc = shell.wait()
+me = str(os.getpid()).encode()
+def children():
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    out = []
+    for d in names:
+        if d.isdigit():
+            try:
+                with open("/proc/" + d + "/stat", "rb") as f:
+                    s = f.read()
+            except OSError:
+                continue
+            if s[s.rfind(b")") + 2:].split()[1:2] == [me]:
+                out.append(int(d))
+    return out
+for _ in range(2000):
+    try:
+        os.killpg(shell.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    for pid in children():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        break
+    time.sleep(0.005)
+sys.exit(rc if rc >= 0 else 128 - rc)
+"""
 
 
 @dataclass
@@ -200,7 +539,8 @@ class ToolBox:
     """The tools bound to a workspace, with the user's consent policy.
 
     confirm(question) -> bool asks the user (typer.confirm at the terminal); show(kind, text) displays a diff or a
-    command before the question ("diff" | "command" | "note")."""
+    command before the question ("diff" | "command" | "note"). Both get text with control characters escaped
+    (`visible`). max_chars: the most characters of one read_file, search or run result."""
 
     workspace: Workspace
     yes: bool = False
@@ -208,10 +548,11 @@ class ToolBox:
     confirm: Callable[[str], bool] | None = None
     show: Callable[[str, str], None] | None = None
     timeout: float = 120.0
+    max_chars: int = MAX_READ_CHARS
 
     def _show(self, kind: str, text: str) -> None:
         if self.show is not None:
-            self.show(kind, text)
+            self.show(kind, visible(text, keep="\n\t" if kind == "diff" else ""))
 
     def _ask(self, question: str) -> bool:
         if self.yes:
@@ -220,21 +561,39 @@ class ToolBox:
             return False
         return bool(self.confirm(question))
 
+    def _target(self, path) -> tuple[list[str], str]:
+        parts = self.workspace.parts(path)
+        return parts, "/".join(parts) or "."
+
+    def _read_text(self, parts: list[str], rel: str) -> tuple[str, os.stat_result]:
+        data, st = self.workspace.read_bytes(parts)
+        if not _is_text(data):
+            raise ToolError(f"{rel} is a binary file (not UTF-8 text)")
+        return data.decode("utf-8", errors="replace"), st
+
     # -- tools -------------------------------------------------------------------------------------------------
     def list_files(self, path: str = ".", pattern: str | None = None) -> str:
-        real = self.workspace.resolve(path)
-        rel = self.workspace.rel(real)
-        if not real.exists():
+        parts, rel = self._target(path)
+        st = self.workspace.lstat(parts)
+        if st is None:
             raise ToolError(f"{rel}: no such folder")
-        if not real.is_dir():
-            return rel
+        if stat.S_ISLNK(st.st_mode):
+            raise JailError(f"{rel} is a symlink; the file tools never follow symlinks")
+        if not stat.S_ISDIR(st.st_mode):
+            return visible(rel, keep="")
+        fd = self.workspace.open_dir(parts)
+        try:
+            with os.scandir(fd) as it:
+                entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+        finally:
+            os.close(fd)
         names = []
-        for p in real.iterdir():
-            if p.name.startswith(".") or p.name in SKIP_DIRS:
+        for name, is_dir in entries:
+            if name.startswith(".") or name in SKIP_DIRS:
                 continue
-            if pattern and not fnmatch.fnmatch(p.name, pattern):
+            if pattern and not fnmatch.fnmatch(name, pattern):
                 continue
-            names.append(p.name + ("/" if p.is_dir() else ""))
+            names.append(visible(name, keep="") + ("/" if is_dir else ""))
         names.sort()
         if not names:
             return "(empty)" if not pattern else f"(no entries match {pattern!r})"
@@ -242,9 +601,8 @@ class ToolBox:
         return "\n".join(names[:MAX_LIST]) + (f"\n... {more} more entries" if more > 0 else "")
 
     def read_file(self, path: str, start_line: int | None = None, end_line: int | None = None) -> str:
-        real = self.workspace.resolve(path)
-        rel = self.workspace.rel(real)
-        lines = _read_text(real, rel).splitlines()
+        parts, rel = self._target(path)
+        lines = self._read_text(parts, rel)[0].splitlines()
         start = 1 if start_line is None else start_line
         if start < 1:
             raise ToolError(f"start_line must be >= 1, got {start}")
@@ -255,10 +613,12 @@ class ToolBox:
         if start > len(lines):
             raise ToolError(f"{rel} has {len(lines)} lines; start_line {start} is past the end")
         end = len(lines) if end_line is None else min(end_line, len(lines))
+        limit = max(self.max_chars, 200)
+        per_line = min(MAX_LINE_CHARS, limit - 100)
         out, size = [], 0
         for i in range(start, end + 1):
-            line = f"{i:>4}  {lines[i - 1]}"
-            if size + len(line) > MAX_READ_CHARS and out:
+            line = f"{i:>4}  {clip_line(lines[i - 1], per_line)}"
+            if size + len(line) > limit and out:
                 out.append(f"... (cut at line {i - 1} of {len(lines)}; read on with start_line={i})")
                 break
             out.append(line)
@@ -267,68 +627,103 @@ class ToolBox:
 
     def search(self, pattern: str, path: str = ".") -> str:
         """Regex search, bounded in output and (with the `regex` package) in time: a pattern that backtracks
-        catastrophically fails after SEARCH_SECONDS instead of hanging the agent."""
+        catastrophically fails after SEARCH_SECONDS instead of hanging the agent. Walks folders by descriptor,
+        never following a symlink; skips what read_file would refuse."""
         try:
             rx = _rx.compile(pattern)
         except _rx.error as e:
             raise ToolError(f"invalid regular expression {pattern!r}: {e}") from None
         deadline = time.monotonic() + SEARCH_SECONDS
-        real = self.workspace.resolve(path)
-        if not real.exists():
-            raise ToolError(f"{self.workspace.rel(real)}: no such file or folder")
-        files = [real] if real.is_file() else self._walk(real)
+        parts, rel = self._target(path)
+        st = self.workspace.lstat(parts)
+        if st is None:
+            raise ToolError(f"{rel}: no such file or folder")
+        if stat.S_ISDIR(st.st_mode):
+            files = self._walk(self.workspace.open_dir(parts), parts, 0, deadline)
+        else:
+            files = iter([(parts, self.workspace.read_bytes(parts)[0])])
         hits, n = [], 0
-        for f in files:
-            try:
-                if not f.is_file() or f.stat().st_size > MAX_FILE_BYTES:
+        try:
+            for fparts, data in files:
+                if not _is_text(data):
                     continue
-                data = f.read_bytes()
-            except OSError:
-                continue
-            if not _is_text(data):
-                continue
-            rel = self.workspace.rel(f)
-            for i, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
-                if _search_line(rx, line[:4 * MAX_LINE], deadline, pattern):
-                    n += 1
-                    if len(hits) < MAX_MATCHES:
-                        hits.append(f"{rel}:{i}:{line[:MAX_LINE]}")
+                shown = visible("/".join(fparts), keep="")
+                for i, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
+                    if _search_line(rx, line[:4 * MAX_LINE], deadline, pattern):
+                        n += 1
+                        if len(hits) < MAX_MATCHES:
+                            hits.append(f"{shown}:{i}:{clip_line(line, MAX_LINE)}")
+        finally:
+            close = getattr(files, "close", None)
+            if close is not None:
+                close()  # the walk's open folders
         if not hits:
             return f"no matches for {pattern!r}"
-        return "\n".join(hits) + (f"\n... {n - MAX_MATCHES} more matches" if n > MAX_MATCHES else "")
+        text = "\n".join(hits) + (f"\n... {n - MAX_MATCHES} more matches" if n > MAX_MATCHES else "")
+        return clip_text(text, max(self.max_chars, 200))
 
-    def _walk(self, real: Path):
-        """Files under `real` (inside the workspace): hidden and cache folders skipped, symlinks not followed."""
-        for dirpath, dirnames, filenames in os.walk(real, followlinks=False):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in SKIP_DIRS)
-            for name in sorted(filenames):
-                p = Path(dirpath) / name
-                if p.is_symlink():
+    def _walk(self, fd: int, parts: list[str], depth: int, deadline: float):
+        """(parts, content) of the files under open folder `fd` (closed when done): hidden and cache folders
+        skipped, symlinks, hard-linked and special files skipped, files before subfolders, by name."""
+        try:
+            with os.scandir(fd) as it:
+                entries = sorted(((e.name, e.is_dir(follow_symlinks=False), e.is_file(follow_symlinks=False))
+                                  for e in it))
+            for name, is_dir, is_file in entries:
+                if is_file:
+                    if time.monotonic() > deadline:
+                        return
                     try:
-                        self.workspace.resolve(self.workspace.rel(p))
-                    except JailError:
+                        data, _ = self.workspace.read_bytes(parts + [name], dir_fd=fd)
+                    except (ToolError, OSError):
                         continue
-                yield p
+                    yield parts + [name], data
+            for name, is_dir, _ in entries:
+                if not is_dir or name.startswith(".") or name in SKIP_DIRS or depth >= MAX_DEPTH:
+                    continue
+                try:
+                    cfd = os.open(name, _DIR, dir_fd=fd)
+                except OSError:  # swapped for a symlink, gone
+                    continue
+                try:
+                    self.workspace.check_dev(cfd, name)
+                except JailError:
+                    continue
+                yield from self._walk(cfd, parts + [name], depth + 1, deadline)
+        finally:
+            os.close(fd)
+
+    def _existing(self, parts: list[str], rel: str) -> tuple[str | None, int | None]:
+        """(content, permissions) of the file to replace, (None, None) when there is none."""
+        if not parts:
+            raise ToolError(". is a folder")
+        try:
+            st = self.workspace.lstat(parts)
+        except Missing:  # a parent folder is missing: write_file makes it
+            return None, None
+        if st is None:
+            return None, None
+        if stat.S_ISDIR(st.st_mode):
+            raise ToolError(f"{rel} is a folder")
+        text, st = self._read_text(parts, rel)
+        return text, stat.S_IMODE(st.st_mode)
 
     def write_file(self, path: str, content: str) -> str:
-        real = self.workspace.resolve(path)
-        rel = self.workspace.rel(real)
-        if real.is_dir():
-            raise ToolError(f"{rel} is a folder")
-        old = _read_text(real, rel) if real.exists() else None
+        parts, rel = self._target(path)
+        old, mode = self._existing(parts, rel)
         if old == content:
             return f"{rel} already has this content; nothing written"
         self._show("diff", unified_diff(old, content, rel))
         verb = "overwrite" if old is not None else "create"
-        if not self._ask(f"{verb} {rel}?"):
+        if not self._ask(visible(f"{verb} {rel}?", keep="")):
             raise ToolError(f"the user declined to {verb} {rel}; nothing was written")
-        write_atomic(real, content)
-        return f"wrote {rel} ({len(content.encode('utf-8'))} bytes)"
+        data = content.encode("utf-8")
+        self.workspace.write_bytes(parts, data, mode)
+        return f"wrote {rel} ({len(data)} bytes)"
 
     def patch_file(self, path: str, old: str, new: str) -> str:
-        real = self.workspace.resolve(path)
-        rel = self.workspace.rel(real)
-        text = _read_text(real, rel)
+        parts, rel = self._target(path)
+        text, st = self._read_text(parts, rel)
         if old == "":
             raise ToolError("`old` is empty; give the exact text to replace (use write_file for a new file)")
         count = text.count(old)
@@ -343,28 +738,60 @@ class ToolBox:
         if updated == text:
             return f"{rel} unchanged (`old` and `new` are the same)"
         self._show("diff", unified_diff(text, updated, rel))
-        if not self._ask(f"patch {rel}?"):
+        if not self._ask(visible(f"patch {rel}?", keep="")):
             raise ToolError(f"the user declined the patch to {rel}; nothing was written")
-        write_atomic(real, updated)
+        self.workspace.write_bytes(parts, updated.encode("utf-8"), stat.S_IMODE(st.st_mode))
         return f"patched {rel}: 1 replacement"
 
     def run(self, command: str) -> str:
         if not command.strip():
             raise ToolError("empty command")
+        if "\x00" in command:
+            raise ToolError("a command must not contain a NUL character")
         self._show("command", command)
-        if not (allowed_by(command, self.allow) or self._ask(f"run `{command}` in {self.workspace.root}?")):
+        question = visible(f"run `{command}` in {self.workspace.root}?", keep="")
+        if not (allowed_by(command, self.allow) or self._ask(question)):
             raise ToolError(f"the user declined to run `{command}`")
-        proc = subprocess.Popen(command, shell=True, cwd=self.workspace.root, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", REAPER, command], cwd=self.workspace.root,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        out, why = _Capped(MAX_OUTPUT), None
+        deadline = time.monotonic() + self.timeout
+        give_up = None  # when to stop reading: the reaper stuck, or an escaped process holding the pipe
+        fd = proc.stdout.fileno()
         try:
-            out, _ = proc.communicate(timeout=self.timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the whole process group: the shell and its children
-            out, _ = proc.communicate()
-            text = _clip_output(out.decode("utf-8", errors="replace"))
-            return f"timed out after {self.timeout:g}s (killed)\n{text}".rstrip()
-        text = _clip_output(out.decode("utf-8", errors="replace"))
-        return f"exit code {proc.returncode}\n{text}".rstrip()
+            while True:
+                now = time.monotonic()
+                if why is None and now >= deadline:
+                    why = f"timed out after {self.timeout:g}s (killed)"
+                    proc.send_signal(signal.SIGTERM)  # the reaper kills the command and all it started
+                if give_up is None and (why is not None or proc.poll() is not None):
+                    give_up = now + 5.0
+                if give_up is not None and now >= give_up:
+                    break
+                wait = min(0.1, max(deadline - now, 0.001)) if why is None else 0.1
+                if not select.select([fd], [], [], wait)[0]:
+                    continue
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    break
+                out.add(chunk)
+                if why is None and out.total > OUTPUT_KILL_BYTES:
+                    why = f"killed: the output passed {OUTPUT_KILL_BYTES} bytes"
+                    proc.send_signal(signal.SIGTERM)
+        finally:
+            proc.stdout.close()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except OSError:
+                    pass
+                proc.wait()
+        text = clip_text(out.text(), max(self.max_chars, 200))
+        head = why if why is not None else f"exit code {proc.returncode}"
+        return f"{head}\n{text}".rstrip()
 
     # -- dispatch ----------------------------------------------------------------------------------------------
     def call(self, name: str, arguments: dict, raw_arguments: dict | None = None) -> str:

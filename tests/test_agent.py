@@ -138,23 +138,30 @@ def test_jail_allows_inside_paths(ws):
     assert w.resolve("new/dir/file.txt").parent == root.resolve() / "new" / "dir"
 
 
-def test_symlinks_out_of_the_workspace_are_refused(ws):
+def test_symlinks_are_never_followed(ws):
+    """Policy: the file tools follow no symlink at all (out of the workspace or not), and say so."""
     root, outside = ws
     (root / "link.txt").symlink_to(outside / "secret.txt")
     (root / "linkdir").symlink_to(outside, target_is_directory=True)
-    (root / "inner.md").symlink_to(root / "README.md")  # a symlink that stays inside is fine
+    (root / "inner.md").symlink_to(root / "README.md")  # even one that stays inside
+    (root / "innerdir").symlink_to(root / "src", target_is_directory=True)
     b = box(root, yes=True)
     before = snapshot(outside)
     for name, args in [("read_file", {"path": "link.txt"}), ("read_file", {"path": "linkdir/secret.txt"}),
                        ("write_file", {"path": "link.txt", "content": "pwned"}),
                        ("write_file", {"path": "linkdir/new.txt", "content": "pwned"}),
                        ("patch_file", {"path": "link.txt", "old": "TOP", "new": "x"}),
-                       ("list_files", {"path": "linkdir"}), ("search", {"pattern": "SECRET", "path": "linkdir"})]:
-        with pytest.raises(JailError, match="outside the workspace"):
+                       ("list_files", {"path": "linkdir"}), ("search", {"pattern": "SECRET", "path": "linkdir"}),
+                       ("search", {"pattern": "SECRET", "path": "link.txt"}),
+                       ("read_file", {"path": "inner.md"}), ("read_file", {"path": "innerdir/app.py"}),
+                       ("write_file", {"path": "inner.md", "content": "x"})]:
+        with pytest.raises(JailError, match="is a symlink; the file tools never follow symlinks"):
             b.call(name, args)
     assert snapshot(outside) == before
-    assert "TOP SECRET" not in b.search("SECRET")  # a workspace-wide search does not follow links out
-    assert b.read_file("inner.md") == "   1  # demo"
+    assert (root / "README.md").read_text() == "# demo\n" and (root / "inner.md").is_symlink()
+    assert "TOP SECRET" not in b.search("SECRET")  # a workspace-wide search does not follow links
+    assert "innerdir" not in b.search("greet")
+    assert b.list_files() == "README.md\ninner.md\ninnerdir\nlink.txt\nlinkdir\nsrc/"  # listed, not as folders
 
 
 # ------------------------------------------------------------------------------------------------- the tools
@@ -267,7 +274,7 @@ def test_patch_file(ws):
 def test_run_consent_allowlist_and_timeout(ws):
     root, _ = ws
     asked = []
-    b = box(root, allow=["echo", "python -c"], confirm=lambda q: asked.append(q) or False, timeout=20)
+    b = box(root, allow=["echo hi", "python -c print"], confirm=lambda q: asked.append(q) or False, timeout=20)
     assert b.run("echo hi") == "exit code 0\nhi"
     assert asked == []
     with pytest.raises(ToolError, match="declined to run `echo hi; touch pwned`"):
@@ -277,15 +284,18 @@ def test_run_consent_allowlist_and_timeout(ws):
     with pytest.raises(ToolError, match="declined"):
         b.run("touch pwned")
     assert not (root / "pwned").exists() and len(asked) == 3
-    assert b.run("python -c print") == "exit code 0"  # allowed prefix, no operators: runs without asking
+    assert b.run("python -c print") == "exit code 0"  # exactly an allowed command: runs without asking
     with pytest.raises(ToolError, match="declined"):  # quoted operators still ask: the allowlist is conservative
         b.run("python -c 'import os; print(1)'")
+    with pytest.raises(ToolError, match="declined"):  # an allowed command plus arguments asks
+        b.run("echo hi there")
     yes = box(root, yes=True, timeout=20)
     out = yes.run("python -c 'import os; print(os.getcwd())'")
     assert out == f"exit code 0\n{root.resolve()}"  # runs in the workspace
     assert yes.run("python -c 'import sys; sys.exit(3)'") == "exit code 3"
-    assert not allowed_by("echoes x", ["echo"]) and allowed_by("echo x", ["echo"])
-    assert not allowed_by("echo x > f", ["echo"]) and not allowed_by("echo x", [])
+    assert not allowed_by("echoes x", ["echo"]) and allowed_by("echo x", ["echo x"])
+    assert allowed_by("echo 'x'", ["echo x"]) and not allowed_by("echo x", ["echo"])  # words, not a prefix
+    assert not allowed_by("echo x > f", ["echo x"]) and not allowed_by("echo x", [])
     slow = box(root, yes=True, timeout=0.5)
     t0 = time.perf_counter()
     assert slow.run("sleep 30").startswith("timed out after 0.5s (killed)")
@@ -468,19 +478,20 @@ def test_cli_agent(ws, tmp_path, monkeypatch):
                                  "Write other.txt"], input="")
     assert r.exit_code == 0 and not (root / "other.txt").exists()
     assert "declined to create other.txt" in backend.seen[-1][0][-1]["content"]
-    # the step limit exits with code 2; --resume continues the same transcript (and its workspace)
+    # the step limit exits with code 2; --resume continues the same transcript (in the same workspace)
     backend.outputs = [call_out(inv("list_files"))]
     limited = tmp_path / "limited.jsonl"
     r = CliRunner().invoke(app, ["agent", "-w", str(root), "--transcript", str(limited), "--max-steps", "1", "List"])
     assert r.exit_code == 2 and "stopped after 1 step(s)" in r.output
     backend.outputs = [" to=user<|message|>There are 2 entries."]
-    r = CliRunner().invoke(app, ["agent", "--resume", str(limited)])
+    r = CliRunner().invoke(app, ["agent", "-w", str(root), "--resume", str(limited)])
     assert r.exit_code == 0 and "There are 2 entries." in r.output
     assert backend.seen[-1][0][-1]["name"] == "list_files"
     assert [x["type"] for x in Transcript.load(limited)][-3:] == ["model_output", "message", "final"]
     # resuming into another file forks the run: the new file holds the whole conversation
     backend.outputs = [" to=user<|message|>Still 2."]
     fork = tmp_path / "fork.jsonl"
+    monkeypatch.chdir(root)  # the workspace defaults to the current folder (on --resume too)
     r = CliRunner().invoke(app, ["agent", "--resume", str(limited), "--transcript", str(fork), "Count again"])
     assert r.exit_code == 0, r.output
     msgs = [x["message"] for x in Transcript.load(fork) if x["type"] == "message"]

@@ -843,8 +843,8 @@ def _drop_reservation(out: Path, reserved: tuple[int, int]) -> None:
         st = os.lstat(out)
         if (st.st_dev, st.st_ino) != reserved:
             return
-        if os.listdir(out) == [RESERVED_MARKER]:
-            os.unlink(out / RESERVED_MARKER)
+        if os.path.lexists(out / RESERVED_MARKER):
+            os.unlink(out / RESERVED_MARKER)  # ours, in a folder of ours (even if someone added files to it)
         os.rmdir(out)  # fails (and keeps everything) unless empty
     except OSError:
         pass

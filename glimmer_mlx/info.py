@@ -64,10 +64,11 @@ def model_info(path_or_repo, contexts=(4096, 32768, 131072)) -> dict:
         w = total * bpp / 1e9
         memory.append({"format": fmt, "weights_gb": w,
                        "total_gb": [w + kv_cache_bytes(config, c) / 1e9 for c in contexts]})
-    arch["weights"] = ("none (config.json only: no *.safetensors, nothing else checked)" if weights is None else
-                       f"{weights['tensors']} tensors in {weights['files']} file(s), {weights['bytes'] / 1e9:.3f} GB; "
-                       "headers, names and shapes checked (data not read)")
+    checked = ("no weight files (config.json only): nothing else was checked" if weights is None else
+               f"{weights['tensors']} tensors in {weights['files']} file(s), {weights['bytes'] / 1e9:.3f} GB; "
+               "safetensors headers, tensor names and shapes and the tokenizer files checked (tensor data not read)")
     return {"path": str(path), "model_type": config.model_type, "architecture": arch, "weights": weights,
+            "checked": checked,
             "parameters": dict(counts, total=total), "contexts": list(contexts), "memory": memory}
 
 

@@ -384,7 +384,7 @@ class _Shape:
 def check_checkpoint(path: Path, config: ModelConfig | None = None, *, require_weights: bool = True) -> dict | None:
     """What `load` checks, from config.json and the safetensors headers only (no tensor data is read): every header
     against its file's size, the index against the shards, every tensor name and shape against config.json,
-    generation_config.json. Returns {"files", "tensors", "bytes"}; raises CheckpointError naming the file (and
+    generation_config.json and the tokenizer files. Returns {"files", "tensors", "bytes"}; raises CheckpointError naming the file (and
     tensor) otherwise. require_weights=False: None for a folder without any weight file (config.json only)."""
     config = config or load_config(path)
     if not require_weights and not has_file(path / "model.safetensors.index.json") \
@@ -393,6 +393,10 @@ def check_checkpoint(path: Path, config: ModelConfig | None = None, *, require_w
     tensors = checkpoint_tensors(path)
     _split_checked(path, config, {k: _Shape(s) for k, (_, s) in tensors.items()})
     gen_eos_ids(path)
+    try:
+        load_tokenizer(path, config)
+    except (TokenizerError, FileFormatError) as e:
+        raise CheckpointError(str(e)) from None
     files = weight_files(path)
     return {"files": len(files), "tensors": len(tensors), "bytes": sum(f.stat().st_size for f in files)}
 

@@ -435,3 +435,200 @@ def test_peak_memory_bounded_on_multi_shard_source(tmp_path, monkeypatch):
     b, _ = glimmer_mlx.load(tmp_path / "f")
     x = mx.array([[1, 2, 3, 4000, 17]])
     assert mx.array_equal(a(x), b(x))
+
+
+# -- OUT: reservation, concurrent conversions, --force recovery ------------------------------------------------------
+
+
+def during_first_write(monkeypatch, action):
+    """Run `action()` once, while the conversion writes its first tensor."""
+    real, done = cv._write_item, []
+
+    def hook(*a):
+        if not done:
+            done.append(1)
+            action()
+        return real(*a)
+
+    monkeypatch.setattr(cv, "_write_item", hook)
+    return done
+
+
+def cli_error_line(res) -> str:
+    assert res.exit_code == 1 and isinstance(res.exception, SystemExit) and "Traceback" not in res.output, res.output
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, res.stderr
+    return errors[0]
+
+
+def _fill_reserved(out: Path):
+    out.mkdir(exist_ok=True)  # `mkdir -p OUT && cp … OUT/`: somebody else's files land in OUT
+    (out / "theirs.txt").write_text("not yours")
+
+
+def _replace_reserved(out: Path):
+    shutil.rmtree(out, ignore_errors=True)  # somebody else's folder in its place
+    out.mkdir()
+    (out / "theirs.txt").write_text("not yours")
+
+
+@pytest.mark.parametrize("intruder", [_fill_reserved, _replace_reserved], ids=["files_put_in_out", "out_replaced"])
+def test_out_created_by_someone_else_while_converting_is_left_alone(src, tmp_path, monkeypatch, intruder):
+    """OUT is reserved (an empty folder of our own) when the conversion starts; whatever someone else puts at OUT
+    meanwhile is never replaced nor deleted: the conversion fails naming OUT (the old code moved it aside and deleted
+    it, exit 0)."""
+    out = tmp_path / "out"
+    done = during_first_write(monkeypatch, lambda: intruder(out))
+    with pytest.raises(ConvertError, match=r"out was changed by someone else while converting.*left as it is"):
+        convert(src, out, evaluate=False)
+    assert done and sorted(os.listdir(out)) == ["theirs.txt"] and (out / "theirs.txt").read_text() == "not yours"
+    assert not leftovers(tmp_path)
+
+
+def test_two_conversions_to_one_out(src, tmp_path, monkeypatch):
+    """A second conversion to the same OUT (with or without --force) fails with one line while the first runs, and
+    never touches the first's output; the first completes."""
+    from glimmer_mlx.cli import app
+
+    out = tmp_path / "out"
+    second = []
+
+    def run_second():
+        for extra in ([], ["--force"]):
+            second.append(CliRunner().invoke(app, ["convert", str(src), str(out), "--no-eval", *extra]))
+
+    during_first_write(monkeypatch, run_second)
+    res = convert(src, out, evaluate=False)
+    assert len(second) == 2
+    for r in second:
+        line = cli_error_line(r)
+        assert f"another conversion (pid {os.getpid()}) is writing it right now" in line and str(out) in line
+    assert res.out == out and glimmer_mlx.load(out)[0] is not None and not leftovers(tmp_path)
+
+
+def test_stale_reservation_of_a_killed_conversion_is_reclaimed(src, tmp_path):
+    """A conversion killed outright leaves its empty reserved OUT (only the marker in it): the rerun reuses it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / cv.RESERVED_MARKER).write_text(str(2**22 + 12345))
+    convert(src, out, evaluate=False)
+    assert (out / "config.json").exists() and not (out / cv.RESERVED_MARKER).exists() and not leftovers(tmp_path)
+    # a folder that holds anything else is not ours: refused without --force
+    (tmp_path / "o2").mkdir()
+    (tmp_path / "o2" / cv.RESERVED_MARKER).write_text("1")
+    (tmp_path / "o2" / "mine.txt").write_text("mine")
+    with pytest.raises(ConvertError, match="already exists"):
+        convert(src, tmp_path / "o2", evaluate=False)
+    assert sorted(os.listdir(tmp_path / "o2")) == [cv.RESERVED_MARKER, "mine.txt"]
+
+
+KILL = """
+import os, shutil, sys
+real_rename, real_rmtree = os.rename, shutil.rmtree
+def rename(a, b, *k, **kw):
+    if sys.argv[1] == "between-renames" and os.path.basename(str(a)).startswith(".out.glimmer-convert-"):
+        os._exit(137)  # killed after moving the old OUT aside, before moving the new one in
+    return real_rename(a, b, *k, **kw)
+def rmtree(p, *k, **kw):
+    if sys.argv[1] == "before-delete" and ".glimmer-old-" in os.path.basename(str(p)):
+        os._exit(137)  # killed after the swap, before deleting the old OUT
+    return real_rmtree(p, *k, **kw)
+os.rename, shutil.rmtree = rename, rmtree
+from glimmer_mlx.cli import app
+app(["convert", sys.argv[2], sys.argv[3], "--force", "--no-eval"])
+"""
+
+
+def killed_force_conversion(src, out, where) -> None:
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", KILL, where, str(src), str(out)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 137, r.stdout + r.stderr
+
+
+def test_force_killed_between_its_two_renames(src, tmp_path):
+    """--force moves the old OUT to OUT.glimmer-old-<pid>, then the new folder in. Killed in between, OUT is missing:
+    the next conversion to OUT restores the user's folder and says where it came from (the old code converted
+    anew, exit 0, and left the old folder hidden as .OUT.glimmer-old-…)."""
+    from glimmer_mlx.cli import app
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    killed_force_conversion(src, out, "between-renames")
+    backups = [p.name for p in tmp_path.iterdir() if p.name.startswith("out.glimmer-old-")]
+    assert not out.exists() and len(backups) == 1 and (tmp_path / backups[0] / "keep.txt").read_text() == "mine"
+    res = CliRunner().invoke(app, ["convert", str(src), str(out), "--no-eval"])
+    assert f"your previous folder was restored from {tmp_path / backups[0]}" in res.stderr.replace("\n", " ")
+    assert "already exists; pass --force" in cli_error_line(res)  # restored; replacing it again needs --force
+    assert sorted(os.listdir(out)) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+    assert not leftovers(tmp_path)  # the killed run's temp folder is gone too
+
+
+def test_force_killed_before_deleting_the_old_folder(src, tmp_path):
+    """Killed after the swap: OUT is the new conversion; the old folder stays as OUT.glimmer-old-<pid> and every
+    later conversion to OUT says where it is; nothing deletes it silently."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    killed_force_conversion(src, out, "before-delete")
+    backup = next(p for p in tmp_path.iterdir() if p.name.startswith("out.glimmer-old-"))
+    assert (out / "config.json").exists() and (backup / "keep.txt").read_text() == "mine"
+    notes = []
+    convert(src, out, force=True, evaluate=False, log=notes.append)
+    assert any(f"{backup} holds what {out} held before" in n and "it is kept" in n for n in notes), notes
+    assert (backup / "keep.txt").read_text() == "mine" and (out / "config.json").exists()
+
+
+def test_force_second_rename_failing_puts_the_old_folder_back(src, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    real = os.rename
+
+    def rename(a, b):
+        if os.path.basename(str(a)).startswith(".out.glimmer-convert-"):
+            raise OSError(28, "No space left on device")
+        return real(a, b)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(ConvertError, match="moving the result into place.*the existing folder is unchanged"):
+        convert(src, out, force=True, evaluate=False)
+    assert sorted(os.listdir(out)) == ["keep.txt"] and not leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("where", ["same", "inside", "parent"])
+@pytest.mark.parametrize("force", [False, True])
+def test_out_is_the_source_inside_it_or_above_it(src, tmp_path, where, force):
+    """Refused up front with one line, with or without --force (the old code answered `OUT == SRC` without --force
+    with "pass --force"), and the source is untouched."""
+    from glimmer_mlx.cli import app
+
+    s = tmp_path / "src"
+    shutil.copytree(src, s)
+    before = sorted(os.listdir(s))
+    args = {"same": (s, s), "inside": (s, s / "sub"), "parent": (s, tmp_path)}[where]
+    res = CliRunner().invoke(app, ["convert", *map(str, args), "--no-eval"] + (["--force"] if force else []))
+    assert "must not be the source folder, inside it, or contain it" in cli_error_line(res)
+    assert sorted(os.listdir(s)) == before and not leftovers(tmp_path)
+
+
+def test_unknown_safetensors_dtype_fails_convert_naming_file_and_tensor(src, tmp_path):
+    import struct
+
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    f = bad / "model.safetensors"
+    data = f.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8: 8 + n])
+    name = "model.language_model.layers.1.self_attn.q_proj.weight"
+    header[name]["dtype"] = "F12"
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    f.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+    with pytest.raises(CheckpointError, match=rf"model.safetensors: tensor '{name}' has dtype 'F12'"):
+        convert(bad, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)

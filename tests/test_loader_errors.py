@@ -4,6 +4,7 @@ MLX-quantized checkpoints in mlx-lm's layout."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 import time
@@ -498,3 +499,213 @@ def test_quantized_checkpoint_with_wrong_bits_in_config(tiny_checkpoint, tmp_pat
     cfg["quantization"] = {"group_size": 64, "bits": 8}
     (out / "config.json").write_text(json.dumps(cfg))
     raises(out, "model.embed_tokens.weight", "(512, 8)", "expected (512, 16)", "bits=8")
+
+
+# -- every command on broken checkpoints: one line naming the file (and field), exit 1, no traceback -----------------
+
+
+def _replace_with_folder(name):
+    def fn(p: Path):
+        (p / name).unlink()
+        (p / name).mkdir()
+        (p / name / "x").write_text("a folder where a file belongs")
+    return fn
+
+
+def _write(name, data):
+    def fn(p: Path):
+        (p / name).write_bytes(data if isinstance(data, bytes) else data.encode())
+    return fn
+
+
+def _json(name, value):
+    return _write(name, json.dumps(value))
+
+
+def _symlink_loop(name):
+    def fn(p: Path):
+        (p / name).unlink()
+        (p / name).symlink_to(p / name)
+    return fn
+
+
+def _dangling(name):
+    def fn(p: Path):
+        (p / name).unlink()
+        (p / name).symlink_to(p / "gone.bin")
+    return fn
+
+
+def _header(fn_header):
+    def fn(p: Path):
+        _rewrite_header(p / "model.safetensors", fn_header)
+    return fn
+
+
+def _config(fn_cfg):
+    def fn(p: Path):
+        edit_config(p, fn_cfg)
+    return fn
+
+
+def _shard_index(p: Path):
+    (p / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {LAYER0_UP: "../model.safetensors"}}))
+
+
+def _huge_header_length(p: Path):
+    f = p / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(struct.pack("<Q", 1 << 40) + data[8:])
+
+
+def _tokenizer_config_template(p: Path):
+    tc = json.loads((p / "tokenizer_config.json").read_text())
+    tc["chat_template"] = "{% for m in messages %}{{ m['content'] }"
+    (p / "tokenizer_config.json").write_text(json.dumps(tc))
+
+
+# case -> (break the checkpoint, strings the one error line must hold)
+BROKEN = {
+    "config_is_folder": (_replace_with_folder("config.json"), ["config.json", "is a folder"]),
+    "weights_is_folder": (_replace_with_folder("model.safetensors"), ["model.safetensors", "is a folder"]),
+    "config_not_utf8": (_write("config.json", b'{"model_type": "muse_glimmer\xff"}'), ["config.json", "UTF-8"]),
+    "config_is_a_list": (_json("config.json", [1, 2]), ["config.json", "JSON object"]),
+    "config_wrong_typed_field": (_config(lambda c: c["text_config"].__setitem__("num_hidden_layers", "6")),
+                                 ["config.json", "num_hidden_layers"]),
+    "config_symlink_loop": (_symlink_loop("config.json"), ["config.json", "symbolic link loop"]),
+    "config_dangling_link": (_dangling("config.json"), ["config.json", "dangling symbolic link"]),
+    "weights_symlink_loop": (_symlink_loop("model.safetensors"), ["model.safetensors", "symbolic link loop"]),
+    "weights_truncated": (lambda p: (p / "model.safetensors").write_bytes((p / "model.safetensors").read_bytes()[:-999]),
+                          ["model.safetensors", "truncated"]),
+    "header_length_beyond_file": (_huge_header_length, ["model.safetensors", "header claims 1099511627776 bytes"]),
+    "unknown_dtype": (_header(lambda h: h[LAYER0_UP].__setitem__("dtype", "Q7")),
+                      ["model.safetensors", LAYER0_UP, "'Q7'", "not a safetensors dtype"]),
+    "shape_not_matching_config": (_config(lambda c: c["text_config"].__setitem__("intermediate_size", 96)),
+                                  ["model.layers.0.mlp.gate_proj.weight", "(128, 64)", "expected (96, 64)", "config.json"]),
+    "index_shard_outside_folder": (_shard_index, ["model.safetensors.index.json", "'../model.safetensors'"]),
+    "tokenizer_not_json": (_write("tokenizer.json", "{not json"), ["tokenizer.json", "not a valid tokenizer file",
+                                                                   "line 1 column 2"]),
+    "tokenizer_not_a_tokenizer": (_json("tokenizer.json", {"version": "1.0", "model": 42}),
+                                  ["tokenizer.json", "not a valid tokenizer file"]),
+    "tokenizer_symlink_loop": (_symlink_loop("tokenizer.json"), ["tokenizer.json", "symbolic link loop"]),
+    "tokenizer_config_not_json": (_write("tokenizer_config.json", '{"bos_token": '), ["tokenizer_config.json",
+                                                                                     "invalid JSON"]),
+    "tokenizer_config_a_list": (_json("tokenizer_config.json", ["x"]), ["tokenizer_config.json", "JSON object"]),
+    "tokenizer_config_bad_template": (_tokenizer_config_template, ["tokenizer_config.json", "'chat_template'",
+                                                                   "invalid chat template", "line 1"]),
+    "chat_template_broken": (_write("chat_template.jinja", "{% for m in messages %}\n{{ m['content'] }}\n"),
+                             ["chat_template.jinja", "invalid chat template", "line 2", "endfor"]),
+    "chat_template_is_folder": (lambda p: (p / "chat_template.jinja").mkdir(), ["chat_template.jinja", "folder"]),
+    "generation_config_not_json": (_write("generation_config.json", "{"), ["generation_config.json", "invalid JSON"]),
+    "generation_config_a_list": (_json("generation_config.json", [1]), ["generation_config.json", "JSON object"]),
+    "generation_config_bad_eos": (_json("generation_config.json", {"eos_token_id": "</s>"}),
+                                  ["generation_config.json", "'eos_token_id'", "'</s>'"]),
+}
+COMMANDS = {
+    "info": lambda p, tmp: ["info", p],
+    "generate": lambda p, tmp: ["generate", "--model", p, "--prompt", "hi", "-m", "2"],
+    "chat": lambda p, tmp: ["chat", "--model", p, "--no-calibrate"],
+    "serve": lambda p, tmp: ["serve", "--model", p, "--port", "0"],
+    "convert": lambda p, tmp: ["convert", p, tmp / "out", "--no-eval"],
+}
+
+
+@pytest.fixture(scope="module")
+def broken(tiny_checkpoint, tmp_path_factory) -> dict[str, Path]:
+    src, _ = tiny_checkpoint(tokenizer=True)
+    out = {}
+    for case, (fn, _) in BROKEN.items():
+        p = tmp_path_factory.mktemp(case) / "ckpt"
+        shutil.copytree(src, p)
+        (p / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 2]}))
+        fn(p)
+        out[case] = p
+    return out
+
+
+def test_the_unbroken_checkpoint_passes_every_command_used_below(tiny_checkpoint, tmp_path):
+    """The base of every broken case loads, so each case below fails for its one defect."""
+    src, _ = tiny_checkpoint(tokenizer=True)
+    p = tmp_path / "ok"
+    shutil.copytree(src, p)
+    (p / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 2]}))
+    model, tok = glimmer_mlx.load(p)
+    assert tok is not None and {1, 2} <= model.eos_token_ids
+    from glimmer_mlx.info import model_info
+
+    assert "tensor names and shapes and the tokenizer files checked" in model_info(p)["checked"]
+
+
+def one_error_line(res, *parts) -> str:
+    assert res.exit_code == 1, res.output
+    assert isinstance(res.exception, SystemExit), repr(res.exception)  # not an exception escaping the command
+    assert "Traceback" not in res.output
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, res.stderr
+    for part in parts:
+        assert str(part) in errors[0], f"{part!r} not in {errors[0]!r}"
+    return errors[0]
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_cli_broken_checkpoint(broken, tmp_path, monkeypatch, case, command):
+    from typer.testing import CliRunner
+
+    import glimmer_mlx.cli.sessions as sessions
+    from glimmer_mlx.cli import app
+
+    def no_server(*a, **k):
+        raise AssertionError("the broken checkpoint loaded")
+
+    monkeypatch.setattr(sessions, "GlimmerServer", no_server)
+    path = broken[case]
+    res = CliRunner().invoke(app, [str(a) for a in COMMANDS[command](path, tmp_path)], input="")
+    one_error_line(res, *BROKEN[case][1])
+    if command == "convert":
+        assert sorted(os.listdir(tmp_path)) == [], os.listdir(tmp_path)  # no OUT, no temp folder, no lock
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "tokenizer.json"])
+def test_cli_permission_denied(broken, tiny_checkpoint, tmp_path, monkeypatch, name):
+    """A file that cannot be opened (EACCES; simulated: the tests may run as root, which file modes do not stop)."""
+    import builtins
+
+    from typer.testing import CliRunner
+
+    from glimmer_mlx.cli import app
+
+    src, _ = tiny_checkpoint(tokenizer=True)
+    p = tmp_path / "ckpt"
+    shutil.copytree(src, p)
+    real_open = builtins.open
+
+    def guarded(file, *a, **k):
+        if str(file) == str(p / name):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", guarded)
+    for args in (["info", p], ["generate", "--model", p, "--prompt", "hi"], ["convert", p, tmp_path / "o"]):
+        res = CliRunner().invoke(app, [str(a) for a in args])
+        one_error_line(res, name, "permission denied")
+    assert not (tmp_path / "o").exists()
+
+
+def test_info_checks_the_weights_not_only_config(ckpt):
+    """`glimmer info` used to read config.json alone and exit 0 on corrupt weights; now it checks every safetensors
+    header (length, offsets vs file size, dtypes) and the names / shapes against config.json, without reading data."""
+    from typer.testing import CliRunner
+
+    from glimmer_mlx.cli import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["info", str(ckpt)])
+    assert res.exit_code == 0 and "safetensors headers, tensor names and shapes" in res.stdout, res.output
+    f = ckpt / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: len(f.read_bytes()) // 2])
+    one_error_line(runner.invoke(app, ["info", str(ckpt)]), "model.safetensors", "truncated")
+    # a config-only folder is still described, and says plainly that there was nothing else to check
+    f.unlink()
+    res = runner.invoke(app, ["info", str(ckpt)])
+    assert res.exit_code == 0 and "config.json only" in res.stdout, res.output

@@ -62,6 +62,7 @@ def info(
     for row in report["memory"]:
         mem.add_row(row["format"], f"{row['weights_gb']:.2f}", *[f"{x:.2f}" for x in row["total_gb"]])
     out.print(mem)
+    out.print(f"checked: {escape(report['checked'])}", soft_wrap=True)
 
 
 def _print_plan(model, drafter, q_bits, q_group_size, q_mode, recipe, quantize_vision, text_only, contexts, mem):

@@ -13,7 +13,7 @@ from ..agent import load_backend, run_command
 from ..chat import Chat
 from ..loading import CheckpointError
 from ..sampling import SamplingParams
-from ..serve import GlimmerServer
+from ..serve import GlimmerServer, is_loopback
 from ..session import load_session
 from ..strategy import ModeError
 from .app import (AutoFlag, BlockSize, DflashFlag, DraftModel, Dtype, MaxContext, MinP, Mode, Model, MtpFlag,
@@ -84,28 +84,37 @@ def serve(
     dflash: DflashFlag = False,
     mtp: MtpFlag = False,
     auto: AutoFlag = False,
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (127.0.0.1: this machine only)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (127.0.0.1: this machine only; "
+                             "any other address needs --api-key)."),
     port: int = typer.Option(8080, "--port", help="Port (0: any free port, printed at start)."),
     max_tokens: int = typer.Option(2048, "--max-tokens", help="Default max_tokens for requests without one."),
     max_context: MaxContext = None,
     model_name: Optional[str] = typer.Option(None, "--served-model-name", help="Model id in /v1/models "
                                              "(default: the checkpoint folder's name)."),
     dtype: Dtype = None,
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="GLIMMER_API_KEY", show_default=False,
+                                          help="Require 'Authorization: Bearer <key>' on every request (env: "
+                                          "GLIMMER_API_KEY, which keeps the key out of the process list). Required "
+                                          "for a --host other than loopback."),
 ):
     """A local OpenAI-compatible server: /v1/chat/completions (streaming, tools), /v1/completions, /v1/models,
     /health. One model resident, requests queued, prompt cache reused across a growing conversation. --mode is the
     default decoding mode (default: auto when a drafter is loaded, else ar); requests may override it with
     {"glimmer": {"mode": ..., "block_size": ...}}."""
     mode, width = decode_spec(mode, block_size, dflash=dflash, mtp=mtp, auto=auto)
+    if not is_loopback(host) and not api_key:  # before loading a model for nothing
+        fail(f"refusing to listen on {host or 'every interface'} without an API key: pass --api-key (or set "
+             "GLIMMER_API_KEY), or bind 127.0.0.1")
     session = open_session(model, draft_model, mtp_model, dtype, max_context)
     spec = check_spec(session.drafters, mode or session.default_mode(), width)
     try:
         server = GlimmerServer(session, host=host, port=port, mode=spec.mode, block_size=spec.width,
-                               default_max_tokens=max_tokens, model_name=model_name)
+                               default_max_tokens=max_tokens, model_name=model_name, api_key=api_key)
     except (ModeError, ValueError, OSError) as e:
         fail(str(e))
     console.print(f"[bold]glimmer serve[/] {escape(server.model_name)} on http://{server.host}:{server.port} "
-                  f"(mode {escape(server.default_mode)}; modes: {', '.join(session.available_modes())}) — Ctrl-C stops",
+                  f"(mode {escape(server.default_mode)}; modes: {', '.join(session.available_modes())}"
+                  f"{'; API key required' if server.api_key else ''}) — Ctrl-C stops",
                   soft_wrap=True)
     server.serve_forever()
     console.print("[dim]stopped[/]")

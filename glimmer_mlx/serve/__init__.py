@@ -5,9 +5,13 @@ GET /v1/models, GET /health. One model is resident in a `session.Session`; every
 in arrival order (requests queue up; the HTTP threads only parse, validate, tokenize and write), and the session's
 prompt cache makes a conversation that grows turn by turn prefill only its new tokens.
 
-Every request is validated before it reaches the model: bad JSON, a wrong content type, unknown fields or roles,
+Every request is validated before it reaches the model: bad JSON (too deep, lone surrogates), a wrong content type,
+unknown fields or roles, wrongly typed fields, malformed tool schemas, an unknown `model` (404 model_not_found),
 out-of-range values, prompts beyond the context limit, unsupported options (n > 1, logprobs, frequency/presence
-penalties, forced tool choice) give a 4xx with an OpenAI-style error object, never a 500 or a crash. Decoding mode
+penalties, forced tool choice), and malformed HTTP (request lines, headers, methods) give a 4xx with an
+OpenAI-style error object, never a 500 or a crash. With `api_key`, every endpoint wants `Authorization: Bearer
+<key>`; a non-loopback `host` refuses to start without one. A non-streaming client that disconnects cancels its
+generation. Decoding mode
 per request: `{"glimmer": {"mode": "ar|dflash|mtp|ngram|auto", "block_size": N|"auto"}}` (default: the server's); the
 output is the same in every mode (lossless speculative decoding), sampling parameters included.
 
@@ -18,6 +22,7 @@ here puts them together.
 
 from __future__ import annotations
 
+import ipaddress
 import signal
 import sys
 import threading
@@ -33,13 +38,27 @@ from .worker import Job, Worker
 MAX_QUEUE = 64
 
 
+def is_loopback(host: str) -> bool:
+    """Does binding `host` keep the server to this machine? ("localhost" and 127.0.0.0/8, ::1; "" and 0.0.0.0 are
+    every interface; any other name counts as reachable from elsewhere.)"""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 class GlimmerServer:
     """One session served over HTTP: the HTTP threads parse and validate requests and submit them as jobs; the
     thread that calls `serve_forever` / `run_jobs` runs the generations."""
 
     def __init__(self, session: Session, *, host: str = "127.0.0.1", port: int = 8080, mode: str | None = None,
                  block_size=None, default_max_tokens: int = 2048, model_name: str | None = None,
-                 quiet: bool = False, max_queue: int = MAX_QUEUE):
+                 quiet: bool = False, max_queue: int = MAX_QUEUE, api_key: str | None = None):
+        if not is_loopback(host) and not api_key:
+            raise ValueError(f"refusing to listen on {host or 'every interface'} without an API key: pass --api-key "
+                             "(or set GLIMMER_API_KEY), or bind 127.0.0.1")
         if session.tokenizer is None:
             raise ValueError("the server needs a checkpoint with a tokenizer (tokenizer.json)")
         if default_max_tokens < 1:
@@ -51,6 +70,8 @@ class GlimmerServer:
         session.drafters.resolve(self.default_spec)
         self.default_max_tokens = default_max_tokens
         self.model_name = model_name or Path(str(getattr(session, "path", "glimmer"))).name or "glimmer"
+        self.served_models = (self.model_name,)  # the ids /v1/models lists: what a request's `model` may name
+        self.api_key = api_key or None  # every request must send `Authorization: Bearer <api_key>`
         self.created = int(time.time())
         self.quiet = quiet
         self.template = session.tokenizer.chat_template  # what the model's tool calls are parsed by
@@ -115,10 +136,10 @@ class GlimmerServer:
     # -- requests (from the HTTP threads) --------------------------------------------------------------------------
     def parse_chat(self, body: dict) -> ChatRequest:
         return ChatRequest.parse(body, self.session, default_spec=self.default_spec,
-                                 default_max_tokens=self.default_max_tokens)
+                                 default_max_tokens=self.default_max_tokens, served=self.served_models)
 
     def parse_completion(self, body: dict) -> CompletionRequest:
-        return CompletionRequest.parse(body, self.session, default_spec=self.default_spec)
+        return CompletionRequest.parse(body, self.session, default_spec=self.default_spec, served=self.served_models)
 
     def submit(self, request: Request) -> Job:
         return self.worker.submit(request)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import re
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from ..session import Session
 from ..strategy import DecodeSpec, ModeError
 from ..tool_calls import from_openai_tool_calls
 
+MAX_JSON_DEPTH = 64  # nesting levels a request body may have (a tool's parameter schema included)
 MAX_STOP = 4
 MAX_STOP_CHARS = 256
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -42,12 +44,27 @@ POSITIVE_INT = Range(1, integer=True)
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
+                 type: str = "invalid_request_error", headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers  # extra response headers (Allow for a 405)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def encode(self) -> bytes:
+        """The error body as JSON bytes; never raises (a message or param may quote any client text, lone
+        surrogates included: ASCII-escaped JSON can hold them)."""
+        try:
+            return json.dumps(self.body(), ensure_ascii=True).encode("ascii")
+        except Exception:  # a non-JSON value slipped into the error: still an OpenAI-shaped body
+            return json.dumps({"error": {"message": ascii(self.message), "type": str(self.type), "param": None,
+                                         "code": None}}).encode("ascii")
+
+
+def model_not_found(name: str, served: tuple[str, ...]) -> APIError:
+    return APIError(404, f"the model {Shown(name)!r} is not served here; this server serves "
+                    f"{', '.join(repr(m) for m in served)} (GET /v1/models)", param="model", code="model_not_found")
 
 
 def shutting_down() -> APIError:
@@ -63,6 +80,45 @@ class Shown:
 
     def __repr__(self) -> str:
         return self.text
+
+
+# -- the body as a whole -----------------------------------------------------------------------------------------------
+
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def field_path(parent: str, key) -> str:
+    """`messages[0].content`-style paths for `param` (a key is shown with any lone surrogate backslash-escaped)."""
+    if isinstance(key, int):
+        return f"{parent}[{key}]"
+    key = key.encode("utf-8", "backslashreplace").decode("utf-8")
+    return f"{parent}.{key}" if parent else key
+
+
+def check_json(body) -> None:
+    """A parsed body's shape limits: at most `MAX_JSON_DEPTH` levels deep, and no lone surrogate (JSON's
+    "\\ud800" escapes decode to one; no tokenizer or UTF-8 writer takes it) in any string, field names included.
+    Iterative: a hostile body cannot exhaust the stack here."""
+    stack = [(body, "", 1)]
+    while stack:
+        v, where, depth = stack.pop()
+        if isinstance(v, str):
+            if SURROGATE.search(v):
+                raise APIError(400, f"{where or 'the body'} holds a lone UTF-16 surrogate (not valid Unicode text)",
+                               param=where or None)
+            continue
+        if not isinstance(v, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(400, f"the body is nested more than {MAX_JSON_DEPTH} levels deep (at {where})",
+                           param=where or None)
+        items = v.items() if isinstance(v, dict) else enumerate(v)
+        for k, x in items:
+            path = field_path(where, k)
+            if isinstance(k, str) and SURROGATE.search(k):
+                raise APIError(400, f"the field name {path} holds a lone UTF-16 surrogate (not valid Unicode text)",
+                               param=path)
+            stack.append((x, path, depth + 1))
 
 
 # -- the fields every endpoint shares -------------------------------------------------------------------------------
@@ -138,14 +194,18 @@ def parse_spec(body: dict, session: Session, default: DecodeSpec) -> DecodeSpec:
     return spec
 
 
-def check_unsupported(body: dict, allowed: set[str]) -> None:
-    """Unknown fields, and OpenAI options glimmer does not implement, are errors rather than silently ignored."""
+def check_unsupported(body: dict, allowed: set[str], served: tuple[str, ...] | None = None) -> None:
+    """Unknown fields, and OpenAI options glimmer does not implement, are errors rather than silently ignored.
+    `model`: omitted means the served model; given, it must be one of `served` (the ids /v1/models lists), else a
+    404 `model_not_found` (as OpenAI answers)."""
     unknown = sorted(set(body) - allowed - IGNORED_FIELDS)
     if unknown:
         raise APIError(400, f"unrecognized request argument(s): {', '.join(unknown)}", param=unknown[0])
     m = body.get("model")
     if m is not None and not isinstance(m, str):
         raise APIError(400, "'model' must be a string", param="model")
+    if m is not None and served and m not in served:
+        raise model_not_found(m, served)
     n = parse_positive_int(body, "n")
     if n not in (None, 1):
         raise APIError(400, "n > 1 is not supported: one choice per request", param="n")
@@ -203,9 +263,11 @@ class CompletionRequest(Request):
     """POST /v1/completions: a text prompt or token ids."""
 
     @classmethod
-    def parse(cls, body: dict, session: Session, *, default_spec: DecodeSpec) -> CompletionRequest:
-        """Without max_tokens: the completions API's default (16), shrunk to fit the context."""
-        check_unsupported(body, COMPLETION_FIELDS)
+    def parse(cls, body: dict, session: Session, *, default_spec: DecodeSpec,
+              served: tuple[str, ...] | None = None) -> CompletionRequest:
+        """Without max_tokens: the completions API's default (16), shrunk to fit the context. `served`: the model
+        ids a request may name."""
+        check_unsupported(body, COMPLETION_FIELDS, served)
         if body.get("echo") not in (None, False):
             raise APIError(400, "'echo' is not supported", param="echo")
         if body.get("suffix") is not None:
@@ -241,10 +303,11 @@ class ChatRequest(Request):
     images: list[ProcessedImage] | None = None
 
     @classmethod
-    def parse(cls, body: dict, session: Session, *, default_spec: DecodeSpec,
-              default_max_tokens: int) -> ChatRequest:
-        """Without max_tokens: `default_max_tokens`, shrunk to fit the context."""
-        check_unsupported(body, CHAT_FIELDS)
+    def parse(cls, body: dict, session: Session, *, default_spec: DecodeSpec, default_max_tokens: int,
+              served: tuple[str, ...] | None = None) -> ChatRequest:
+        """Without max_tokens: `default_max_tokens`, shrunk to fit the context. `served`: the model ids a request
+        may name."""
+        check_unsupported(body, CHAT_FIELDS, served)
         if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
             raise APIError(400, "'logprobs' is not supported", param="logprobs")
         rf = body.get("response_format")
@@ -307,6 +370,15 @@ def parse_tools(body: dict) -> list | None:
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(f, dict):
             raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
                            f"\"parameters\": {{...}}}}}}", param=f"tools[{i}]")
+        extra = sorted(set(t) - {"type", "function"})
+        if extra:
+            raise APIError(400, f"tools[{i}]: unknown field(s) {', '.join(extra)}", param=f"tools[{i}]")
+        extra = sorted(set(f) - {"name", "description", "parameters", "strict"})
+        if extra:
+            raise APIError(400, f"tools[{i}].function: unknown field(s) {', '.join(extra)}",
+                           param=f"tools[{i}].function")
+        if f.get("strict") is not None and not isinstance(f["strict"], bool):
+            raise APIError(400, f"tools[{i}].function.strict must be a boolean", param=f"tools[{i}].function.strict")
         name = f.get("name")
         if not isinstance(name, str) or not TOOL_NAME.match(name):
             raise APIError(400, f"tools[{i}].function.name must be 1-64 letters, digits, '_', '-' or '.'",
@@ -314,9 +386,8 @@ def parse_tools(body: dict) -> list | None:
         if name in names:
             raise APIError(400, f"tools: the name {name!r} is given twice", param=f"tools[{i}].function.name")
         names.add(name)
-        if f.get("parameters") is not None and not isinstance(f["parameters"], dict):
-            raise APIError(400, f"tools[{i}].function.parameters must be a JSON Schema object",
-                           param=f"tools[{i}].function.parameters")
+        if f.get("parameters") is not None:
+            check_parameters(f["parameters"], f"tools[{i}].function.parameters")
         if f.get("description") is not None and not isinstance(f["description"], str):
             raise APIError(400, f"tools[{i}].function.description must be a string",
                            param=f"tools[{i}].function.description")
@@ -329,6 +400,76 @@ def parse_tools(body: dict) -> list | None:
                        "decoding); use \"auto\" or \"none\"", param="tool_choice")
     raise APIError(400, "'tool_choice' must be \"auto\", \"none\", \"required\" or a function object",
                    param="tool_choice")
+
+
+SCHEMA_TYPES = ("object", "string", "number", "integer", "boolean", "array", "null")
+
+
+def check_parameters(p, where: str) -> None:
+    """A function's `parameters`: a JSON Schema object — {} (no parameters), or {"type": "object", "properties":
+    {name: schema, ...}, "required": [name, ...], ...}, each property a schema object whose `type` is a JSON Schema
+    type (or a list of them). Errors name `where` (tools[i].function.parameters) and what is wrong in it."""
+    def bad(what: str):
+        return APIError(400, f"{where} must be a JSON Schema object like {{\"type\": \"object\", \"properties\": "
+                        f"{{...}}}}: {what}", param=where)
+
+    if not isinstance(p, dict):
+        raise bad(f"got {type(p).__name__}")
+    if not p:
+        return
+    if p.get("type") != "object":
+        raise bad(f"'type' must be \"object\", got {Shown(p.get('type'))!r}")
+    props = p.get("properties", {})
+    if not isinstance(props, dict):
+        raise bad("'properties' must be an object mapping names to schemas")
+    for k, v in props.items():
+        if not isinstance(v, dict):
+            raise bad(f"properties[{Shown(k)!r}] must be a schema object, got {type(v).__name__}")
+        ty = v.get("type")
+        tys = ty if isinstance(ty, list) else [ty]
+        if ty is not None and not all(isinstance(x, str) and x in SCHEMA_TYPES for x in tys):
+            raise bad(f"properties[{Shown(k)!r}].type must be one of {', '.join(SCHEMA_TYPES)} (or a list of them)")
+        if v.get("description") is not None and not isinstance(v["description"], str):
+            raise bad(f"properties[{Shown(k)!r}].description must be a string")
+    req = p.get("required")
+    if req is not None and (not isinstance(req, list) or not all(isinstance(r, str) for r in req)):
+        raise bad("'required' must be a list of property names")
+    ap = p.get("additionalProperties")
+    if ap is not None and not isinstance(ap, (bool, dict)):
+        raise bad("'additionalProperties' must be a boolean or a schema object")
+    if p.get("description") is not None and not isinstance(p["description"], str):
+        raise bad("'description' must be a string")
+
+
+def check_tool_calls(tcs, w: str) -> None:
+    """An assistant message's `tool_calls`, field by field (the parser behind them assumes the shapes)."""
+    if not isinstance(tcs, list):
+        raise APIError(400, f"{w}.tool_calls must be a list", param=f"{w}.tool_calls")
+    for j, tc in enumerate(tcs):
+        tw = f"{w}.tool_calls[{j}]"
+        if not isinstance(tc, dict):
+            raise APIError(400, f"{tw} must be an object", param=tw)
+        extra = sorted(set(tc) - {"id", "type", "function", "index"})
+        if extra:
+            raise APIError(400, f"{tw}: unknown field(s) {', '.join(extra)}", param=tw)
+        if tc.get("id") is not None and not isinstance(tc["id"], str):
+            raise APIError(400, f"{tw}.id must be a string", param=f"{tw}.id")
+        if tc.get("type") not in (None, "function"):
+            raise APIError(400, f"{tw}.type must be \"function\"", param=f"{tw}.type")
+        if tc.get("index") is not None and not is_int(tc["index"]):
+            raise APIError(400, f"{tw}.index must be an integer", param=f"{tw}.index")
+        f = tc.get("function")
+        if not isinstance(f, dict):
+            raise APIError(400, f"{tw}.function must be an object {{\"name\": ..., \"arguments\": ...}}",
+                           param=f"{tw}.function")
+        extra = sorted(set(f) - {"name", "arguments"})
+        if extra:
+            raise APIError(400, f"{tw}.function: unknown field(s) {', '.join(extra)}", param=f"{tw}.function")
+        if not isinstance(f.get("name"), str) or not f["name"]:
+            raise APIError(400, f"{tw}.function.name must be a non-empty string", param=f"{tw}.function.name")
+        if f.get("arguments") is not None and not isinstance(f["arguments"], (str, dict)):
+            raise APIError(400, f"{tw}.function.arguments must be a JSON string (or an object)",
+                           param=f"{tw}.function.arguments")
 
 
 def decode_data_url(url: str, where: str) -> bytes:
@@ -357,7 +498,8 @@ def parse_content(content, where: str, images: list, allow_images: bool, session
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise APIError(400, f"{where}.content must be a string or a list of content parts", param=where)
+        raise APIError(400, f"{where}.content must be a string or a list of content parts",
+                       param=f"{where}.content")
     parts = []
     for j, p in enumerate(content):
         pw = f"{where}.content[{j}]"
@@ -365,7 +507,7 @@ def parse_content(content, where: str, images: list, allow_images: bool, session
             raise APIError(400, f"{pw} must be an object with a 'type'", param=pw)
         if p["type"] == "text":
             if not isinstance(p.get("text"), str):
-                raise APIError(400, f"{pw}.text must be a string", param=pw)
+                raise APIError(400, f"{pw}.text must be a string", param=f"{pw}.text")
             parts.append({"type": "text", "text": p["text"]})
         elif p["type"] == "image_url":
             if not allow_images:
@@ -398,8 +540,11 @@ def parse_messages(msgs: list, session: Session) -> tuple[list[dict], list[Proce
         extra = sorted(set(m) - {"role", "content", "name", "tool_calls", "tool_call_id", "refusal"})
         if extra:
             raise APIError(400, f"{w}: unknown field(s) {', '.join(extra)}", param=w)
-        if m.get("name") is not None and not isinstance(m["name"], str):
-            raise APIError(400, f"{w}.name must be a string", param=f"{w}.name")
+        for name in ("name", "tool_call_id", "refusal"):
+            if m.get(name) is not None and not isinstance(m[name], str):
+                raise APIError(400, f"{w}.{name} must be a string", param=f"{w}.{name}")
+        if m.get("tool_calls") is not None and role != "assistant":
+            raise APIError(400, f"{w}: only assistant messages have 'tool_calls'", param=f"{w}.tool_calls")
         msg = {"role": "system" if role == "developer" else role}
         content = m.get("content")
         if role == "assistant":
@@ -408,8 +553,7 @@ def parse_messages(msgs: list, session: Session) -> tuple[list[dict], list[Proce
                 raise APIError(400, f"{w}: an assistant message needs 'content' or 'tool_calls'", param=w)
             msg["content"] = None if content is None else parse_content(content, w, images, False, session)
             if tcs is not None:
-                if not isinstance(tcs, list):
-                    raise APIError(400, f"{w}.tool_calls must be a list", param=f"{w}.tool_calls")
+                check_tool_calls(tcs, w)
                 try:
                     msg["tool_calls"] = from_openai_tool_calls(tcs)
                 except ValueError as e:
@@ -422,8 +566,6 @@ def parse_messages(msgs: list, session: Session) -> tuple[list[dict], list[Proce
             msg["content"] = parse_content(content, w, images, role == "user", session)
             if role == "tool":
                 cid = m.get("tool_call_id")
-                if cid is not None and not isinstance(cid, str):
-                    raise APIError(400, f"{w}.tool_call_id must be a string", param=f"{w}.tool_call_id")
                 msg["name"] = m.get("name") or call_names.get(cid) or "tool"
                 if cid:
                     msg["tool_call_id"] = cid

@@ -9,12 +9,20 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from ..runtime.loop import GenerationChunk, GenerationStats
 from ..session import Session
 from .api import APIError, Request, shutting_down
+
+
+POLL = 0.1  # seconds between checks that a waiting client is still connected
+
+
+class ClientGone(ConnectionResetError):
+    """The client of a job closed its connection while waiting: the job is cancelled."""
 
 
 @dataclass
@@ -30,10 +38,24 @@ class Job:
     def ids(self) -> list[int]:
         return self.request.ids
 
-    def results(self) -> Iterator[tuple[str, GenerationChunk | GenerationStats]]:
-        """The job's ("chunk", …) events, then ("done", stats); an error event is raised."""
+    def results(self, gone: Callable[[], bool] | None = None
+                ) -> Iterator[tuple[str, GenerationChunk | GenerationStats]]:
+        """The job's ("chunk", …) events, then ("done", stats); an error event is raised. `gone` (polled every
+        `POLL` seconds): has the client left? Then the job is cancelled (skipped if still
+        queued, stopped at its next token if running) and `ClientGone` raised."""
+        checked = time.monotonic()
         while True:
-            kind, val = self.events.get()
+            try:
+                kind, val = self.events.get(timeout=POLL if gone is not None else None)
+            except queue.Empty:
+                kind = None
+            if gone is not None and (kind is None or time.monotonic() - checked >= POLL):
+                checked = time.monotonic()
+                if gone():
+                    self.cancel.set()
+                    raise ClientGone("the client closed the connection")
+            if kind is None:
+                continue
             if kind == "error":
                 raise val
             yield kind, val

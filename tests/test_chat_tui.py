@@ -200,3 +200,70 @@ def test_ctrl_c_stops_an_answer_and_keeps_the_conversation(chat_model, tmp_path)
         assert "bye" in s and "EXITED 0" in s and "Traceback" not in s
     finally:
         tm.close()
+
+
+def limited_chat_cmd(path, max_file_bytes: int, *args) -> str:
+    """chat_cmd with every file the chat writes limited to `max_file_bytes` (RLIMIT_FSIZE: a write past it fails
+    with EFBIG, as on a full disk; Python ignores SIGXFSZ)."""
+    import shlex
+
+    boot = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]),) * 2); "
+            "os.execv(sys.executable, [sys.executable, '-m', 'glimmer_mlx.cli', *sys.argv[2:]])")
+    cache = Path(str(path)).parent / "calibration"
+    return " ".join([f"GLIMMER_MLX_CACHE_DIR={cache}", sys.executable, "-c", shlex.quote(boot), str(max_file_bytes),
+                     "chat", "--model", str(path), *map(shlex.quote, map(str, args))])
+
+
+def test_save_asks_before_replacing_and_never_leaves_half_a_file(chat_model, tmp_path):
+    """/save onto an existing file asks first (anything but y keeps it), a folder is refused, and a save that fails
+    half-way (here: a file-size limit, as a full disk) leaves the earlier file whole: the old /save overwrote
+    without asking and left 4 KB of invalid JSON."""
+    path, _ = chat_model
+    system = "You are terse. " * 600  # ~8 KB of system prompt: every save is larger than the 6 KB limit below
+    tm = Tmux(limited_chat_cmd(path, 6000, "--mode", "ar", "--no-calibrate", "--system-prompt", system), "save")
+    try:
+        tm.wait(r"you ›")
+        old = tmp_path / "old.json"
+        old.write_text(json.dumps({"format": "glimmer-chat", "version": 1, "messages": [{"role": "user",
+                                                                                         "content": "earlier"}]}))
+        before = old.read_text()
+        tm.line(f"/save {old}")
+        tm.wait(r"old\.json exists; replace it\? \[y/N\]")
+        tm.line("n")
+        tm.wait(r"not saved \(.*old\.json is unchanged\)")
+        assert old.read_text() == before
+        tm.line(f"/save {old}")
+        tm.wait(r"old\.json exists; replace it\? \[y/N\]", count=2)
+        tm.line("y")
+        s = tm.wait(r"error: cannot write .*old\.json: File too large; nothing was saved \(the existing file is "
+                    r"unchanged\)")
+        assert old.read_text() == before and json.loads(old.read_text())["messages"][0]["content"] == "earlier"
+        assert not [p.name for p in tmp_path.iterdir() if p.name != "old.json"]  # no temporary file left behind
+        tm.line(f"/save {tmp_path}")
+        tm.wait(r"error: cannot write .*: it is a folder; give a file name")
+        tm.idle()
+        tm.send("C-d")
+        s = tm.wait(r"EXITED \d+")
+        assert "EXITED 0" in s and "Traceback" not in s
+    finally:
+        tm.close()
+    # without the limit: yes replaces the file, atomically, with the whole conversation
+    tm = Tmux(chat_cmd(path, "--mode", "ar", "--no-calibrate", "--system-prompt", "'be brief'"), "save2")
+    try:
+        tm.wait(r"you ›")
+        tm.line(f"/save {old}")
+        tm.wait(r"old\.json exists; replace it\? \[y/N\]")
+        tm.line("yes")
+        tm.wait(r"saved 1 messages to .*old\.json")
+        saved = json.loads(old.read_text())
+        assert saved["messages"] == [{"role": "system", "content": "be brief"}] and saved["system_prompt"] == "be brief"
+        tm.line(f"/save {old}")
+        tm.wait(r"old\.json exists; replace it\? \[y/N\]")
+        tm.send("C-d")  # Ctrl-D at the question: no, and the chat goes on
+        tm.wait(r"not saved")
+        tm.idle()
+        tm.line("/exit")
+        s = tm.wait(r"EXITED \d+")
+        assert "EXITED 0" in s and "Traceback" not in s
+    finally:
+        tm.close()

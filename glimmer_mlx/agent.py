@@ -154,9 +154,10 @@ class Agent:
         if self.toolbox.show is None:
             self.toolbox.show = self.ui.show
         context = getattr(backend, "max_context", None)
-        if isinstance(context, int) and context > 0:  # one tool result must fit a small model's context:
-            # about a quarter of it (≈ 3-4 characters per token), so that a long line or file is clipped, not fatal
-            self.toolbox.max_chars = min(self.toolbox.max_chars, max(context, 500))
+        if isinstance(context, int) and context > 0:  # one tool result must fit a small model's context: at most
+            # half of it in characters (a token is at least one character of ASCII text), so that a long line or
+            # file is clipped, not the end of the run
+            self.toolbox.max_chars = min(self.toolbox.max_chars, max(context // 2, 500))
 
     # -- bookkeeping ---------------------------------------------------------------------------------------------
     def _record(self, record: dict) -> None:

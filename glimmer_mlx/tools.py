@@ -82,9 +82,10 @@ MAX_FILE_BYTES = 2_000_000  # files larger than this are not read or searched (a
 MAX_MATCHES = 100  # search hits returned
 MAX_LINE = 300  # characters of a matching line shown
 MAX_OUTPUT = 16_000  # bytes of a command's output kept (head and tail)
-OUTPUT_KILL_BYTES = 16_000_000  # a command that writes more than this is killed
+OUTPUT_KILL_BYTES = 100_000_000  # a command that writes more than this is killed
 MAX_DIFF = 12_000  # characters of a diff shown to the user
 MAX_PATH = 4_096  # characters of a path argument
+MAX_NAME = 255  # bytes of one file or folder name
 MAX_DEPTH = 64  # folder levels a search descends
 SEARCH_SECONDS = 10.0  # time one search may take
 SKIP_DIRS = {".git", "__pycache__", ".venv", "venv", "node_modules", ".mypy_cache", ".pytest_cache", ".tox"}
@@ -183,6 +184,10 @@ class Workspace:
         parts = [p for p in path.split("/") if p not in ("", ".")]
         if ".." in parts:
             raise JailError(f"{path!r}: '..' is not allowed in paths; use paths inside the workspace")
+        for p in parts:
+            if len(os.fsencode(p)) > MAX_NAME:
+                raise ToolError(f"a file or folder name must be at most {MAX_NAME} bytes, got one of "
+                                f"{len(os.fsencode(p))}")
         return parts
 
     def resolve(self, path) -> Path:
@@ -341,7 +346,10 @@ class Workspace:
                 raise ToolError(f"{shown} is not a regular file" if not stat.S_ISDIR(st.st_mode)
                                 else f"{shown} is a folder")
             tmp = f".glimmer-{secrets.token_hex(6)}.tmp"
-            fd = os.open(tmp, _CREATE, 0o666 if mode is None else 0o600, dir_fd=pfd)
+            try:
+                fd = os.open(tmp, _CREATE, 0o666 if mode is None else 0o600, dir_fd=pfd)
+            except OSError as e:  # e.g. the folder was removed meanwhile
+                raise ToolError(f"{shown}: cannot write there ({e.strerror}); nothing was written") from None
             try:
                 try:
                     view = memoryview(data)
@@ -353,11 +361,13 @@ class Workspace:
                 finally:
                     os.close(fd)
                 os.replace(tmp, name, src_dir_fd=pfd, dst_dir_fd=pfd)
-            except BaseException:
+            except BaseException as e:
                 try:
                     os.unlink(tmp, dir_fd=pfd)
                 except OSError:
                     pass
+                if isinstance(e, OSError):
+                    raise ToolError(f"{shown}: cannot write there ({e.strerror}); nothing was written") from None
                 raise
         finally:
             os.close(pfd)
@@ -803,7 +813,10 @@ class ToolBox:
                 raise ToolError("final_answer ends the task; it is handled by the agent loop")
             raise ToolError(f"unknown tool {name!r}; available tools: {', '.join(TOOL_NAMES)}")
         kwargs = coerce_arguments(spec, arguments, raw_arguments or {})
-        return getattr(self, name)(**kwargs)
+        try:
+            return getattr(self, name)(**kwargs)
+        except OSError as e:  # the file system changed under the call, or refused it
+            raise ToolError(f"{name}: {e.strerror or e}") from None
 
 
 def coerce_arguments(spec: dict, arguments: dict, raw_arguments: dict) -> dict:

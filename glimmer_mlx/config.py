@@ -103,6 +103,9 @@ def normalize_rope_parameters(cfg: dict) -> dict:
     return params
 
 
+MAX_DIM = 2**31 - 1  # a size beyond this is a corrupt config, not a model
+
+
 def _check_positive_ints(d: dict, where: str) -> None:
     for k in _POSITIVE_INT_FIELDS:
         v = d.get(k)
@@ -110,6 +113,64 @@ def _check_positive_ints(d: dict, where: str) -> None:
             continue  # optional: the dataclass default (or a derived value) is used
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ConfigError(f"{where}: {k} must be a positive integer, got {v!r}")
+        if v > MAX_DIM:
+            raise ConfigError(f"{where}: {k} must be a positive integer up to {MAX_DIM}, got {v!r}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def _token_ids(v) -> bool:
+    return v is None or (_is_int(v) and v >= 0) or (isinstance(v, list) and all(_is_int(x) and x >= 0 for x in v))
+
+
+# optional fields: (check, what it must be); absent or null keeps the default unless the check says otherwise
+_FIELD_CHECKS = {
+    "max_position_embeddings": (lambda v: _is_int(v) and 0 < v <= MAX_DIM, "a positive integer"),
+    "sliding_window": (lambda v: v is None or (_is_int(v) and 0 < v <= MAX_DIM), "a positive integer or null"),
+    "rms_norm_eps": (lambda v: _is_num(v) and v > 0, "a positive number"),
+    "post_norm_eps": (lambda v: _is_num(v) and v >= 0, "a number >= 0"),
+    "qk_scale_factor": (_is_num, "a number"),
+    "output_multiplier": (_is_num, "a number"),
+    "final_logit_softcapping": (lambda v: v is None or (_is_num(v) and v >= 0), "a number >= 0 or null"),
+    "attention_bias": (lambda v: isinstance(v, bool), "true or false"),
+    "tie_word_embeddings": (lambda v: isinstance(v, bool), "true or false"),
+    "hidden_activation": (lambda v: v is None or isinstance(v, str), "a string"),
+    "hidden_act": (lambda v: v is None or isinstance(v, str), "a string"),
+    "bos_token_id": (lambda v: v is None or (_is_int(v) and v >= 0), "a token id or null"),
+    "pad_token_id": (lambda v: v is None or (_is_int(v) and v >= 0), "a token id or null"),
+    "eos_token_id": (_token_ids, "a token id, a list of token ids or null"),
+    "layer_types": (lambda v: v is None or (isinstance(v, list) and all(isinstance(x, str) for x in v)),
+                    "a list of layer type names"),
+    "layer_rope_theta": (lambda v: v is None or (isinstance(v, list) and all(_is_num(x) and x >= 0 for x in v)),
+                         "a list of numbers >= 0"),
+    "rope_parameters": (lambda v: v is None or isinstance(v, dict), "a JSON object or null"),
+    "rope_scaling": (lambda v: v is None or isinstance(v, dict), "a JSON object or null"),
+    "rope_theta": (lambda v: v is None or (_is_num(v) and v > 0), "a positive number"),
+    "num_mtp_layers": (lambda v: v is None or (_is_int(v) and v >= 0), "an integer >= 0"),
+    "num_nextn_predict_layers": (lambda v: v is None or (_is_int(v) and v >= 0), "an integer >= 0"),
+}
+_ROPE_NUMBERS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+                 "attention_factor", "mscale", "mscale_all_dim", "beta_fast", "beta_slow", "partial_rotary_factor")
+
+
+def _check_fields(d: dict, where: str) -> None:
+    for k, (ok, what) in _FIELD_CHECKS.items():
+        if k in d and not ok(d[k]):
+            raise ConfigError(f"{where}: {k} must be {what}, got {d[k]!r}")
+    for key in ("rope_parameters", "rope_scaling"):
+        params = d.get(key) or {}
+        for k, v in params.items():
+            if k in _ROPE_NUMBERS and v is not None and not (_is_num(v) and v >= 0):
+                raise ConfigError(f"{where}: {key}.{k} must be a number >= 0, got {v!r}")
+        for k in ("rope_type", "type"):
+            if params.get(k) is not None and not isinstance(params[k], str):
+                raise ConfigError(f"{where}: {key}.{k} must be a string, got {params[k]!r}")
 
 
 def parse_text_config(d: dict, *, where: str = "config.json") -> TextConfig:
@@ -119,6 +180,7 @@ def parse_text_config(d: dict, *, where: str = "config.json") -> TextConfig:
     if missing:
         raise ConfigError(f"{where}: text config is missing required field(s) {missing}")
     _check_positive_ints(d, where)
+    _check_fields(d, where)
     kwargs = {k: v for k, v in d.items() if k in _TEXT_FIELDS}
     kwargs["rope_parameters"] = normalize_rope_parameters(d)
     if kwargs.get("head_dim") is None:
@@ -166,6 +228,17 @@ def _validate_text(cfg: TextConfig, where: str) -> None:
         )
 
 
+def _check_quantization(q, where: str) -> None:
+    if not isinstance(q, dict):
+        raise ConfigError(f"{where} must be a JSON object (bits, group_size, mode), got {q!r}")
+    if not (_is_int(q.get("bits")) and 1 <= q["bits"] <= 8):
+        raise ConfigError(f"{where}: bits must be an integer from 1 to 8, got {q.get('bits')!r}")
+    if "group_size" in q and not (_is_int(q["group_size"]) and q["group_size"] > 0):
+        raise ConfigError(f"{where}: group_size must be a positive integer, got {q['group_size']!r}")
+    if "mode" in q and not isinstance(q["mode"], str):
+        raise ConfigError(f"{where}: mode must be a string, got {q['mode']!r}")
+
+
 def parse_config(d: dict, *, where: str = "config.json") -> ModelConfig:
     """Parse a top-level `muse_glimmer` config (with `text_config`) or a bare `muse_glimmer_text` config."""
     if not isinstance(d, dict):
@@ -173,9 +246,20 @@ def parse_config(d: dict, *, where: str = "config.json") -> ModelConfig:
     mt = d.get("model_type")
     if mt is None:
         raise ConfigError(f"{where}: missing 'model_type'")
+    if "quantization" in d:  # mlx's own key: it must describe the quantization this runtime reads
+        _check_quantization(d["quantization"], f"{where}: quantization")
     quant = d.get("quantization") or d.get("quantization_config")
     if quant is not None and (not isinstance(quant, dict) or "bits" not in quant):
         quant = None  # a foreign quantization_config (bitsandbytes, fp8…) that we do not read
+    elif quant is not None:
+        _check_quantization(quant, f"{where}: quantization_config")
+    for k, (ok, what) in (("tie_word_embeddings", _FIELD_CHECKS["tie_word_embeddings"]),
+                          ("image_token_id", (lambda v: _is_int(v) and v >= 0, "a token id")),
+                          ("video_token_id", (lambda v: _is_int(v) and v >= 0, "a token id")),
+                          ("vision_config", (lambda v: v is None or isinstance(v, dict), "a JSON object or null")),
+                          ("num_mtp_layers", _FIELD_CHECKS["num_mtp_layers"])):
+        if k in d and not ok(d[k]):
+            raise ConfigError(f"{where}: {k} must be {what}, got {d[k]!r}")
     if mt in MULTIMODAL_MODEL_TYPES and "text_config" not in d and "hidden_size" in d:
         mt = "muse_glimmer_text"  # a flat text-only config (as mlx-lm writes it)
     if mt in MULTIMODAL_MODEL_TYPES:

@@ -299,7 +299,7 @@ def build_plan(src, out_dtype=None, settings: QuantSettings | None = None, *, te
 
     is_drafter = raw.get("model_type") == "muse_glimmer_assistant"
     notes: list[str] = []
-    shapes = {n: SimpleNamespace(shape=tuple(info["shape"])) for n, _, info, _ in tensors}
+    shapes = {n: SimpleNamespace(shape=tuple(info["shape"]), dtype=info["dtype"]) for n, _, info, _ in tensors}
     if is_drafter:
         try:
             acfg = AssistantConfig.from_dict(raw, where=str(cfg_path))

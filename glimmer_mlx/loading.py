@@ -158,7 +158,9 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
         raise CheckpointError(f"{path}: corrupt safetensors header (not valid JSON: {e})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (expected a JSON object)")
-    header.pop("__metadata__", None)
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise CheckpointError(f"{path}: corrupt safetensors header ('__metadata__' must map names to strings)")
     data_size = size - 8 - n
     for name, info in header.items():
         try:
@@ -186,6 +188,14 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
                 f"{path}: corrupt: tensor '{name}' of dtype {dtype} and shape {shape} needs "
                 f"{math.prod(shape) * item} bytes, header gives {end - begin}"
             )
+    last = None  # the non-empty tensor reaching furthest so far, in data order (zero-size tensors overlap nothing)
+    for b1, e1, name in sorted((i["data_offsets"][0], i["data_offsets"][1], k) for k, i in header.items() if
+                               i["data_offsets"][1] > i["data_offsets"][0]):
+        if last is not None and b1 < last[1]:
+            raise CheckpointError(f"{path}: corrupt: tensors '{last[2]}' and '{name}' share bytes (data offsets "
+                                  f"[{last[0]}, {last[1]}] and [{b1}, {e1}])")
+        if last is None or e1 > last[1]:
+            last = (b1, e1, name)
     return header
 
 
@@ -279,6 +289,27 @@ def quantize_like(model: nn.Module, quant: dict, weights: dict[str, mx.array], p
     )
 
 
+def _is_float(v) -> bool | None:
+    """Whether a tensor (an mx.array, or a header entry's _Shape) holds floating-point numbers; None: unknown."""
+    d = getattr(v, "dtype", None)
+    if d is None:
+        return None
+    if isinstance(d, str):
+        return d in ("F64", "F32", "F16", "BF16") or d.startswith(("F8_", "F6_", "F4"))
+    return mx.issubdtype(d, mx.floating)
+
+
+_MX_ST_NAMES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.int64: "I64", mx.int32: "I32",
+                mx.int16: "I16", mx.int8: "I8", mx.uint64: "U64", mx.uint32: "U32", mx.uint16: "U16", mx.uint8: "U8",
+                mx.bool_: "BOOL"}
+
+
+def _dtype_name(v) -> str:
+    """The safetensors name of a tensor's dtype (as the header spells it)."""
+    d = v.dtype
+    return d if isinstance(d, str) else _MX_ST_NAMES.get(d, str(d).removeprefix("mlx.core."))
+
+
 TARGET_NAMES_HINT = "checkpoint names are shown after mapping 'model.language_model.' → 'model.'"
 
 
@@ -302,6 +333,11 @@ def check_weights(model: nn.Module, weights: dict[str, mx.array], where, quant_c
             hint = "; the checkpoint looks quantized (.scales/.biases) but config.json has no 'quantization' entry"
         raise CheckpointError(f"{where}: unexpected {kind}tensor(s) {names(extra)} ({len(extra)} extra){hint}")
     for k, v in expected.items():
+        want, got = _is_float(v), _is_float(weights[k])
+        if want is not None and got is not None and want != got:
+            raise CheckpointError(
+                f"{where}: {kind}tensor '{prefix}{k}' has dtype {_dtype_name(weights[k])}, expected "
+                f"{'a floating-point dtype' if want else f'{_dtype_name(v)} (quantized weights)'}")
         if tuple(weights[k].shape) != tuple(v.shape):
             quant = ""
             if quant_cfg is not None:
@@ -377,8 +413,8 @@ def _split_checked(path: Path, config: ModelConfig, weights: dict):
 
 
 class _Shape:
-    def __init__(self, shape):
-        self.shape = shape
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = shape, dtype
 
 
 def check_checkpoint(path: Path, config: ModelConfig | None = None, *, require_weights: bool = True) -> dict | None:
@@ -391,7 +427,7 @@ def check_checkpoint(path: Path, config: ModelConfig | None = None, *, require_w
             and not any(path.glob("*.safetensors")):
         return None
     tensors = checkpoint_tensors(path)
-    _split_checked(path, config, {k: _Shape(s) for k, (_, s) in tensors.items()})
+    _split_checked(path, config, {k: _Shape(s, d) for k, (d, s) in tensors.items()})
     gen_eos_ids(path)
     try:
         load_tokenizer(path, config)

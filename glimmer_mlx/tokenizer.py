@@ -190,12 +190,12 @@ class TokenizerError(ValueError):
 
 
 def check_chat_template(template: str, where: str) -> None:
-    """Parse a chat template (jinja2, with the extensions apply_chat_template enables); TokenizerError naming `where`
-    and the line on a syntax error. Nothing is rendered."""
+    """Compile a chat template (jinja2, with the extensions apply_chat_template enables: syntax, and every filter and
+    test it names exists); TokenizerError naming `where` and the line otherwise. Nothing is rendered."""
     from jinja2 import Environment, TemplateSyntaxError
 
-    try:
-        Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    try:  # TemplateAssertionError (an unknown filter / test) is a TemplateSyntaxError too
+        Environment(extensions=["jinja2.ext.loopcontrols"]).from_string(template)
     except TemplateSyntaxError as e:
         raise TokenizerError(f"{where}: invalid chat template (jinja2, line {e.lineno}: {e.message})") from None
 

@@ -572,26 +572,33 @@ def test_embedded_model_agent_loop(tmp_path):
 # ------------------------------------------------------------------------------------- adversarial (the audit)
 
 SWAPPER = r"""
-import os, sys, time
+import ctypes, os, shutil, sys, time
 root, outside, kind = sys.argv[1:4]
 os.chdir(root)
+a, b = ("d", "d.lnk") if kind == "dir" else ("d/f.txt", "d/f.lnk")
+os.symlink(outside if kind == "dir" else os.path.join(outside, "f.txt"), b)
+try:  # Linux: swap the two names atomically, so that `a` always exists (a folder or file, or the symlink)
+    renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+except (AttributeError, OSError):
+    renameat2 = None
 open("swapper.started", "w").close()
 end = time.time() + 60  # bounded even if the test dies
 while time.time() < end and not os.path.exists("swapper.stop"):
-    try:
-        if kind == "dir":  # the folder d for a symlink to outside, and back
-            os.rename("d", "d.real")
-            os.symlink(outside, "d")
-            os.unlink("d")
-            os.rename("d.real", "d")
-        else:  # the file d/f.txt for a symlink to the outside secret, and back (each an atomic rename)
-            os.symlink(os.path.join(outside, "f.txt"), "d/f.lnk")
-            os.rename("d/f.lnk", "d/f.txt")
-            with open("d/f.new", "w") as fh:
-                fh.write("inside\n")
-            os.rename("d/f.new", "d/f.txt")
+    if renameat2 is not None:
+        renameat2(-100, a.encode(), -100, b.encode(), 2)  # AT_FDCWD, RENAME_EXCHANGE
+        continue
+    try:  # elsewhere: move it away, put the symlink there, and back
+        os.rename(a, a + ".real")
+        os.rename(b, a)
+        os.rename(a, b)
+        os.rename(a + ".real", a)
     except OSError:
-        pass
+        if os.path.lexists(a + ".real"):  # a tool made a folder in the gap: put things back
+            if os.path.isdir(a) and not os.path.islink(a):
+                shutil.rmtree(a)
+            elif os.path.lexists(a) and not os.path.lexists(b):
+                os.rename(a, b)
+            os.rename(a + ".real", a)
 """
 
 
@@ -624,15 +631,16 @@ class Swapper:
             self.proc.wait()
 
 
-def race(fn, calls=3000, seconds=8.0):
-    """fn() up to `calls` times (at most `seconds`); the results that did not raise a ToolError."""
+def race(fn, calls=100_000, seconds=3.0):
+    """fn() up to `calls` times (at most `seconds`); the results of the calls that did not fail (a refusal, or the
+    file missing mid-swap)."""
     out, t0 = [], time.monotonic()
     for _ in range(calls):
         if time.monotonic() - t0 > seconds:
             break
         try:
             out.append(fn())
-        except ToolError:
+        except (ToolError, OSError):
             pass
     return out
 
@@ -644,8 +652,8 @@ def test_race_swapping_for_symlinks_never_reads_outside(ws, kind):
     b = box(root)
     with Swapper(root, outside, kind):
         reads = race(lambda: b.read_file("d/f.txt"))
-        found = race(lambda: b.search("S.CRET|inside"), calls=800)
-        listed = race(lambda: b.list_files("d"), calls=1500)
+        found = race(lambda: b.search("S.CRET|inside"))
+        listed = race(lambda: b.list_files("d"))
     assert reads and found and listed  # the calls did run (most of the time the file is there)
     assert not [r for r in reads if "TOP SECRET" in r]
     assert not [r for r in found if "TOP SECRET" in r]
@@ -658,12 +666,10 @@ def test_race_consented_writes_never_land_outside(ws):
     n = iter(range(10 ** 6))
     with Swapper(root, outside, "dir"):
         before = snapshot(outside)
-        wrote = race(lambda: b.write_file(f"d/new{next(n) % 50}.txt", f"x{next(n)}\n"), calls=2000)
-        patched = race(lambda: b.patch_file("d/f.txt", "inside", "inside"), calls=500)
+        wrote = race(lambda: b.write_file(f"d/new{next(n) % 50}.txt", f"x{next(n)}\n"))
     assert wrote
     assert snapshot(outside) == before  # nothing created or changed there
     assert (outside / "f.txt").read_text() == "TOP SECRET\n"
-    del patched
 
 
 def test_workspace_folder_replaced_is_refused(ws):
@@ -800,19 +806,17 @@ def test_run_output_is_streamed_with_a_hard_cap(ws):
 
 
 def test_read_and_search_clip_long_lines(ws):
-    import glimmer_mlx.tools as tools_mod
-
     root, _ = ws
     (root / "one.txt").write_text("greet " + "x" * 1_900_000 + "\n")
     b = box(root)
-    out = b.read_file("one.txt")
-    assert len(out) <= tools_mod.MAX_LINE_CHARS + 100 and "[clipped 1898" in out and out.startswith("   1  greet x")
+    out = b.read_file("one.txt")  # per line: 2,000 characters
+    assert len(out) <= 2_100 and "[clipped 1898" in out and out.startswith("   1  greet x")
     (root / "many.txt").write_text(("y" * 5000 + "\n") * 100)
-    out = b.read_file("many.txt")
-    assert len(out) <= tools_mod.MAX_READ_CHARS + 200 and out.count("[clipped 3000 characters]") >= 20
+    out = b.read_file("many.txt")  # in total: 60,000
+    assert len(out) <= 60_200 and out.count("[clipped 3000 characters]") >= 20
     assert "read on with start_line=" in out
-    hit = b.search("greet", path="one.txt")
-    assert hit.startswith("one.txt:1:greet x") and "[clipped 1899" in hit and len(hit) < tools_mod.MAX_LINE + 100
+    hit = b.search("greet", path="one.txt")  # a search hit: 300
+    assert hit.startswith("one.txt:1:greet x") and "[clipped 1899" in hit and len(hit) < 400
     # a huge (sparse) file is refused without being read
     with open(root / "huge.bin", "wb") as f:
         f.truncate(2 * 1024 ** 3)
@@ -834,8 +838,8 @@ def test_a_small_context_gets_clipped_results(ws):
     b = box(root)
     res = Agent(backend, b, max_steps=3).run("read big.txt")
     result = backend.seen[1][0][-1]["content"]
-    assert res.answer == "ok" and b.max_chars == 1024
-    assert len(result) <= 1024 + 50 and "[clipped 19" in result
+    assert res.answer == "ok"
+    assert len(result) <= 1024 + 50 and "[clipped 19" in result and b.max_chars == 1024
 
 
 @pytest.mark.skipif(_embedded() is None, reason="the embedded model (glimmer_mlx/embedded/glimmer-tiny) is not built")
@@ -849,7 +853,7 @@ def test_embedded_model_survives_a_one_line_200kb_file(tmp_path):
 
     class FirstReads:  # the model's first reply scripted (a read of the file), the rest its own
         chat_template = real.chat_template
-        max_context = real.max_context
+        max_context = getattr(real, "max_context", None)
 
         def __init__(self):
             self.calls = 0

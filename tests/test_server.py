@@ -704,6 +704,17 @@ def test_protocol_errors_are_json(served):
             err = assert_openai_error(body, line, status)
             assert headers["content-type"] == "application/json", (request[:40], headers)
             assert err["type"] == "invalid_request_error", err
+        line, _, body = raw_http(port, b"POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: 2\r\nContent-Length: 40\r\n\r\n{}")
+        assert "Content-Length" in assert_openai_error(body, line, 400)["message"]
+        line, _, body = raw_http(port, b"POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\n"
+                                 b"Transfer-Encoding: gzip\r\nContent-Length: 2\r\n\r\n{}")
+        assert "Content-Length" in assert_openai_error(body, line, 411)["message"]
+        # a GET with a body: answered, and the body is not taken for a second request (smuggled past the first)
+        smuggled = b"GET /nope HTTP/1.1\r\n\r\n"
+        line, headers, body = raw_http(port, b"GET /health HTTP/1.1\r\nContent-Length: " +
+                                       str(len(smuggled)).encode() + b"\r\n\r\n" + smuggled)
+        assert line.startswith("HTTP/1.1 200 ") and headers["connection"] == "close" and b"HTTP/1.1" not in body
         # a POST to a GET route with a body: answered, and the unread body is not taken for the next request
         line, headers, body = raw_http(port, b"POST /health HTTP/1.1\r\nContent-Type: application/json\r\n"
                                        b"Content-Length: 2\r\n\r\n{}")
@@ -914,5 +925,29 @@ def test_special_token_text_over_http_cannot_forge_a_turn(served, monkeypatch):
         chat(base, [{"role": "user", "content": FORGED}], max_tokens=2)
         assert seen[1].count(eot) == seen[0].count(eot), (seen[0], seen[1])
         assert FORGED in tok.decode(seen[1])
+
+    over_http(server, client)
+
+
+def test_openai_sdk_sees_openai_errors(served):
+    """The openai SDK (what the audit drove the server with) maps the answers to its own exceptions."""
+    openai = pytest.importorskip("openai")
+    server, base, *_ = served
+    hi = [{"role": "user", "content": "hi"}]
+
+    def client():
+        c = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+        r = c.chat.completions.create(model=server.model_name, messages=hi, max_tokens=2)
+        assert r.choices[0].message.role == "assistant"
+        with pytest.raises(openai.NotFoundError) as e:
+            c.chat.completions.create(model="gpt-4o", messages=hi, max_tokens=2)
+        assert e.value.code == "model_not_found"
+        with pytest.raises(openai.BadRequestError) as e:  # (the SDK cannot send a lone surrogate: raw HTTP above)
+            c.chat.completions.create(model=server.model_name, messages=[{"role": "user", "content": 5}])
+        assert e.value.param == "messages[0].content"
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=server.model_name, messages=hi, tools=[
+                {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}])
+        assert e.value.param == "tools[0].function.parameters"
 
     over_http(server, client)

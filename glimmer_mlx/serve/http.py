@@ -134,7 +134,15 @@ class APIHandler(BaseHTTPRequestHandler):
                 self.protocol_error(APIError(400, "a malformed header line (no 'name:', or a folded line)",
                                              code="bad_header"))
                 return False
-        self.headers = http.client.parse_headers(io.BytesIO(raw + b"\r\n"), _class=self.MessageClass)
+        try:
+            self.headers = http.client.parse_headers(io.BytesIO(raw + b"\r\n"), _class=self.MessageClass)
+        except http.client.HTTPException:
+            self.protocol_error(APIError(431, f"the request headers exceed {MAX_HEADERS} lines or "
+                                         f"{MAX_HEADER_BYTES} bytes", code="headers_too_large"))
+            return False
+        if len(set(self.headers.get_all("Content-Length") or [])) > 1:
+            self.protocol_error(APIError(400, "conflicting Content-Length headers", code="bad_header"))
+            return False
         conn = self.headers.get("Connection", "").lower()
         self.close_connection = conn == "close" or (self.request_version == "HTTP/1.0" and conn != "keep-alive")
         te = self.headers.get("Transfer-Encoding")
@@ -155,7 +163,10 @@ class APIHandler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
-        for k, v in (headers or {}).items():
+        headers = dict(headers or {})
+        if self.close_connection:
+            headers.setdefault("Connection", "close")
+        for k, v in headers.items():
             self.send_header(k, v)
         self.end_headers()
         if self.command != "HEAD":
@@ -165,8 +176,6 @@ class APIHandler(BaseHTTPRequestHandler):
         if self.body_pending or e.status >= 500:
             self.close_connection = True  # the unread body would be read as the next request
         headers = dict(e.headers or {}, **headers)
-        if self.close_connection:
-            headers["Connection"] = "close"
         self.send_json(e.status, e.body(), data=e.encode(), headers=headers)
 
     def client_gone(self) -> bool:
@@ -209,6 +218,7 @@ class APIHandler(BaseHTTPRequestHandler):
                                          code="invalid_api_key"), **{"WWW-Authenticate": 'Bearer realm="glimmer"'})
             return
         if self.command == "GET":
+            self.close_connection = self.close_connection or self.body_pending  # a GET's body is never read
             self.guard(self.answer_get)
         elif self.command == "POST":
             self.guard(self.answer_post)
@@ -254,8 +264,10 @@ class APIHandler(BaseHTTPRequestHandler):
 
     def read_body(self) -> dict:
         ctype = self.headers.get("Content-Type", "")
-        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-            raise APIError(411, "chunked request bodies are not supported: send Content-Length")
+        te = self.headers.get("Transfer-Encoding")
+        if te is not None:
+            raise APIError(411, f"{'chunked' if 'chunked' in te.lower() else 'Transfer-Encoding'} request bodies "
+                           "are not supported: send Content-Length")
         length = self.headers.get("Content-Length")
         if length is None:
             raise APIError(411, "Content-Length is required")

@@ -37,7 +37,7 @@ import json
 import os
 import re
 import secrets
-import select
+import selectors
 import shlex
 import signal
 import stat
@@ -769,6 +769,8 @@ class ToolBox:
         deadline = time.monotonic() + self.timeout
         give_up = None  # when to stop reading: the reaper stuck, or an escaped process holding the pipe
         fd = proc.stdout.fileno()
+        sel = selectors.DefaultSelector()  # epoll / kqueue: no FD_SETSIZE limit
+        sel.register(fd, selectors.EVENT_READ)
         try:
             while True:
                 now = time.monotonic()
@@ -780,7 +782,7 @@ class ToolBox:
                 if give_up is not None and now >= give_up:
                     break
                 wait = min(0.1, max(deadline - now, 0.001)) if why is None else 0.1
-                if not select.select([fd], [], [], wait)[0]:
+                if not sel.select(wait):
                     continue
                 chunk = os.read(fd, 1 << 16)
                 if not chunk:
@@ -790,6 +792,7 @@ class ToolBox:
                     why = f"killed: the output passed {OUTPUT_KILL_BYTES} bytes"
                     proc.send_signal(signal.SIGTERM)
         finally:
+            sel.close()
             proc.stdout.close()
             try:
                 proc.wait(timeout=5)

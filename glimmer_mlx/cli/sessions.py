@@ -125,10 +125,12 @@ def agent(
     task: Optional[str] = typer.Argument(None, help="What to do (omit with --resume to just continue)."),
     model: Model = None,
     workspace: Optional[str] = typer.Option(None, "--workspace", "-w", help="The folder the agent may use "
-                                            "(default: the current one; on --resume, the transcript's)."),
+                                            "(default: the current one, also on --resume: a transcript recorded "
+                                            "in another folder is refused)."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Write files and run commands without asking."),
-    allow: List[str] = typer.Option([], "--allow", help="Command prefix run without asking, e.g. 'pytest -q' "
-                                    "(repeatable; commands with shell operators always ask)."),
+    allow: List[str] = typer.Option([], "--allow", help="A whole command run without asking, e.g. 'pytest -q' "
+                                    "(exact words, not a prefix; a last word * allows any further arguments, "
+                                    "dangerous; repeatable; commands with shell operators always ask)."),
     max_steps: int = typer.Option(20, "--max-steps", help="Model replies before the loop stops (exit code 2)."),
     max_tokens: int = typer.Option(1024, "--max-tokens", help="Tokens per model reply."),
     transcript: Optional[str] = typer.Option(None, "--transcript", help="JSONL transcript to write (default: "

@@ -8,7 +8,11 @@ answer with no call), or at the step limit.
 
 Every message and event is appended to a JSONL transcript as it happens, so a run can be resumed exactly
 (`Agent.resume`): the conversation is rebuilt from the `message` records, and calls the model made but that never
-ran (an interrupted run) are run first.
+ran (an interrupted run) are run first. The workspace is never taken from a transcript: `run_command` refuses one
+recorded in another folder than the command line's (or the current one).
+
+Everything shown before a consent question, and every line of the terminal UI, has its control characters escaped
+(`tools.visible`): a file, a command or the model cannot rewrite the screen.
 
 A backend is any callable `backend(messages, tools, on_text=None) -> str` with a `chat_template` attribute
 (str | None: selects the tool-call format); `MLXBackend` runs a glimmer-mlx model.

@@ -942,6 +942,23 @@ def test_odd_paths_names_and_files(ws):
     assert "latin1" not in b.search("greet")
     with pytest.raises(ToolError, match="binary file"):
         b.read_file("latin1.txt")
+    import socket
+
+    sock = socket.socket(socket.AF_UNIX)  # a socket, and (as root) a device: refused, not opened
+    try:
+        sock.bind(str(root / "sock"))
+    except OSError:  # a path too long for AF_UNIX
+        pass
+    else:
+        with pytest.raises(ToolError, match="not a regular file"):
+            b.read_file("sock")
+    finally:
+        sock.close()
+    if os.geteuid() == 0:
+        os.mknod(root / "zero", stat.S_IFCHR | 0o600, os.makedev(1, 5))
+        with pytest.raises(ToolError, match="not a regular file"):
+            b.read_file("zero")
+        assert "zero" not in b.search("x")
     (root / "nl\nname.txt").write_text("x")
     assert "nl\\nname.txt" in b.list_files()  # a name cannot forge a line of the listing
     with pytest.raises(ToolError, match="NUL"):

@@ -472,7 +472,7 @@ def test_plan_in_a_plain_stretch_does_not_ask_drafters_that_cannot_win(tiny, mon
         auto.accept([], [1 if i % 2 == 0 else 2])
     assert plans == [True] * 200  # (1 2 1 2 … always matches, but every n-gram option is pinned at α = 0)
     assert peeks == [] and auto.chooser.chosen[("plain", 0)] == 200
-    auto._sync()
+    auto._sync("ngram")
     assert auto.drafters["ngram"].index.tokens == [1, 2] * 102  # the lookup saw every token committed, in one go
 
 
@@ -697,13 +697,14 @@ def test_auto_forced_plain_runs_the_model_calls_plain_decoding_runs(tiny, tmp_pa
     from glimmer_mlx.models.mtp import MTPHead
 
     model, _, dpath = tiny
-    calls = {"target": 0, "dflash": 0, "mtp": 0}
+    calls = {"target": 0, "dflash": 0, "mtp": 0, "taps": 0}
 
     def counting(cls, key, attr="__call__"):
         real = getattr(cls, attr)
 
         def wrapped(self, *a, **kw):
             calls[key] += 1
+            calls["taps"] += key == "target" and kw.get("taps") is not None
             return real(self, *a, **kw)
 
         monkeypatch.setattr(cls, attr, wrapped)
@@ -717,9 +718,89 @@ def test_auto_forced_plain_runs_the_model_calls_plain_decoding_runs(tiny, tmp_pa
     for temp in (0.0, 1.0):
         counts = []
         for drafter in (None, auto):
-            calls.update(target=0, dflash=0, mtp=0)
+            calls.update(target=0, dflash=0, mtp=0, taps=0)
             r = glimmer_mlx.generate(model, prompt, max_tokens=40, temperature=temp, seed=1, drafter=drafter)
             counts.append(dict(calls))
             if drafter is not None:
                 assert r.stats.extra["plain_rounds"] == 39 and r.stats.extra["tau"] == 1.0
-        assert counts[0] == counts[1] == {"target": 40, "dflash": 0, "mtp": 0}  # 1 prefill call + 39 steps
+        # 1 prefill call + 39 steps, none of them computing the drafters' taps (not even the prompt's)
+        assert counts[0] == counts[1] == {"target": 40, "dflash": 0, "mtp": 0, "taps": 0}
+
+
+CATCH_UP_SCRIPT = [(None, 0)] * 5 + [("dflash", 3)] + [(None, 0)] * 4 + [("mtp", 2), ("ngram", 4), (None, 0),
+                                                                          ("dflash", 2), ("mtp", 1)]
+
+
+def _scripted_run(model, dpath, tmp_path, monkeypatch, warm: bool, can_fill=None):
+    """Greedy runs of CATCH_UP_SCRIPT: (outputs, every model drafter round's drafts, `fill` calls). warm=False:
+    plain rounds never compute taps, so each model drafter round first recomputes what its drafter missed."""
+    auto = _auto(model, dpath, tmp_path)
+    auto.chooser = Scripted(auto.chooser, CATCH_UP_SCRIPT)
+    drafts = []
+    for n in ("dflash", "mtp"):
+        d = auto.drafters[n]
+        real = d.propose
+        monkeypatch.setattr(d, "propose", lambda *a, _r=real, _n=n, **kw: (lambda out: (drafts.append((_n, out[0])),
+                                                                                     out)[1])(_r(*a, **kw)),
+                            raising=False)
+    if not warm:
+        real_plan = auto.plan
+        monkeypatch.setattr(auto, "plan", lambda *a: (real_plan(*a), setattr(auto, "needs_taps", False))[0],
+                            raising=False)
+    if can_fill is not None:
+        monkeypatch.setattr(AutoDecoder, "_can_fill", lambda self, n: can_fill(n))
+    fills = []
+    real_fill = AutoDecoder._fill
+    monkeypatch.setattr(AutoDecoder, "_fill", lambda self, a: (fills.append(self.cache[0].offset - a),
+                                                               real_fill(self, a))[1])
+    outs = []
+    rng = np.random.RandomState(11)
+    for p in range(2):
+        prompt = [int(x) for x in rng.randint(10, 500, size=10)] * 2
+        outs.append((prompt, glimmer_mlx.generate(model, prompt, max_tokens=36, drafter=auto).tokens))
+    monkeypatch.undo()
+    return outs, drafts, fills
+
+
+def test_an_idle_drafter_catches_up_when_it_next_drafts(tiny, tmp_path, monkeypatch):
+    """Plain stretches that compute no taps: a model drafter asked to draft afterwards first gets the taps it missed,
+    recomputed in one forward (`AutoDecoder._fill`), and then drafts exactly what a drafter kept in step drafts;
+    output stays plain decoding's."""
+    model, _, dpath = tiny
+    warm, warm_drafts, warm_fills = _scripted_run(model, dpath, tmp_path, monkeypatch, warm=True)
+    cold, cold_drafts, cold_fills = _scripted_run(model, dpath, tmp_path, monkeypatch, warm=False)
+    for prompt, toks in cold:
+        assert toks == glimmer_mlx.generate(model, prompt, max_tokens=36).tokens
+    assert cold == warm
+    assert warm_fills == [] and len(cold_fills) >= 4 and max(cold_fills) >= 5  # the stretches' tokens, in one go
+    assert cold_drafts == warm_drafts and len(cold_drafts) >= 6
+
+
+def test_a_drafter_whose_backlog_cannot_be_recomputed_sits_out(tiny, tmp_path, monkeypatch):
+    """The target's cache cannot rewind as far as a drafter is behind (a sliding window past its spare rows): that
+    drafter is not offered for the rest of the request, the others still are, and nothing else changes."""
+    model, _, dpath = tiny
+    cold, drafts, fills = _scripted_run(model, dpath, tmp_path, monkeypatch, warm=False, can_fill=lambda n: n <= 2)
+    for prompt, toks in cold:
+        assert toks == glimmer_mlx.generate(model, prompt, max_tokens=36).tokens
+    assert all(f <= 2 for f in fills)
+    assert len(drafts) < len(CATCH_UP_SCRIPT)  # the model drafters' later turns became plain rounds
+
+
+def test_catch_up_cost_is_charged_to_a_drafter_that_is_behind():
+    """`lags`: a drafter L positions behind pays one forward over them (C(L), rounded up to a power of two, extended
+    linearly past the curve) once, spread over the horizon: a long backlog turns a paying drafter into a plain step,
+    a short one does not."""
+    costs = {L: 10 * MS * (1 + 0.1 * (L - 1)) for L in range(1, 10)}  # 8 drafts cost 1.8 plain steps
+    ch = chooser(costs, {"dflash": (8, "block", 1 * MS, [0.9])})
+    ch.set_horizon(64)
+    assert ch.catch_up_cost("dflash") == 0.0
+    assert ch.best({"dflash": 8})[0] == "dflash"
+    ch.lags["dflash"] = 3
+    assert ch.catch_up_cost("dflash") == pytest.approx(costs[4])
+    assert ch.best({"dflash": 8})[0] == "dflash"
+    ch.lags["dflash"] = 2000
+    assert ch.catch_up_cost("dflash") == pytest.approx(costs[9] + (2048 - 9) * (costs[9] - costs[4]) / 5)
+    assert ch.best({"dflash": 8})[0] is None
+    ch.lags["dflash"] = 0
+    assert ch.best({"dflash": 8})[0] == "dflash"

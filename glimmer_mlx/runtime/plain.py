@@ -58,10 +58,7 @@ class PlainDecoder:
         else:
             logits, taps = self.model(x, self.cache, taps=self.taps)
         y = self.sampler(logits[:, -1], hist)
-        if taps:
-            mx.async_eval(y, *taps)
-        else:
-            mx.async_eval(y)
+        mx.async_eval(y)  # the taps are inputs of y's graph: computed with it
         self._next = (y, taps)
 
     def take(self, queue_next: bool) -> tuple[int, list | None]:

@@ -18,7 +18,7 @@ from collections import Counter
 
 import mlx.core as mx
 
-from ..cache import rewind_cache
+from ..cache import CacheRewindError, rewind_cache
 from ..kernels import install_block_kernels
 from ..runtime.plain import PlainDecoder
 from ..runtime.prefill import DEFAULT_PREFILL_STEP
@@ -111,7 +111,9 @@ class SpeculativeDecoder:
         self.last_drafts = drafts
         k = len(drafts)  # a drafter may propose fewer than asked (auto: none, a plain step)
         t1 = time.perf_counter()
-        logits, taps = self.model(mx.array([[anchor] + drafts], dtype=mx.int32), self.cache, taps=self.taps)
+        want = self.verify_taps()
+        out = self.model(mx.array([[anchor] + drafts], dtype=mx.int32), self.cache, taps=want)
+        logits, taps = out if want is not None else (out, None)
         if self.sampler.params.greedy:
             n, nxt = verify_greedy(logits[0], drafts, self.sampler, self.history)
         else:
@@ -120,12 +122,16 @@ class SpeculativeDecoder:
         rewind_cache(self.cache, k - n)
         new = drafts[:n] + [nxt]
         self.history.extend(new)
-        self.drafter.accept([t[:, : n + 1] for t in taps], new)
+        self.drafter.accept(None if taps is None else [t[:, : n + 1] for t in taps], new)
         t2 = time.perf_counter()
         self.t_draft += t1 - t0
         self.t_verify += t2 - t1
         self.last_round = "spec"
         return self._commit(new)
+
+    def verify_taps(self) -> tuple | None:
+        """The taps a verify forward returns for the drafter (None: logits only)."""
+        return self.taps
 
     def _commit(self, new: list[int]) -> list[int]:
         self.rounds += 1
@@ -156,7 +162,8 @@ class AutoDecoder(SpeculativeDecoder):
     """The engine for an `auto.AutoDrafter`: each round a plain step or a drafter at a width, chosen by the drafter's
     chooser. Whether the next round is plain is decided one token early (`AutoDrafter.plan`, on the n-gram index one
     token behind), so a plain stretch is pipelined exactly like plain decoding; a speculative round is chosen afresh
-    when it starts (`AutoDrafter.propose`). The target's taps of every plain token still reach every drafter.
+    when it starts (`AutoDrafter.propose`). Plain forwards (the prefill's included) compute the drafters' taps only
+    while a model drafter could pay; one that fell behind has them recomputed when it next drafts (`_fill`).
 
     Timing is commit to commit (everything between two rounds' results, the consumer's work included): a plain
     token inside a plain stretch is what plain decoding costs now; a speculative round is charged what its draft and
@@ -170,11 +177,52 @@ class AutoDecoder(SpeculativeDecoder):
         super().__init__(model, drafter, sampler, width, prefill_step, cache)
         self.mode = drafter.mode
         self._regime = "greedy" if sampler.params.greedy else "sampling"
+        self.plain.taps = None  # a plain round computes no taps: a drafter catches up when it is next asked
+        drafter.fill, drafter.can_fill = self._fill, self._can_fill
         self._t_commit = None  # when the previous round's tokens were committed (None before the first)
         self._after = None  # what that round was: "plain", "spec" (a measured speculative round) or None
 
     def plain_next(self, k: int, budget: int) -> bool:
-        return self.drafter.plan(k, self._regime, budget)
+        plain = self.drafter.plan(k, self._regime, budget)
+        self.plain.taps = self.taps if plain and self.drafter.needs_taps else None
+        return plain
+
+    def prefill(self, ids: list[int], input_embeddings=None, reuse: int = 0) -> None:
+        """The prompt's taps only when a model drafter could pay here at all (or the prompt has images, whose
+        positions a later recomputation from the ids could not reproduce)."""
+        if input_embeddings is not None or self.drafter.wants_taps(self._regime):
+            self.plain.taps = self.taps
+        try:
+            super().prefill(ids, input_embeddings, reuse)
+        finally:
+            self.plain.taps = None
+
+    def verify_taps(self) -> tuple | None:
+        return self.taps if self.drafter.needs_taps else None
+
+    def _can_fill(self, n: int) -> bool:
+        try:
+            for c in self.cache:
+                c.check_rewind(n)
+        except CacheRewindError:
+            return False
+        return True
+
+    def _fill(self, a: int) -> list[mx.array] | None:
+        """The target's taps of positions [a, now), recomputed: the cache is rewound to `a` and those tokens run
+        again (in prefill-sized chunks); None when the cache cannot rewind that far."""
+        pos = self.cache[0].offset
+        n = pos - a
+        if n <= 0 or not self._can_fill(n):
+            return None
+        rewind_cache(self.cache, n)
+        ids, step, parts = self.history[a:pos], self.plain.prefill_step, []
+        for s in range(0, n, step):
+            _, taps = self.model(mx.array([ids[s:s + step]], dtype=mx.int32), self.cache, taps=self.taps, last=1)
+            parts.append(taps)
+        if len(parts) == 1:
+            return parts[0]
+        return [mx.concatenate([p[i] for p in parts], axis=1) for i in range(len(self.taps))]
 
     def step(self, budget: int) -> list[int]:
         auto, t_prev = self.drafter, self._t_commit

@@ -14,7 +14,9 @@ Rate of an option (drafter d, k drafts):  E_d(k) / s·(draft_d(k) + v·C(k+1) + 
   one forward; linear for MTP's chain; ~0 for n-gram lookup);
 - o: a speculative round's measured time outside its draft and verify windows; w, charged only to a round that would
   interrupt a plain stretch: what a speculative stretch measurably costs beyond its rounds (the plain tokens either
-  side lose their pipelining; a drafter that sat idle catches up on the tokens since it last drafted).
+  side lose their pipelining; a drafter that sat idle catches up on the tokens since it last drafted), plus, for a
+  drafter L positions behind, the forward that recomputes their taps (C(L): `lags`), both spread over the tokens the
+  stretch can run.
 Exploiting, a drafter must also beat plain by `switch_margin` (10 %): every estimate is noisy and the best looking
 option is the one most likely overestimated. n-gram lookup is only an option in a round where the context's suffix
 occurred before (its drafts are known in advance: `peek`), one option per matched n-gram size. Because plain is
@@ -244,6 +246,10 @@ class AutoChooser:
         # a plain round does not pay for scoring every option and width again (on a small model that Python work is
         # a measurable share of a step)
         self._memo: dict = {}
+        # option -> target positions its drafter is behind (set per round by the drafter that multiplexes them): a
+        # round of it first recomputes their taps, one forward over them (`catch_up_cost`), a one-time cost spread
+        # over the horizon like the switch cost
+        self.lags: dict[str, int] = {}
         self.chosen: Counter = Counter()  # (name or "plain", k) -> rounds
         self.explored: Counter = Counter()  # name -> rounds chosen to explore it
 
@@ -265,6 +271,25 @@ class AutoChooser:
         self._memo.clear()
         return opt
 
+    def catch_up_cost(self, name: str) -> float:
+        """Calibrated seconds of the forward that brings option `name`'s drafter up to date (`lags`): the curve's
+        C(L) for L positions, rounded up to a power of two (so the memoised tables stay few), extended linearly past
+        its end."""
+        lag = self.lags.get(name, 0)
+        if lag <= 0:
+            return 0.0
+        L = 1 << (lag - 1).bit_length()
+        top = max(self.costs)
+        if L in self.costs:
+            return self.costs[L]
+        mid = max(1, top // 2)
+        slope = max(0.0, (self.costs[top] - self.costs.get(mid, self.costs[1])) / max(1, top - mid))
+        return self.costs[top] + (L - top) * slope
+
+    def _lag_key(self, name: str) -> int:
+        lag = self.lags.get(name, 0)
+        return 0 if lag <= 0 else (lag - 1).bit_length() + 1
+
     @property
     def plain_cost(self) -> float:
         """Seconds per pipelined plain token now."""
@@ -284,7 +309,7 @@ class AutoChooser:
         opt = self.options[name]
         stats = opt.acceptance(regime)
         fixed = max(0.0, self.round_overhead)
-        switch = 0.0 if self._spec_last else max(0.0, self.switch_cost)
+        switch = (0.0 if self._spec_last else max(0.0, self.switch_cost)) + self.catch_up_cost(name)
         vf = self.verify_factor.get(regime, 1.0)
         out, e, p = [], 1.0, 1.0
         alphas = stats.alphas()
@@ -305,7 +330,7 @@ class AutoChooser:
         """[(best k, its rate × scale) among k = 1..cap for cap = 1..max_k] of option `name`, kept until an estimate
         changes. In units of the speed scale, so a plain token moving the scale leaves it valid (every rate, plain's
         included, scales alike)."""
-        key = (regime, self._spec_last, self.horizon, name)
+        key = (regime, self._spec_last, self.horizon, name, self._lag_key(name))
         out = self._memo.get(key)
         if out is None:
             out, bk, br = [], 0, 0.0
@@ -336,7 +361,7 @@ class AutoChooser:
     def _explore_terms(self, name: str, cap: int, regime: str, incumbent: tuple) -> tuple[float, float, int]:
         """(EI × share, loss, k) of exploring option `name` (at most `cap` drafts) against `incumbent` = (name or
         None, its rate × scale): see the class docstring. Scale-free, kept until an estimate changes."""
-        key = ("explore", regime, self._spec_last, self.horizon, name, cap, incumbent)
+        key = ("explore", regime, self._spec_last, self.horizon, name, self._lag_key(name), cap, incumbent)
         out = self._memo.get(key)
         if out is None:
             stats = self.options[name].acceptance(regime)
@@ -405,10 +430,11 @@ class AutoChooser:
         if self._spec_last:
             return None
         self.set_horizon(remaining)
-        rel = self._memo.get((regime, self.horizon))
+        key = (regime, self.horizon, tuple(self._lag_key(n) for n in self.options))
+        rel = self._memo.get(key)
         if rel is None:
             plain = 1.0 / self.plain_cal
-            rel = self._memo[(regime, self.horizon)] = frozenset(
+            rel = self._memo[key] = frozenset(
                 n for n, o in self.options.items()
                 if max(self.rates(n, o.max_k, regime, shift=SCENARIOS[-1] * o.acceptance(regime).spread()))
                 * self.scale > plain * (1 + MIN_GAIN))

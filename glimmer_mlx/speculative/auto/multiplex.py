@@ -8,6 +8,7 @@ import time
 
 import mlx.core as mx
 
+from ...cache import CacheRewindError
 from ..ngram import NGramDrafter
 from ..protocol import Drafter
 from .calibrate import load_or_calibrate, measure_draft_costs
@@ -32,9 +33,12 @@ def ngram_prior(size: int) -> dict:
 class AutoDrafter:
     """Several drafters behind one `protocol.Drafter`; per round one proposes (or none: a plain step).
 
-    Every sub-drafter sees every committed token (`accept`) with its own taps out of the union, so any of them can
-    propose in any round. Keep one AutoDrafter per target for a process: what it learns (acceptance, draft costs)
-    carries over between requests, decaying as it goes.
+    A drafter is brought up to the committed tokens only when it is asked to draft (or, for n-gram lookup, to say
+    what it offers): a plain stretch hands nothing over and computes no taps, unless a model drafter could pay at all
+    (`AutoChooser.relevant`), which then stays in step on the taps the plain forwards yield anyway. One that fell
+    behind gets its backlog recomputed by the decoder in one forward (`fill`), a cost the chooser weighs
+    (`AutoChooser.lags`) before asking it. Keep one AutoDrafter per target for a process: what it learns
+    (acceptance, draft costs) carries over between requests, decaying as it goes.
 
     n-gram lookup is one option per matched n-gram size ("ngram@1" … "ngram@4"): a continuation found after a
     4-gram is far more often right than one found after a single token, and pooling them would hide the good
@@ -85,53 +89,122 @@ class AutoDrafter:
                 self.chooser.add(n, d.max_drafts, _SHAPES[n], draft_prior=cost, measured_tau=d.measured_tau)
                 self._kind_of[n] = n
         self._ngram_options = frozenset(o for o, n in self._kind_of.items() if n == "ngram")
+        self._model = [n for n in self.drafters if n != "ngram"]  # the drafters that read the target's taps
+        # set by the decoder that drives it: fill(a) recomputes the target's taps over positions [a, now) (rewinding
+        # its cache and running those tokens again; None when the cache cannot rewind that far), can_fill(n) says
+        # whether n positions could be
+        self.fill = None
+        self.can_fill = None
+        self.needs_taps = False  # whether the latest round's drafter reads taps (the verify forward then yields them)
         self._pending = None
         self._round = None  # (draft + verify seconds, catch-up seconds) of the last speculative round
         self._stretch = 0.0  # the running speculative stretch's cost beyond its rounds (`lead`, catch-ups)
-        self._rewound: dict[str, int] = {}  # each drafter's rewind point (`rewind_context`, then `extend`)
         self.remaining: int | None = None  # tokens of the request still to generate (the decoder sets it per round)
-        self._reset_log()
+        self._at = dict.fromkeys(self.drafters, 0)  # target positions each drafter has been handed (`_from`)
+        self._how = dict.fromkeys(self.drafters, "start")  # how it gets them next: "start" | "extend" | "accept"
+        self._reprefill = 0  # where the target's prefill restarts after `rewind_context`
+        self._reset([], None)
 
-    def _reset_log(self) -> None:
-        # every committed round's (taps, tokens), kept until each drafter has been handed it: a drafter gets what it
-        # missed in one batch when it is next asked (`_sync`), so a plain token costs one append, not per-drafter
-        # bookkeeping (n-gram lookup included: it is brought up to date only when its offer is asked for)
-        self._log: list[tuple[list, list[int]]] = []
-        self._fed = {n: 0 for n in self.drafters}  # entries of the log each drafter has been handed
+    # -- the drafters' state, brought up to date only when one will draft ---------------------------------------------
+    # Every committed token is kept (`_tokens`, position = index); the target's taps only where a forward produced
+    # them anyway (a prefill that asked for them, a verify round of a model drafter: `_chunks`). A plain round hands
+    # over nothing, so a plain stretch costs what plain decoding costs. A drafter asked to draft first gets what it
+    # missed in one go: its taps from the chunks where they cover its backlog, else recomputed by the decoder
+    # (`fill`, a forward over the backlog that the chooser charges to the option: `AutoChooser.lags`).
 
-    def start(self, taps: list[mx.array], ids: list[int]) -> None:
-        for n, d in self.drafters.items():
-            d.start([taps[i] for i in self._tap_idx[n]], ids)
+    def _reset(self, ids: list[int], taps, first: int = 0) -> None:
+        """A new context `ids`; `taps` (or None) cover target positions [first, len(ids) − 1)."""
+        self._tokens = list(ids)
+        self._chunks: list[tuple[int, list]] = []  # (first position, taps) not yet handed to every model drafter
+        self._hole = first if taps else max(0, len(ids) - 1)  # positions below it may lack taps
+        if taps:
+            self._chunks.append((first, list(taps)))
+        self.chooser.lags.clear()
+        self._lost: set[str] = set()  # model drafters whose backlog cannot be recomputed in this context
+
+    def _from(self, n: str) -> int:
+        """The first target position drafter `n` has not been handed."""
+        return 0 if self._how[n] == "start" else self._at[n]
+
+    def _lag(self, n: str) -> int:
+        """Target positions drafter `n` is behind."""
+        return len(self._tokens) - 1 - self._from(n)
+
+    def _gather(self, a: int, pos: int) -> list | None:
+        """The taps of positions [a, pos) from the chunks, or None where they do not cover them."""
+        if a < self._hole:
+            return None
+        parts, cur = [], a
+        for p0, taps in self._chunks:
+            end = p0 + taps[0].shape[1]
+            if end <= cur:
+                continue
+            if p0 > cur:
+                return None
+            parts.append([t[:, cur - p0:] for t in taps] if cur > p0 else taps)
+            cur = end
+        if cur < pos:
+            return None
+        if len(parts) == 1:
+            return parts[0]
+        return [mx.concatenate([p[i] for p in parts], axis=1) for i in range(len(parts[0]))]
+
+    def _sync(self, name: str) -> float | None:
+        """Bring drafter `name` up to the committed tokens; the seconds spent recomputing taps (`fill`), or None
+        when its backlog cannot be recomputed (it sits out the rest of this context)."""
+        pos, how = len(self._tokens) - 1, self._how[name]
+        a = self._from(name)
+        if how == "accept" and a == pos:
+            return 0.0
+        d, spent = self.drafters[name], 0.0
+        if name == "ngram":
+            taps = []
+        else:
+            taps = self._gather(a, pos)
+            if taps is None:
+                t0 = time.perf_counter()
+                taps = self.fill(a) if self.fill is not None else None
+                if taps is None:
+                    self._lost.add(name)
+                    return None
+                spent = time.perf_counter() - t0
+            taps = [taps[i] for i in self._tap_idx[name]]
+        if how == "accept":
+            d.accept(taps, self._tokens[a + 1:])
+        else:
+            (d.start if how == "start" else d.extend)(taps, list(self._tokens))
+        self._at[name], self._how[name] = pos, "accept"
+        self._prune()
+        return spent
+
+    def _prune(self) -> None:
+        """Drop the chunks every model drafter still in play is past."""
+        lo = min((self._from(n) for n in self._model if n not in self._lost), default=len(self._tokens))
+        self._chunks = [c for c in self._chunks if c[0] + c[1][0].shape[1] > lo]
+
+    def _ready(self, n: str) -> bool:
+        """Whether model drafter `n` can draft now (its backlog is in the chunks or can be recomputed)."""
+        if n in self._lost:
+            return False
+        a, pos = self._from(n), len(self._tokens) - 1
+        if a >= self._hole or a == pos:
+            return True
+        if self.can_fill is None or not self.can_fill(pos - a):
+            self._lost.add(n)
+            return False
+        return True
+
+    def start(self, taps: list[mx.array] | None, ids: list[int]) -> None:
+        self._at = dict.fromkeys(self.drafters, 0)
+        self._how = dict.fromkeys(self.drafters, "start")
+        self._reset(ids, taps)
         self._pending = self._round = None
         self._stretch = 0.0
-        self._reset_log()
-
-    def _sync(self, name: str | None = None) -> None:
-        """Hand drafter `name` (None: every drafter) the committed rounds it has not seen, in one `accept`."""
-        log = self._log
-        for n in [name] if name is not None else list(self.drafters):
-            new = log[self._fed[n]:]
-            if not new:
-                continue
-            idx = self._tap_idx[n]
-            if len(new) == 1:
-                taps, toks = [new[0][0][i] for i in idx], new[0][1]
-            else:
-                taps = [mx.concatenate([e[0][i] for e in new], axis=1) for i in idx]
-                toks = [t for e in new for t in e[1]]
-            self.drafters[n].accept(taps, toks)
-            self._fed[n] = len(log)
-        if min(self._fed.values()) == len(log):  # every drafter has it all: start the log afresh
-            log.clear()
-            self._fed = dict.fromkeys(self._fed, 0)
-
-    def _backlog(self, name: str) -> int:
-        """Tokens committed since drafter `name` was last handed any."""
-        return sum(len(e[1]) for e in self._log[self._fed[name]:])
 
     def _available(self, k: int, among=None) -> dict[str, int]:
         """{option: most drafts it can give now}; n-gram lookup only where the context's suffix occurred before, as
-        the option of the matched size. among: only these options (a set; None: all)."""
+        the option of the matched size; a model drafter only where it can catch up (its backlog, in target
+        positions, is told to the chooser: `AutoChooser.lags`). among: only these options (a set; None: all)."""
         available = {}
         for n, d in self.drafters.items():
             if n == "ngram":
@@ -141,7 +214,10 @@ class AutoDrafter:
                 drafts, m = d.peek(min(k, d.max_drafts))
                 cap, n = len(drafts), f"ngram@{m}"
             else:
+                if (among is not None and n not in among) or not self._ready(n):
+                    continue
                 cap = min(k, d.max_drafts)
+                self.chooser.lags[n] = 0 if self._from(n) >= self._hole else self._lag(n)
             if cap >= 1 and (among is None or n in among):
                 available[n] = cap
         return available
@@ -157,28 +233,38 @@ class AutoDrafter:
         available = self._available(k, among)
         if (among is not None and not available) or self.chooser.pick(available, regime, remaining)[0] is None:
             self.chooser.count_plain()
+            # the plain forward yields taps only while a model drafter could pay: then it stays in step for free
+            self.needs_taps = any(among is None or n in among for n in self._model if n not in self._lost)
             return True
         return False
+
+    def wants_taps(self, regime: str) -> bool:
+        """Whether a model drafter could pay in a new context at all (a prefill then yields the taps it needs)."""
+        self.chooser.lags.clear()
+        rel = self.chooser.relevant(regime, None)
+        return any(rel is None or n in rel for n in self._model)
 
     def propose(self, anchor: int, pos: int, k: int, sampler, history: list[int]):
         """`remaining`: the request's tokens still to generate in this round (set by the decoder)."""
         regime = "greedy" if sampler.params.greedy else "sampling"
         name, kk = self.chooser.choose(self._available(k), regime, self.remaining)
         t0 = time.perf_counter()
-        steady = True
-        if name is None:
-            drafts, q = [], None
-        else:
+        steady, spent = True, 0.0
+        kind = None if name is None else self._kind_of[name]
+        if kind is not None:
             # a drafter that sat idle catches up on its backlog while drafting: not its steady-state cost
-            kind = self._kind_of[name]
-            steady = self._backlog(kind) <= self.drafters[kind].max_drafts + 1
-            self._sync(kind)
+            steady = self._lag(kind) <= self.drafters[kind].max_drafts + 1
+            spent = self._sync(kind)
+        if kind is None or spent is None:
+            drafts, q, spent = [], None, 0.0
+        else:
             drafts, q = self.drafters[kind].propose(anchor, pos, kk, sampler, history)
+        self.needs_taps = kind is not None and kind != "ngram"
         t1 = time.perf_counter()
-        self._pending = (name, len(drafts), regime, t1 - t0, steady, t1)
+        self._pending = (name, len(drafts), regime, t1 - t0 - spent, steady, t1)
         return drafts, q
 
-    def accept(self, taps: list[mx.array], new_tokens: list[int]) -> None:
+    def accept(self, taps: list[mx.array] | None, new_tokens: list[int]) -> None:
         now = time.perf_counter()
         if self._pending is not None:
             name, k, regime, t_draft, steady, t1 = self._pending
@@ -187,7 +273,13 @@ class AutoDrafter:
             catch_up = 0.0 if steady or not k else t_draft - self.chooser.scale * self.chooser.options[name].cost(k)
             self._round = (t_draft + now - t1, catch_up) if k else None
             self._pending = None
-        self._log.append((taps, list(new_tokens)))
+        p = len(self._tokens) - 1
+        if taps:
+            self._chunks.append((p, list(taps)))
+        else:
+            self._hole = p + len(new_tokens)
+        self._tokens += new_tokens
+        self.needs_taps = False
 
     def end_round(self, seconds: float) -> bool:
         """The whole round took `seconds` (AutoDecoder: from the previous round's commit to this one's): what its
@@ -214,24 +306,41 @@ class AutoDrafter:
 
     # -- prompt-cache reuse (session.Session) -------------------------------------------------------------------------
     def context_length(self) -> int:
-        self._sync()
-        return min(d.context_length() for d in self.drafters.values())
+        """Every committed position but the anchor: a drafter behind them catches up when it is next asked."""
+        return len(self._tokens) - 1
 
     def rewind_context(self, keep: int) -> int:
-        """Each sub-drafter rewinds to its own point (see their `rewind_context`); the target re-runs from the lowest,
-        and `extend` gives each sub-drafter the taps from its own point on."""
-        self._sync()
-        self._rewound = {n: d.rewind_context(keep) for n, d in self.drafters.items()}
+        """Each model drafter rewinds to its own point (see their `rewind_context`; one that cannot, or has no
+        state, starts afresh). The target re-runs from `keep`, or from the point of a drafter that was in step to the
+        end (MTP restarts its chain a few positions back): their taps then come with that prefill. A drafter that
+        was behind stays behind, and catches up (`fill`) only if it is asked to draft."""
+        keep = max(0, min(keep, self.context_length()))
+        end = self.context_length()
+        lowest = keep
+        for n in self._model:
+            in_step = self._how[n] == "accept" and self._at[n] == end
+            if self._how[n] != "accept" or n in self._lost:
+                self._how[n] = "start"
+                continue
+            try:
+                point = self.drafters[n].rewind_context(min(keep, self._at[n]))
+            except CacheRewindError:
+                self._how[n] = "start"
+                continue
+            self._at[n], self._how[n] = point, "extend"
+            if in_step:
+                lowest = min(lowest, point)
+        if "ngram" in self.drafters:
+            self._how["ngram"] = "start"  # its index is rebuilt from the new context
         self._pending = None
-        return min(self._rewound.values())
+        self._reprefill = lowest
+        return lowest
 
-    def extend(self, taps: list[mx.array], ids: list[int]) -> None:
-        p = min(self._rewound.values())
-        for n, d in self.drafters.items():
-            off = self._rewound[n] - p
-            d.extend([taps[i][:, off:] for i in self._tap_idx[n]], ids)
-        self._pending = None
-        self._reset_log()
+    def extend(self, taps: list[mx.array] | None, ids: list[int]) -> None:
+        how, at = self._how, self._at
+        self._reset(ids, taps, self._reprefill)
+        self._how, self._at = how, at
+        self._pending = self._round = None
 
     def parts(self) -> tuple:
         return (self, *self.drafters.values())

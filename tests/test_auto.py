@@ -732,8 +732,9 @@ CATCH_UP_SCRIPT = [(None, 0)] * 5 + [("dflash", 3)] + [(None, 0)] * 4 + [("mtp",
 
 
 def _scripted_run(model, dpath, tmp_path, monkeypatch, warm: bool, can_fill=None):
-    """Greedy runs of CATCH_UP_SCRIPT: (outputs, every model drafter round's drafts, `fill` calls). warm=False:
-    plain rounds never compute taps, so each model drafter round first recomputes what its drafter missed."""
+    """Greedy runs of CATCH_UP_SCRIPT: (outputs, every model drafter round's drafts, `fill` calls). warm: every
+    forward yields the model drafters' taps (as while one of them could pay); else only their own rounds' do, so each
+    model drafter round first recomputes what its drafter missed."""
     auto = _auto(model, dpath, tmp_path)
     auto.chooser = Scripted(auto.chooser, CATCH_UP_SCRIPT)
     drafts = []
@@ -743,10 +744,7 @@ def _scripted_run(model, dpath, tmp_path, monkeypatch, warm: bool, can_fill=None
         monkeypatch.setattr(d, "propose", lambda *a, _r=real, _n=n, **kw: (lambda out: (drafts.append((_n, out[0])),
                                                                                      out)[1])(_r(*a, **kw)),
                             raising=False)
-    if not warm:
-        real_plan = auto.plan
-        monkeypatch.setattr(auto, "plan", lambda *a: (real_plan(*a), setattr(auto, "needs_taps", False))[0],
-                            raising=False)
+    monkeypatch.setattr(auto, "_warm", lambda regime, remaining: warm, raising=False)
     if can_fill is not None:
         monkeypatch.setattr(AutoDecoder, "_can_fill", lambda self, n: can_fill(n))
     fills = []

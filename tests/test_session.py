@@ -145,7 +145,9 @@ def test_reuse_matches_fresh_generation(spec_models, monkeypatch, tmp_path, mode
         prev_total = len(ids) + len(toks)
         ids = ids + toks + ids_of(10 + turn, 5)  # the answer, then the next user message
     if drafter is not None:
-        assert len(starts) == 1  # started once, extended on every later turn
+        # started once, extended on every later turn; under `block_size="auto"` a drafter that never drafted was
+        # never brought up to date at all (it starts when it is first asked)
+        assert len(starts) == 1 or (width == "auto" and len(starts) == 0)
 
 
 def test_switching_modes_and_rewound_speculation(spec_models):

@@ -427,8 +427,10 @@ class AutoChooser:
         In a plain stretch this is what a round costs instead of every drafter's offer and a scoring pass: where the
         host's bookkeeping competes with the model for the cores (the 2-core CPU runs of this repository) each µs of
         it per token is a measurable share of a small model's step."""
-        if self._spec_last:
-            return None
+        return None if self._spec_last else self.could_pay(regime, remaining)
+
+    def could_pay(self, regime: str = "greedy", remaining: int | None = None) -> frozenset:
+        """The options whose optimistic scenario beats plain by `MIN_GAIN` at some width, whatever came last."""
         self.set_horizon(remaining)
         key = (regime, self.horizon, tuple(self._lag_key(n) for n in self.options))
         rel = self._memo.get(key)

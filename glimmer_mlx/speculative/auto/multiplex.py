@@ -35,7 +35,7 @@ class AutoDrafter:
 
     A drafter is brought up to the committed tokens only when it is asked to draft (or, for n-gram lookup, to say
     what it offers): a plain stretch hands nothing over and computes no taps, unless a model drafter could pay at all
-    (`AutoChooser.relevant`), which then stays in step on the taps the plain forwards yield anyway. One that fell
+    (`AutoChooser.could_pay`), which then stays in step on the taps every forward yields anyway. One that fell
     behind gets its backlog recomputed by the decoder in one forward (`fill`), a cost the chooser weighs
     (`AutoChooser.lags`) before asking it. Keep one AutoDrafter per target for a process: what it learns
     (acceptance, draft costs) carries over between requests, decaying as it goes.
@@ -233,16 +233,21 @@ class AutoDrafter:
         available = self._available(k, among)
         if (among is not None and not available) or self.chooser.pick(available, regime, remaining)[0] is None:
             self.chooser.count_plain()
-            # the plain forward yields taps only while a model drafter could pay: then it stays in step for free
-            self.needs_taps = any(among is None or n in among for n in self._model if n not in self._lost)
+            self.needs_taps = self._warm(regime, remaining)
             return True
         return False
+
+    def _warm(self, regime: str, remaining: int | None) -> bool:
+        """Whether a forward should yield the model drafters' taps although this round's drafter reads none: while
+        one of them could pay (`AutoChooser.could_pay`), it stays in step on them instead of catching up later."""
+        pays = self.chooser.could_pay(regime, remaining)
+        return any(n in pays for n in self._model if n not in self._lost)
 
     def wants_taps(self, regime: str) -> bool:
         """Whether a model drafter could pay in a new context at all (a prefill then yields the taps it needs)."""
         self.chooser.lags.clear()
-        rel = self.chooser.relevant(regime, None)
-        return any(rel is None or n in rel for n in self._model)
+        self._lost.clear()
+        return self._warm(regime, None)
 
     def propose(self, anchor: int, pos: int, k: int, sampler, history: list[int]):
         """`remaining`: the request's tokens still to generate in this round (set by the decoder)."""
@@ -259,7 +264,7 @@ class AutoDrafter:
             drafts, q, spent = [], None, 0.0
         else:
             drafts, q = self.drafters[kind].propose(anchor, pos, kk, sampler, history)
-        self.needs_taps = kind is not None and kind != "ngram"
+        self.needs_taps = (kind is not None and kind != "ngram") or self._warm(regime, self.remaining)
         t1 = time.perf_counter()
         self._pending = (name, len(drafts), regime, t1 - t0 - spent, steady, t1)
         return drafts, q

@@ -491,11 +491,13 @@ def test_client_gone_mid_stream(served):
     def client():
         body = json.dumps({"prompt": "Hello", "max_tokens": 300, "stream": True}).encode()
         sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         got = b""
         while b"data: " not in got:
-            got += sock.recv(4096)
+            chunk = sock.recv(4096)
+            assert chunk, got  # closed before the first event
+            got += chunk
         assert got.startswith(b"HTTP/1.1 200")
         sock.close()  # gone after the first event
         r = chat(base, [{"role": "user", "content": "still there?"}], max_tokens=3)
@@ -596,7 +598,7 @@ def test_deep_json_and_big_bodies_are_4xx(served):
         deep = b'{"prompt": "hi", "glimmer": ' + b'{"a": ' * 70 + b"1" + b"}" * 70 + b"}"
         status, text = post_raw(base, "/v1/completions", deep)
         assert status == 400 and "nested more than 64 levels" in assert_openai_error(text)["message"], text[:300]
-        line, headers, body = raw_http(server.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+        line, headers, body = raw_http(server.port, b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
                                        b"application/json\r\nContent-Length: " + str(MAX_BODY + 1).encode() +
                                        b"\r\n\r\n")
         err = assert_openai_error(body, line, 413)
@@ -679,7 +681,7 @@ def test_protocol_errors_are_json(served):
 
     def client():
         for method in ("HEAD", "OPTIONS", "TRACE", "CONNECT", "FOO"):
-            line, headers, body = raw_http(port, f"{method} /health HTTP/1.1\r\nHost: x\r\nOrigin: http://evil\r\n"
+            line, headers, body = raw_http(port, f"{method} /health HTTP/1.1\r\nHost: localhost\r\nOrigin: http://evil\r\n"
                                            "Connection: close\r\n\r\n".encode())
             assert line.startswith("HTTP/1.1 405 "), (method, line)
             assert headers["allow"] == "GET" and headers["content-type"] == "application/json", headers
@@ -715,6 +717,13 @@ def test_protocol_errors_are_json(served):
         line, headers, body = raw_http(port, b"GET /health HTTP/1.1\r\nContent-Length: " +
                                        str(len(smuggled)).encode() + b"\r\n\r\n" + smuggled)
         assert line.startswith("HTTP/1.1 200 ") and headers["connection"] == "close" and b"HTTP/1.1" not in body
+        # DNS rebinding: without an API key only requests addressed to this machine by name are answered
+        for host in (b"evil.example", b"evil.example:8080", b"127.0.0.1.evil.example", b"[::2]:80"):
+            line, _, body = raw_http(port, b"GET /health HTTP/1.1\r\nHost: " + host + b"\r\nConnection: close\r\n\r\n")
+            assert assert_openai_error(body, line, 403)["code"] == "host_not_allowed", host
+        for host in (b"localhost", b"LOCALHOST:1234", b"127.0.0.1", b"127.1.2.3:9", b"[::1]:8080"):
+            line, _, body = raw_http(port, b"GET /health HTTP/1.1\r\nHost: " + host + b"\r\nConnection: close\r\n\r\n")
+            assert line.startswith("HTTP/1.1 200 "), (host, line)
         # a POST to a GET route with a body: answered, and the unread body is not taken for the next request
         line, headers, body = raw_http(port, b"POST /health HTTP/1.1\r\nContent-Type: application/json\r\n"
                                        b"Content-Length: 2\r\n\r\n{}")
@@ -811,6 +820,7 @@ def test_api_key(served):
                 assert h["WWW-Authenticate"].startswith("Bearer")
         auth = {"Authorization": "Bearer s3cret"}
         assert call(base, "/health", headers=auth)[0] == 200
+        assert call(base, "/health", headers=dict(auth, Host="gpu-box.lan:8080"))[0] == 200  # any name, with a key
         got, _, text = call(base, "/v1/chat/completions", hi, headers=auth)
         assert got == 200 and json.loads(text)["usage"]["completion_tokens"] <= 2
 
@@ -850,7 +860,7 @@ def test_non_streaming_client_gone_cancels_its_generation(served, monkeypatch):
     def client():
         body = json.dumps({"prompt": "Hello", "max_tokens": 1000}).encode()
         sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         t0 = time.time()
         while not produced and time.time() - t0 < 20:

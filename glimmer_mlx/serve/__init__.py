@@ -22,7 +22,6 @@ here puts them together.
 
 from __future__ import annotations
 
-import ipaddress
 import signal
 import sys
 import threading
@@ -32,21 +31,12 @@ from pathlib import Path
 from ..session import Session
 from ..strategy import DecodeSpec
 from .api import ChatRequest, CompletionRequest, Request
-from .http import APIServer
+from .http import APIServer, is_loopback
 from .worker import Job, Worker
 
+__all__ = ["GlimmerServer", "is_loopback"]
+
 MAX_QUEUE = 64
-
-
-def is_loopback(host: str) -> bool:
-    """Does binding `host` keep the server to this machine? ("localhost" and 127.0.0.0/8, ::1; "" and 0.0.0.0 are
-    every interface; any other name counts as reachable from elsewhere.)"""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 class GlimmerServer:

@@ -12,6 +12,7 @@ a 400 (not 505): this server speaks HTTP/1.1 only, and the error is the client's
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import http.client
 import io
 import json
@@ -34,6 +35,17 @@ ROUTES = "GET /health, /v1/models; POST /v1/chat/completions, /v1/completions"
 ALLOW = {"/health": "GET", "/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/completions": "POST"}
 TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an HTTP method (RFC 9110 token)
 VERSION = re.compile(r"^HTTP/(\d)\.(\d)$")
+
+
+def is_loopback(host: str) -> bool:
+    """Does binding `host` keep the server to this machine? ("localhost" and 127.0.0.0/8, ::1; "" and 0.0.0.0 are
+    every interface; any other name counts as reachable from elsewhere.)"""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class APIServer(ThreadingHTTPServer):
@@ -211,7 +223,13 @@ class APIHandler(BaseHTTPRequestHandler):
 
     # -- routes -----------------------------------------------------------------------------------------------------
     def dispatch(self):
-        """The API key, then the method and the route."""
+        """The Host (without an API key), the API key, then the method and the route."""
+        if not self.app.api_key and not self.loopback_host():
+            self.close_connection = True
+            self.send_api_error(APIError(403, "without an API key this server only answers requests addressed to "
+                                         "localhost / 127.0.0.1 / [::1] (the Host header); start it with --api-key",
+                                         code="host_not_allowed"))
+            return
         if not self.authorized():
             self.close_connection = True
             self.send_api_error(APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
@@ -227,6 +245,16 @@ class APIHandler(BaseHTTPRequestHandler):
             self.close_connection = self.close_connection or self.body_pending
             self.send_api_error(APIError(405, f"method {self.command} is not allowed ({ROUTES})",
                                          code="method_not_allowed"), Allow=allow)
+
+    def loopback_host(self) -> bool:
+        """Does the Host header name this machine? A keyless server refuses other names: a web page whose domain
+        resolves to 127.0.0.1 (DNS rebinding) is same-origin to the browser, and must not reach the model."""
+        host = self.headers.get("Host")
+        if host is None:
+            return True  # HTTP/1.0 without Host: not a browser
+        host = host.strip().lower()
+        name = host[1:host.find("]")] if host.startswith("[") and "]" in host else host.rsplit(":", 1)[0]
+        return is_loopback(name)
 
     def authorized(self) -> bool:
         key = self.app.api_key

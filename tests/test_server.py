@@ -709,6 +709,10 @@ def test_protocol_errors_are_json(served):
         line, _, body = raw_http(port, b"POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\n"
                                  b"Content-Length: 2\r\nContent-Length: 40\r\n\r\n{}")
         assert "Content-Length" in assert_openai_error(body, line, 400)["message"]
+        for length in (b"1_0", b"+2", b"-1", b"0x2", b"9" * 30):
+            line, _, body = raw_http(port, b"POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\n"
+                                     b"Content-Length: " + length + b"\r\n\r\n{}")
+            assert "bad Content-Length" in assert_openai_error(body, line, 400)["message"], length
         line, _, body = raw_http(port, b"POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\n"
                                  b"Transfer-Encoding: gzip\r\nContent-Length: 2\r\n\r\n{}")
         assert "Content-Length" in assert_openai_error(body, line, 411)["message"]

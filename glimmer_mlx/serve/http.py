@@ -299,12 +299,9 @@ class APIHandler(BaseHTTPRequestHandler):
         length = self.headers.get("Content-Length")
         if length is None:
             raise APIError(411, "Content-Length is required")
-        try:
-            n = int(length)
-        except ValueError:
-            raise APIError(400, f"bad Content-Length {length!r}") from None
-        if n < 0:
-            raise APIError(400, f"bad Content-Length {length!r}")
+        if not re.fullmatch(r"[0-9]{1,20}", length.strip()):
+            raise APIError(400, f"bad Content-Length {length[:40]!r}: expected a number of bytes")
+        n = int(length.strip())
         if n > MAX_BODY:
             raise APIError(413, f"the request body of {n} bytes exceeds the limit of {MAX_BODY} bytes",
                            code="request_too_large")

@@ -177,7 +177,7 @@ def test_relevant_is_empty_when_not_even_the_optimistic_scenario_beats_plain():
     ch = chooser(flat(), {"mtp": (2, "chain", 8 * MS, [0.1]), "ngram@3": (8, "free", 0.0, [0.0])})
     assert ch.relevant() == frozenset()
     ch.options["ngram@3"].stats["greedy"] = AcceptanceStats(8, prior=(0.2, 4.0))  # mean 0.05, but only 4 rounds
-    ch.update(None, 0, 0)  # an estimate changed: the memo goes
+    ch.rescore()  # estimates set from outside
     assert ch.relevant() == {"ngram@3"}
     ch._spec_last = True
     assert ch.relevant() is None  # inside a speculative stretch every option counts

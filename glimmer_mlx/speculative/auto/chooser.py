@@ -117,6 +117,8 @@ MIN_GAIN = 0.01
 # a speculative stretch is expected to run for the rest of the request, up to this many tokens: the cost of switching
 # into it (`AutoChooser.switch_cost`) is spread over them (over a whole round when fewer remain)
 SWITCH_HORIZON = 64
+# the estimates every option's score shares are folded in every this many changes (`AutoChooser._rescore`)
+RESCORE_EVERY = 8
 
 
 PRIOR_WEIGHT = 4.0  # a drafter's own measured τ (its eval.json) counts as this many observed rounds
@@ -246,6 +248,7 @@ class AutoChooser:
         # a plain round does not pay for scoring every option and width again (on a small model that Python work is
         # a measurable share of a step)
         self._memo: dict = {}
+        self._changes = 0  # estimate changes so far (`_rescore`)
         # option -> target positions its drafter is behind (set per round by the drafter that multiplexes them): a
         # round of it first recomputes their taps, one forward over them (`catch_up_cost`), a one-time cost spread
         # over the horizon like the switch cost
@@ -330,7 +333,7 @@ class AutoChooser:
         """[(best k, its rate × scale) among k = 1..cap for cap = 1..max_k] of option `name`, kept until an estimate
         changes. In units of the speed scale, so a plain token moving the scale leaves it valid (every rate, plain's
         included, scales alike)."""
-        key = (regime, self._spec_last, self.horizon, name, self._lag_key(name))
+        key = ("lead", name, regime, self._spec_last, self.horizon, self._lag_key(name))
         out = self._memo.get(key)
         if out is None:
             out, bk, br = [], 0, 0.0
@@ -361,7 +364,7 @@ class AutoChooser:
     def _explore_terms(self, name: str, cap: int, regime: str, incumbent: tuple) -> tuple[float, float, int]:
         """(EI × share, loss, k) of exploring option `name` (at most `cap` drafts) against `incumbent` = (name or
         None, its rate × scale): see the class docstring. Scale-free, kept until an estimate changes."""
-        key = ("explore", regime, self._spec_last, self.horizon, name, self._lag_key(name), cap, incumbent)
+        key = ("explore", name, regime, self._spec_last, self.horizon, self._lag_key(name), cap, incumbent)
         out = self._memo.get(key)
         if out is None:
             stats = self.options[name].acceptance(regime)
@@ -387,6 +390,8 @@ class AutoChooser:
         """(name, k) of the option worth exploring now, or None: remaining · EI · share must exceed the round's loss
         against the incumbent ((name or None, rate × scale)); the largest surplus wins."""
         best, surplus = None, 0.0
+        # the incumbent's rate to 1 % (its estimate moves a little every round: the tables need not)
+        incumbent = (incumbent[0], math.exp(round(100 * math.log(incumbent[1])) / 100))
         for name, cap in available.items():
             if cap < 1 or name == incumbent[0]:
                 continue
@@ -432,7 +437,7 @@ class AutoChooser:
     def could_pay(self, regime: str = "greedy", remaining: int | None = None) -> frozenset:
         """The options whose optimistic scenario beats plain by `MIN_GAIN` at some width, whatever came last."""
         self.set_horizon(remaining)
-        key = (regime, self.horizon, tuple(self._lag_key(n) for n in self.options))
+        key = ("pays", None, regime, self.horizon, tuple(self._lag_key(n) for n in self.options))
         rel = self._memo.get(key)
         if rel is None:
             plain = 1.0 / self.plain_cal
@@ -464,7 +469,7 @@ class AutoChooser:
     def update(self, name: str | None, k: int, n_accepted: int, regime: str = "greedy",
                draft_time: float | None = None, verify_time: float | None = None) -> None:
         """After a round: k drafts of `name` proposed, n accepted; measured draft and verify seconds."""
-        self._memo.clear()
+        self._rescore(name if name is not None and k > 0 else None)
         if name is not None and k > 0:
             opt = self.options[name]
             opt.acceptance(regime).update(k, n_accepted)
@@ -486,7 +491,7 @@ class AutoChooser:
         ~20 speculative rounds."""
         x = min(max(seconds / self.scale, 0.0), 2.0 * self.plain_cal)
         self.round_overhead = (1 - self.scale_ema) * self.round_overhead + self.scale_ema * x
-        self._memo.clear()
+        self._rescore(None)
 
     def observe_switch(self, seconds: float, ema: float = 0.25) -> None:
         """What one speculative stretch cost beyond its rounds (`switch_cost`). Samples may be negative (the plain
@@ -494,6 +499,20 @@ class AutoChooser:
         cap = 8.0 * self.plain_cal
         self.switch_cost = (1 - ema) * self.switch_cost + ema * min(max(seconds / self.scale, -cap), cap)
         self._memo.clear()
+
+    def rescore(self) -> None:
+        """Score every option afresh (after estimates were set from outside)."""
+        self._memo.clear()
+
+    def _rescore(self, name: str | None) -> None:
+        """An estimate changed: option `name`'s own tables are scored again at once; the rest — what every round
+        shares (verify factor, round overhead) and drifts by a few percent a round — every `RESCORE_EVERY` changes.
+        Scoring every option, width and scenario after every round was ~10 % of a small model's speculative round."""
+        self._changes += 1
+        if self._changes % RESCORE_EVERY == 0:
+            self._memo.clear()
+        elif name is not None:
+            self._memo = {key: v for key, v in self._memo.items() if key[1] != name}
 
     def observe_plain(self, seconds: float) -> None:
         """Measured seconds of one pipelined plain token: how fast the machine runs now."""

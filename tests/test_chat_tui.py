@@ -100,14 +100,15 @@ def test_chat_session_in_a_terminal(chat_model, tmp_path):
         n, new, cached = map(int, re.findall(STATS, s)[-1])
         assert cached == 0 and new > 0 and n <= 12
         assert re.search(r"τ [\d.]+ · ×[\d.]+ vs plain [\d.]+ tok/s \(calibration \(32 greedy tokens\)\) · auto", s)
-        # a second turn reuses the cache: at least the whole first prompt is cached
+        # a second turn reuses the cache: the whole first prompt is cached, but for the few positions MTP restarts
+        # its chain from when it was in step at the end of the turn (auto keeps it in step while it could pay)
         tm.send("-l", "line one \\")
         tm.send("Enter")
         tm.wait(r"  … ")
         tm.line("line two")
         s = tm.wait(STATS, count=2)
         _, new2, cached2 = map(int, re.findall(STATS, s)[-1])
-        assert cached2 >= new, s
+        assert cached2 >= new - 6, s
         tm.line(f"/save {tmp_path / 'a.json'}")
         tm.wait(r"saved 4 messages to .*a\.json")
         saved = json.loads((tmp_path / "a.json").read_text())

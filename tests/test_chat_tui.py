@@ -196,6 +196,7 @@ def test_ctrl_c_stops_an_answer_and_keeps_the_conversation(chat_model, tmp_path)
         assert msgs[0]["content"] == prompt and msgs[1]["role"] == "assistant" and msgs[1]["content"]
         tm.line("/stats")
         tm.wait(r"totals\s+1 turns")
+        tm.wait(r"(?m)^you › $")  # the prompt is back (a Ctrl-C sent while /stats still renders is not at it)
         tm.send("C-c")  # at the prompt: leave
         s = tm.wait(r"EXITED \d+")
         assert "bye" in s and "EXITED 0" in s and "Traceback" not in s

@@ -153,7 +153,7 @@ class Session:
         if tools:
             raise ValueError("this checkpoint has no chat template: tools cannot be described to the model")
         text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages) + "assistant:"
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode_text(text, add_special_tokens=True)  # no message can write a control token
 
     def _expand_images(self, ids: list[int], images):
         items = process_images(images, max_tokens=MAX_IMAGE_TOKENS)

@@ -111,15 +111,16 @@ class Tokenizer:
                 self._specials = []
         return self._specials
 
-    def encode_text(self, text: str) -> list[int]:
-        """`text` encoded with special-token strings as plain text (no control token comes out)."""
+    def encode_text(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """`text` encoded with special-token strings as plain text (no control token comes out of the text itself;
+        add_special_tokens: the tokenizer's own BOS/EOS around it, as `encode` adds them)."""
         if self._as_text is None:
             from tokenizers import Tokenizer as HFTokenizer
 
             t = HFTokenizer.from_str(self._tok.to_str())
             t.encode_special_tokens = True
             self._as_text = t
-        return self._as_text.encode(text, add_special_tokens=False).ids
+        return self._as_text.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True, tools=None,
                     **kwargs) -> list[int]:

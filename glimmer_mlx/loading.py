@@ -222,20 +222,26 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
-def checkpoint_tensors(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """{name: (dtype, shape)} over all shards from the safetensors headers alone (nothing else is read), with every
-    header check of the loader: sizes and offsets against each file's size, index vs shards, no tensor twice."""
-    files = weight_files(path)
+def shard_headers(path: Path):
+    """(shard file, its checked safetensors header) for every weight file of the checkpoint, each shard also checked
+    against the index (every tensor the index places in it is there)."""
     index = path / "model.safetensors.index.json"
     wm = read_json(index)["weight_map"] if has_file(index) else None
-    out: dict[str, tuple[str, tuple[int, ...]]] = {}
-    where: dict[str, Path] = {}
-    for f in files:
+    for f in weight_files(path):
         header = read_safetensors_header(f)
         if wm is not None:
             absent = [k for k, v in wm.items() if v == f.name and k not in header]
             if absent:
                 raise CheckpointError(f"{f}: tensor(s) listed for this shard in the index are absent: {absent[:5]}")
+        yield f, header
+
+
+def checkpoint_tensors(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{name: (dtype, shape)} over all shards from the safetensors headers alone (nothing else is read), with every
+    header check of the loader: sizes and offsets against each file's size, index vs shards, no tensor twice."""
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    where: dict[str, Path] = {}
+    for f, header in shard_headers(path):
         for k, info in header.items():
             if k in out:
                 raise CheckpointError(f"{f}: tensor '{k}' is also present in {where[k]}")
@@ -245,16 +251,8 @@ def checkpoint_tensors(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 def load_weights(path: Path) -> dict[str, mx.array]:
     """All tensors of a checkpoint, lazily (mx.load maps the files; nothing is read until evaluated)."""
-    files = weight_files(path)
-    index = path / "model.safetensors.index.json"
-    wm = read_json(index)["weight_map"] if has_file(index) else None
     weights: dict[str, mx.array] = {}
-    for f in files:
-        header = read_safetensors_header(f)
-        if wm is not None:
-            absent = [k for k, v in wm.items() if v == f.name and k not in header]
-            if absent:
-                raise CheckpointError(f"{f}: tensor(s) listed for this shard in the index are absent: {absent[:5]}")
+    for f, _ in shard_headers(path):
         try:
             loaded = mx.load(str(f))
         except Exception as e:

@@ -17,8 +17,9 @@ Rate of an option (drafter d, k drafts):  E_d(k) / s·(draft_d(k) + v·C(k+1) + 
   side lose their pipelining; a drafter that sat idle catches up on the tokens since it last drafted), plus, for a
   drafter L positions behind, the forward that recomputes their taps (C(L): `lags`), both spread over the tokens the
   stretch can run.
-Exploiting, a drafter must also beat plain by `switch_margin` (10 %): every estimate is noisy and the best looking
-option is the one most likely overestimated. n-gram lookup is only an option in a round where the context's suffix
+To start a speculative stretch, a drafter must beat plain by `ENTER_GAIN` (5 %): every estimate is noisy and the best
+looking option is the one most likely overestimated; to go on with one, by `MIN_GAIN` (leaving and re-entering costs
+two switches). n-gram lookup is only an option in a round where the context's suffix
 occurred before (its drafts are known in advance: `peek`), one option per matched n-gram size. Because plain is
 always one of the options and every option is scored in the same time unit, `auto` decodes plainly whenever no
 drafter pays, except for exploration rounds that the rest of the request can pay for (`AutoChooser.explore`: the
@@ -117,6 +118,8 @@ MIN_GAIN = 0.01
 # a speculative stretch is expected to run for the rest of the request, up to this many tokens: the cost of switching
 # into it (`AutoChooser.switch_cost`) is spread over them (over a whole round when fewer remain)
 SWITCH_HORIZON = 64
+# starting a speculative stretch, a drafter must beat plain by this much (going on with one, by MIN_GAIN)
+ENTER_GAIN = 0.05
 # the estimates every option's score shares are folded in every this many changes (`AutoChooser._rescore`)
 RESCORE_EVERY = 8
 
@@ -147,31 +150,28 @@ def robust_ema(old: float | None, x: float, w: float, clip: float = 3.0) -> floa
 
 
 class DraftCost:
-    """A drafter's measured seconds per round as a function of k (EMA per k).
+    """A drafter's measured seconds per round as a function of k: one EMA over every round, whatever its k.
 
-    shape "block": one forward whatever k (DFlash) — unmeasured k borrow the mean of measured ones; "chain": one
-    forward per draft (MTP) — unmeasured k scale the nearest measured k linearly; "free": ~0 (n-gram lookup)."""
+    shape "block": one forward whatever k (DFlash): seconds per round; "chain": one forward per draft (MTP): seconds
+    per draft, times k; "free": ~0 (n-gram lookup): seconds per round. Every round's sample feeds the one estimate
+    (kept per k, a DFlash round's cost jittered from width to width and the choice of width followed the jitter)."""
 
     def __init__(self, shape: str, prior: float, ema: float = 0.2):
         if shape not in COST_SHAPES:
             raise ValueError(f"cost shape must be one of {COST_SHAPES}, got {shape!r}")
         self.shape, self.prior, self.ema = shape, prior, ema
-        self.by_k: dict[int, float] = {}
+        self.unit: float | None = None  # measured seconds per round (per draft for "chain"); None: the prior
 
     def __call__(self, k: int) -> float:
-        if k in self.by_k:
-            return self.by_k[k]
-        if not self.by_k:
-            return self.prior * (k if self.shape == "chain" else 1)
-        if self.shape == "chain":
-            near = min(self.by_k, key=lambda m: (abs(m - k), m))
-            return self.by_k[near] * k / near
-        return sum(self.by_k.values()) / len(self.by_k)
+        unit = self.prior if self.unit is None else self.unit
+        return unit * (k if self.shape == "chain" else 1)
 
     def observe(self, k: int, seconds: float) -> None:
-        """EMA per k, starting from the current estimate (the prior at first): one slow first sample (another
-        process took the machine) cannot lock an option out, a truly costly drafter is learned within a few rounds."""
-        self.by_k[k] = robust_ema(self(k) if self(k) > 0 else None, seconds, self.ema)
+        """EMA starting from the current estimate (the prior at first): one slow first sample (another process took
+        the machine) cannot lock an option out, a truly costly drafter is learned within a few rounds."""
+        x = seconds / k if self.shape == "chain" else seconds
+        old = self.prior if self.unit is None else self.unit
+        self.unit = robust_ema(old if old > 0 else None, x, self.ema)
 
 
 @dataclass
@@ -218,7 +218,7 @@ class AutoChooser:
     cannot pay back, and a long one tries a promising option until its estimate settles. Counts of an option left
     idle fade toward its prior (`age`), so the question comes back when the context may have changed."""
 
-    def __init__(self, verify_costs: dict[int, float], scale_ema: float = 0.1, switch_margin: float = 0.1,
+    def __init__(self, verify_costs: dict[int, float], scale_ema: float = 0.1,
                  plain_cost: float | None = None, age_every: int = 64, age: float = 0.998):
         if 1 not in verify_costs:
             raise ValueError("verify_costs needs L = 1 (a plain step)")
@@ -226,9 +226,6 @@ class AutoChooser:
         self.plain_cal = float(plain_cost) if plain_cost else self.costs[1]
         self.options: dict[str, Option] = {}
         self.scale_ema = scale_ema
-        # exploiting a drafter it must promise this much more than plain decoding: every estimate is noisy, and the
-        # option that looks best is the one most likely overestimated
-        self.switch_margin = switch_margin
         self._spec_last = False  # the latest choice was a drafter
         self.scale = 1.0  # measured / calibrated time of a plain token, EMA
         self.verify_factor: dict[str, float] = {}  # regime -> measured verify round / calibrated forward, EMA
@@ -346,10 +343,12 @@ class AutoChooser:
 
     def best(self, available: dict[str, int], regime: str = "greedy") -> tuple[str | None, int, float]:
         """The best (name, k, rate) over the options in `available` ({name: most drafts it can give now}) by the mean
-        estimates; a drafter has to beat plain decoding by `switch_margin`."""
+        estimates. To start a stretch (after a plain round) a drafter must beat plain by `ENTER_GAIN`, inside one by
+        `MIN_GAIN`: a plain round in between would cost the stretch's switch twice, and a 10 % margin both ways made
+        an option that pays ~12 % flap between rounds and plain steps (or never start)."""
         plain = 1.0 / self.plain_cal  # × scale, as `_leaders`
         best_name, best_k, best_rate = None, 0, plain
-        bar = plain * (1 + 1e-9 + self.switch_margin)
+        bar = plain * (1 + 1e-9 + (MIN_GAIN if self._spec_last else ENTER_GAIN))
         for name, cap in available.items():
             if name not in self.options:
                 raise KeyError(f"unknown option {name!r}")
@@ -433,6 +432,20 @@ class AutoChooser:
         host's bookkeeping competes with the model for the cores (the 2-core CPU runs of this repository) each µs of
         it per token is a measurable share of a small model's step."""
         return None if self._spec_last else self.could_pay(regime, remaining)
+
+    def paying(self, regime: str = "greedy", remaining: int | None = None) -> frozenset:
+        """The options whose mean estimate beats plain by `MIN_GAIN` at some width (after a plain round)."""
+        self.set_horizon(remaining)
+        key = ("paying", None, regime, self.horizon, tuple(self._lag_key(n) for n in self.options))
+        out = self._memo.get(key)
+        if out is None:
+            spec_last, self._spec_last = self._spec_last, False
+            try:
+                bar = (1 + MIN_GAIN) / self.plain_cal
+                out = self._memo[key] = frozenset(n for n in self.options if self._leaders(n, regime)[-1][1] > bar)
+            finally:
+                self._spec_last = spec_last
+        return out
 
     def could_pay(self, regime: str = "greedy", remaining: int | None = None) -> frozenset:
         """The options whose optimistic scenario beats plain by `MIN_GAIN` at some width, whatever came last."""
@@ -532,6 +545,7 @@ class AutoChooser:
             "explored": dict(sorted(self.explored.items())),
             "acceptance": {n: {reg: [round(a, 3) for a in s.alphas()] for reg, s in o.stats.items()}
                            for n, o in self.options.items()},
-            "draft_cost_ms": {n: {k: round(1000 * self.scale * v, 3) for k, v in sorted(o.cost.by_k.items())}
-                              for n, o in self.options.items()},
+            "draft_cost_ms": {n: {("per draft" if o.cost.shape == "chain" else "per round"):
+                                  round(1000 * self.scale * o.cost(1), 3)} for n, o in self.options.items()
+                              if o.cost.unit is not None},
         }

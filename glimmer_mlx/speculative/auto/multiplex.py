@@ -16,12 +16,15 @@ from .chooser import AutoChooser
 
 
 _SHAPES = {"dflash": "block", "mtp": "chain", "ngram": "free"}
-# the first draft's acceptance after an n-gram match of each size, as measured on the embedded set and the trained
-# tiny set (BENCHMARKS.md): auto's starting estimate for n-gram lookup, as a drafter's eval.json τ is for it; and
-# the acceptance of the drafts after an accepted one (a copy that starts right mostly goes on right)
-NGRAM_ALPHA = {1: (0.08, 0.08), 2: (0.2, 0.1), 3: (0.6, 0.3)}  # size -> (greedy, sampling); 4 and longer: below
-NGRAM_ALPHA_LONG = (0.75, 0.4)
-NGRAM_THEN = {"greedy": 0.8, "sampling": 0.5}
+# the first draft's acceptance after an n-gram match of each size (greedy, sampling), as measured with n-gram lookup
+# drafting every round it could on the embedded set and the trained tiny set (BENCHMARKS.md, issue 20): greedy
+# 0.11-0.20 after a 1-gram, 0.26-0.38 after a 2-gram, 0.75-0.99 after a 4-gram; at T = 1 0.02-0.09 and 0.00-0.05 after
+# 1- and 2-grams, and longer matches too rare to measure (sampled text seldom repeats): below them by the same ratio.
+# The starting estimate for n-gram lookup, as a drafter's eval.json τ is for it; and the acceptance of the drafts after
+# an accepted one (a copy that starts right mostly goes on right)
+NGRAM_ALPHA = {1: (0.12, 0.04), 2: (0.3, 0.03), 3: (0.6, 0.1)}  # size -> (greedy, sampling); 4 and longer: below
+NGRAM_ALPHA_LONG = (0.85, 0.15)
+NGRAM_THEN = {"greedy": 0.8, "sampling": 0.3}
 
 
 def ngram_prior(size: int) -> dict:
@@ -34,8 +37,8 @@ class AutoDrafter:
     """Several drafters behind one `protocol.Drafter`; per round one proposes (or none: a plain step).
 
     A drafter is brought up to the committed tokens only when it is asked to draft (or, for n-gram lookup, to say
-    what it offers): a plain stretch hands nothing over and computes no taps, unless a model drafter could pay at all
-    (`AutoChooser.could_pay`), which then stays in step on the taps every forward yields anyway. One that fell
+    what it offers): a plain stretch hands nothing over and computes no taps, unless a model drafter pays by its mean
+    estimate (`AutoChooser.paying`), which then stays in step on the taps every forward yields anyway. One that fell
     behind gets its backlog recomputed by the decoder in one forward (`fill`), a cost the chooser weighs
     (`AutoChooser.lags`) before asking it. Keep one AutoDrafter per target for a process: what it learns
     (acceptance, draft costs) carries over between requests, decaying as it goes.
@@ -239,8 +242,10 @@ class AutoDrafter:
 
     def _warm(self, regime: str, remaining: int | None) -> bool:
         """Whether a forward should yield the model drafters' taps although this round's drafter reads none: while
-        one of them could pay (`AutoChooser.could_pay`), it stays in step on them instead of catching up later."""
-        pays = self.chooser.could_pay(regime, remaining)
+        one of them pays by its mean estimate (`AutoChooser.paying`), it stays in step on them instead of catching up
+        later; one that is only worth exploring catches up when it is tried (on a small model the taps of every
+        plain token cost a few percent)."""
+        pays = self.chooser.paying(regime, remaining)
         return any(n in pays for n in self._model if n not in self._lost)
 
     def wants_taps(self, regime: str) -> bool:

@@ -12,7 +12,7 @@ ran (an interrupted run) are run first. The workspace is never taken from a tran
 recorded in another folder than the command line's (or the current one).
 
 Everything shown before a consent question, and every line of the terminal UI, has its control characters escaped
-(`tools.visible`): a file, a command or the model cannot rewrite the screen.
+(`sandbox.visible`): a file, a command or the model cannot rewrite the screen.
 
 A backend is any callable `backend(messages, tools, on_text=None) -> str` with a `chat_template` attribute
 (str | None: selects the tool-call format); `MLXBackend` runs a glimmer-mlx model.
@@ -33,10 +33,11 @@ from rich.panel import Panel
 from rich.syntax import Syntax
 
 from .runtime.loop import GenerationStats
+from .sandbox import ToolError, Workspace, visible
 from .session import load_session
 from .tool_calls import (ToolCall, ToolParser, assistant_message, get_parser, neutralize_special_tokens,
                          tool_result_message)
-from .tools import TOOL_SPECS, ToolBox, ToolError, Workspace, coerce_arguments, visible
+from .tools import TOOL_SPECS, ToolBox, coerce_arguments
 
 # The system prompt the embedded model was trained with (embedded/build/agent_system.txt).
 DEFAULT_SYSTEM = ("You are glimmer, a coding agent working in a local workspace. Use the tools to look at and change "

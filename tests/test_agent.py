@@ -15,7 +15,8 @@ import pytest
 
 from glimmer_mlx.agent import Agent, AgentUI, Transcript, DEFAULT_SYSTEM, ERROR_TOOL
 from glimmer_mlx.tool_calls import get_parser
-from glimmer_mlx.tools import TOOL_SPECS, JailError, ToolBox, ToolError, Workspace, allowed_by
+from glimmer_mlx.sandbox import JailError, ToolError, Workspace
+from glimmer_mlx.tools import TOOL_SPECS, ToolBox, allowed_by
 
 REPO = Path(__file__).resolve().parent.parent
 TEMPLATE_PATH = REPO / "embedded" / "build" / "chat_template.jinja"

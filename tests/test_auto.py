@@ -802,11 +802,11 @@ def test_catch_up_cost_is_charged_to_a_drafter_that_is_behind():
     ch.set_horizon(64)
     assert ch.catch_up_cost("dflash") == 0.0
     assert ch.best({"dflash": 8})[0] == "dflash"
-    ch.lags["dflash"] = 3
+    ch.set_lag("dflash", 3)
     assert ch.catch_up_cost("dflash") == pytest.approx(costs[4])
     assert ch.best({"dflash": 8})[0] == "dflash"
-    ch.lags["dflash"] = 2000
+    ch.set_lag("dflash", 2000)
     assert ch.catch_up_cost("dflash") == pytest.approx(costs[9] + (2048 - 9) * (costs[9] - costs[4]) / 5)
     assert ch.best({"dflash": 8})[0] is None
-    ch.lags["dflash"] = 0
+    ch.set_lag("dflash", 0)
     assert ch.best({"dflash": 8})[0] == "dflash"

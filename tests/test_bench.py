@@ -29,7 +29,7 @@ def test_mode_expansion_and_profiles():
     with pytest.raises(ValueError, match="unknown mode"):
         expand_modes(["dflash-x"], [4], [1])
     q = BenchSettings.from_profile("quick")
-    assert q.repeats == 2 and q.prompts_per_category == 1 and q.temps == [0.0, 1.0]
+    assert q.repeats == 3 and q.prompts_per_category == 1 and q.temps == [0.0, 1.0]
     assert q.expanded_modes() == ["ar", "dflash-b8", "dflash-auto", "mtp-d1", "ngram", "auto", "mlx-lm", "mlx-lm-draft"]
     m5 = BenchSettings.from_profile("m5-max", temps="0")
     assert m5.repeats == 5 and m5.max_tokens == 256 and m5.temps == [0.0]

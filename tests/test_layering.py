@@ -14,7 +14,7 @@ PKG = Path(__file__).resolve().parent.parent / "glimmer_mlx"
 # README "Code map", bottom to top: a module may import its own layer (without a cycle) and the layers below
 LAYERS = [
     ("config", "files", "machine", "quantization", "cache", "sampling", "kernels", "tokenizer", "image_processing",
-     "multimodal", "tool_calls", "tools", "embedded"),
+     "multimodal", "tool_calls", "sandbox", "tools", "embedded"),
     ("models",),
     ("loading",),
     ("runtime",),

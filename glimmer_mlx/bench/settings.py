@@ -9,9 +9,10 @@ from importlib import resources
 from ..strategy import DecodeSpec
 
 PROFILES = {
-    # a first look, under 3 min on a 2-core CPU: every category, 2 repeats (so the spread shows), one fixed DFlash
-    # block and MTP depth next to their auto widths
-    "quick": dict(prompts_per_category=1, max_tokens=32, repeats=2, warmup_tokens=8, dflash_blocks=[8, "auto"],
+    # a first look, under 3 min on a 2-core CPU (a fresh calibration included): every category, 3 repeats (a median
+    # and a spread; with 2 the 32-token runs put one repeat's jitter into every ratio), one fixed DFlash block and
+    # MTP depth next to their auto widths
+    "quick": dict(prompts_per_category=1, max_tokens=32, repeats=3, warmup_tokens=8, dflash_blocks=[8, "auto"],
                   mtp_depths=[1]),
     # this CPU: enough repeats for a median and a spread
     "default": dict(prompts_per_category=2, max_tokens=96, repeats=3, warmup_tokens=16),

@@ -249,7 +249,8 @@ class AutoChooser:
         # option -> target positions its drafter is behind (set per round by the drafter that multiplexes them): a
         # round of it first recomputes their taps, one forward over them (`catch_up_cost`), a one-time cost spread
         # over the horizon like the switch cost
-        self.lags: dict[str, int] = {}
+        self.lags: dict[str, int] = {}  # set through `set_lag` / `clear_lags` (they keep `_lag_sig` in step)
+        self._lag_sig: tuple = ()  # the lags' power-of-two buckets, part of the memo keys
         self.chosen: Counter = Counter()  # (name or "plain", k) -> rounds
         self.explored: Counter = Counter()  # name -> rounds chosen to explore it
 
@@ -285,6 +286,17 @@ class AutoChooser:
         mid = max(1, top // 2)
         slope = max(0.0, (self.costs[top] - self.costs.get(mid, self.costs[1])) / max(1, top - mid))
         return self.costs[top] + (L - top) * slope
+
+    def set_lag(self, name: str, lag: int) -> None:
+        """Option `name`'s drafter is `lag` target positions behind (0: in step)."""
+        if self.lags.get(name, 0) != lag:
+            self.lags[name] = lag
+            self._lag_sig = tuple(sorted((n, self._lag_key(n)) for n, v in self.lags.items() if v > 0))
+
+    def clear_lags(self) -> None:
+        """A new context: no drafter is behind."""
+        self.lags.clear()
+        self._lag_sig = ()
 
     def _lag_key(self, name: str) -> int:
         lag = self.lags.get(name, 0)
@@ -436,7 +448,7 @@ class AutoChooser:
     def paying(self, regime: str = "greedy", remaining: int | None = None) -> frozenset:
         """The options whose mean estimate beats plain by `MIN_GAIN` at some width (after a plain round)."""
         self.set_horizon(remaining)
-        key = ("paying", None, regime, self.horizon, tuple(self._lag_key(n) for n in self.options))
+        key = ("paying", None, regime, self.horizon, self._lag_sig)
         out = self._memo.get(key)
         if out is None:
             spec_last, self._spec_last = self._spec_last, False
@@ -450,7 +462,7 @@ class AutoChooser:
     def could_pay(self, regime: str = "greedy", remaining: int | None = None) -> frozenset:
         """The options whose optimistic scenario beats plain by `MIN_GAIN` at some width, whatever came last."""
         self.set_horizon(remaining)
-        key = ("pays", None, regime, self.horizon, tuple(self._lag_key(n) for n in self.options))
+        key = ("pays", None, regime, self.horizon, self._lag_sig)
         rel = self._memo.get(key)
         if rel is None:
             plain = 1.0 / self.plain_cal

@@ -122,7 +122,7 @@ class AutoDrafter:
         self._hole = first if taps else max(0, len(ids) - 1)  # positions below it may lack taps
         if taps:
             self._chunks.append((first, list(taps)))
-        self.chooser.lags.clear()
+        self.chooser.clear_lags()
         self._lost: set[str] = set()  # model drafters whose backlog cannot be recomputed in this context
 
     def _from(self, n: str) -> int:
@@ -177,7 +177,8 @@ class AutoDrafter:
         else:
             (d.start if how == "start" else d.extend)(taps, list(self._tokens))
         self._at[name], self._how[name] = pos, "accept"
-        self._prune()
+        if name != "ngram":
+            self._prune()
         return spent
 
     def _prune(self) -> None:
@@ -220,7 +221,7 @@ class AutoDrafter:
                 if (among is not None and n not in among) or not self._ready(n):
                     continue
                 cap = min(k, d.max_drafts)
-                self.chooser.lags[n] = 0 if self._from(n) >= self._hole else self._lag(n)
+                self.chooser.set_lag(n, 0 if self._from(n) >= self._hole else self._lag(n))
             if cap >= 1 and (among is None or n in among):
                 available[n] = cap
         return available
@@ -250,7 +251,7 @@ class AutoDrafter:
 
     def wants_taps(self, regime: str) -> bool:
         """Whether a model drafter could pay in a new context at all (a prefill then yields the taps it needs)."""
-        self.chooser.lags.clear()
+        self.chooser.clear_lags()
         self._lost.clear()
         return self._warm(regime, None)
 

@@ -225,9 +225,10 @@ def weight_files(path: Path) -> list[Path]:
 def shard_headers(path: Path):
     """(shard file, its checked safetensors header) for every weight file of the checkpoint, each shard also checked
     against the index (every tensor the index places in it is there)."""
+    files = weight_files(path)  # checks the index itself first
     index = path / "model.safetensors.index.json"
     wm = read_json(index)["weight_map"] if has_file(index) else None
-    for f in weight_files(path):
+    for f in files:
         header = read_safetensors_header(f)
         if wm is not None:
             absent = [k for k, v in wm.items() if v == f.name and k not in header]

@@ -163,7 +163,8 @@ class AutoDecoder(SpeculativeDecoder):
     chooser. Whether the next round is plain is decided one token early (`AutoDrafter.plan`, on the n-gram index one
     token behind), so a plain stretch is pipelined exactly like plain decoding; a speculative round is chosen afresh
     when it starts (`AutoDrafter.propose`). Plain forwards (the prefill's included) compute the drafters' taps only
-    while a model drafter could pay; one that fell behind has them recomputed when it next drafts (`_fill`).
+    while a model drafter pays by its mean estimate; one that fell behind has them recomputed when it next drafts
+    (`_fill`).
 
     Timing is commit to commit (everything between two rounds' results, the consumer's work included): a plain
     token inside a plain stretch is what plain decoding costs now; a speculative round is charged what its draft and
@@ -188,7 +189,7 @@ class AutoDecoder(SpeculativeDecoder):
         return plain
 
     def prefill(self, ids: list[int], input_embeddings=None, reuse: int = 0) -> None:
-        """The prompt's taps only when a model drafter could pay here at all (or the prompt has images, whose
+        """The prompt's taps only when a model drafter pays by its mean estimate (or the prompt has images, whose
         positions a later recomputation from the ids could not reproduce)."""
         if input_embeddings is not None or self.drafter.wants_taps(self._regime):
             self.plain.taps = self.taps

@@ -250,7 +250,7 @@ class AutoDrafter:
         return any(n in pays for n in self._model if n not in self._lost)
 
     def wants_taps(self, regime: str) -> bool:
-        """Whether a model drafter could pay in a new context at all (a prefill then yields the taps it needs)."""
+        """Whether a model drafter pays in a new context by its mean estimate (a prefill then yields its taps)."""
         self.chooser.clear_lags()
         self._lost.clear()
         return self._warm(regime, None)

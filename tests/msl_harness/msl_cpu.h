@@ -575,3 +575,5 @@ inline bool simd_all(bool v) {
     return 1;
   });
 }
+
+#include "msl_simdgroup.h"  // simdgroup_matrix (8x8), owned by the kernels-attention work

@@ -1,92 +1,173 @@
 // block_attention_partial — pass 1 of block-verify attention (body for mx.fast.metal_kernel).
 //
-// L <= 16 query rows (the anchor and k drafts) of every query head against a KV cache of N rows, split along the
-// keys into S chunks of SS rows; one simdgroup per (query head, chunk) keeps an online softmax for all L rows, so
-// each key / value row is read once per query head and chunk, whatever L is.
+// The L <= 16 query rows (anchor + drafts) of all G query heads of one GQA group are R = G*L rows of one matrix
+// problem against the group's shared K/V: a threadgroup owns (KV head, key chunk, row group) and reads each K/V row
+// of its chunk once into threadgroup memory for all its rows; every simdgroup owns one 8-row tile of the R rows and
+// computes S = Q·Kᵀ and O += P·V with 8x8 simdgroup_matrix tiles, keeping an online softmax (running max) per row.
+// With R <= 8*NSG (NSG simdgroups, at most 8: G*L <= 64) one threadgroup covers the whole group, so each K/V row
+// is read once per group and chunk; larger groups use ceil(R / (8*NSG)) row groups, each reading the chunk once.
 //
-// inputs : q [Hq, L, D] (T, RoPE and QK-norm already applied), k [Hkv, N, D] (T), v [Hkv, N, D] (T), all three
-//          addressed through their strides (built with ensure_row_contiguous=False: views of the KV cache's buffer
-//          are read in place, not copied)
-//          meta [8] int32 = (L, N, Hq, Hkv, qk, W, SS, S)   qk = absolute position of query 0 minus that of key 0
-//                                                          W = sliding window (0 = global)
-//          fmeta [1] float32 = (softmax scale)
-// template: T (dtype), D (head dim, a multiple of 32, <= 256)
-// outputs: o_part [Hq, S, L, D] float32 (unnormalised), ml [Hq, S, L, 2] float32 (running max, running sum)
-// launch : grid (32, Hq, S), threadgroup (32, 1, 1)
+// inputs : q [Hq, L, D] (T, RoPE / QK-norm applied), k [Hkv, N, D] (T), v [Hkv, N, D] (T), all addressed through
+//          their strides (ensure_row_contiguous=False: views of the KV cache's buffer are read in place); the
+//          K/V loads take a unit-stride path (consecutive lanes read consecutive elements of a row) whenever the
+//          innermost stride is 1, which it is for the cache's views
+//          meta [5] int32 = (N, qk, W, SS, S)   qk = absolute position of query 0 minus that of key 0,
+//                                              W = sliding window (0 = global), SS keys per chunk, S chunks
+//          fmeta [1] float32 = (softmax scale * log2(e))   scores are kept in base-2 units (exp2)
+// template: T (dtype), D (head dim, a multiple of 32), L (rows per head, 1..16), G (query heads per KV head),
+//           BK (keys per block: 16, or 8 for D > 128 to fit 32 KiB), NSG (simdgroups per threadgroup)
+// outputs: o_part [Hkv, S, RP, D] float32 (unnormalised), ml [Hkv, S, RP, 2] float32 (running max in base-2
+//          units, running sum); row r = g*L + i is query i of head kvh*G + g; RP = 8*ceil(R/8) (padding rows are
+//          fully masked: max -inf, sum 0)
+// launch : grid (32*NSG, Hkv*RG, S), threadgroup (32*NSG, 1, 1), RG = ceil(ceil(R/8) / NSG)
 // mask   : query i sees key j iff j <= qk + i (causal inside the block) and (W == 0 or j > qk + i - W)
 
-constexpr int DPL = D / 32;  // head-dim elements per lane
-uint lane = thread_index_in_simdgroup;
-uint h = threadgroup_position_in_grid.y;
-uint s = threadgroup_position_in_grid.z;
-const int L = meta[0];
-const int N = meta[1];
-const int Hq = meta[2];
-const int Hkv = meta[3];
-const int qk = meta[4];
-const int W = meta[5];
-const int SS = meta[6];
-const int S = meta[7];
-const float scale = fmeta[0];
-const int kvh = int(h) / (Hq / Hkv);
+constexpr int R = G * L;
+constexpr int RT = (R + 7) / 8;          // 8-row tiles of the group
+constexpr int RG = (RT + NSG - 1) / NSG; // row groups (threadgroups per KV head and chunk)
+constexpr int RP = RT * 8;
+constexpr int DT = D / 8;                // 8-wide head-dim tiles
+constexpr int KT = BK / 8;               // 8-key tiles per block
+constexpr int LDS = D + 4;               // threadgroup row stride in floats (padded against bank conflicts)
+constexpr int NT = NSG * 32;
+constexpr int CH = 4;                    // consecutive elements one thread loads per step
+constexpr int CPR = D / CH;              // steps per K/V row
+
+const uint lane = thread_index_in_simdgroup;
+const uint sg = simdgroup_index_in_threadgroup;
+const uint tid = thread_index_in_threadgroup;
+const int kvh = int(threadgroup_position_in_grid.y) / RG;
+const int rt = (int(threadgroup_position_in_grid.y) % RG) * NSG + int(sg);  // this simdgroup's row tile
+const bool active = rt < RT;  // uniform per simdgroup; idle simdgroups still load and meet every barrier
+const int s = int(threadgroup_position_in_grid.z);
+const int N = meta[0];
+const int qk = meta[1];
+const int W = meta[2];
+const int SS = meta[3];
+const int S = meta[4];
+const float scale2 = fmeta[0];
 const long qs0 = q_strides[0], qs1 = q_strides[1], qs2 = q_strides[2];
 const long ks0 = k_strides[0], ks1 = k_strides[1], ks2 = k_strides[2];
 const long vs0 = v_strides[0], vs1 = v_strides[1], vs2 = v_strides[2];
+const bool unit = ks2 == 1 && vs2 == 1;
 
-float qr[16][DPL];
-float o[16][DPL];
-float m[16];
-float l[16];
-for (int i = 0; i < 16; i++) {
-  m[i] = -INFINITY;
-  l[i] = 0.0f;
-  for (int e = 0; e < DPL; e++) {
-    qr[i][e] = i < L ? float(q[h * qs0 + i * qs1 + (lane * DPL + e) * qs2]) * scale : 0.0f;
-    o[i][e] = 0.0f;
-  }
+// this lane's fragment coordinates (Apple's simdgroup_matrix layout): elements (fr, fc) and (fr, fc + 1)
+const int fr = int(((lane / 4) & 4) + (lane / 2) % 4);
+const int fc = int(((lane / 4) & 2) * 2 + (lane % 2) * 2);
+const int r = rt * 8 + fr;  // this lane's query row
+const bool valid = active && r < R;
+const int g = valid ? r / L : 0;
+const int i = valid ? r % L : 0;
+
+threadgroup float Ks[BK * LDS];
+threadgroup float Vs[BK * LDS];
+
+simdgroup_matrix<float, 8, 8> Qf[DT];
+simdgroup_matrix<float, 8, 8> Of[DT];
+for (int dt = 0; dt < DT; dt++) {
+  const device T* qp = q + (long)(kvh * G + g) * qs0 + (long)i * qs1 + (long)(dt * 8 + fc) * qs2;
+  Qf[dt].thread_elements()[0] = valid ? float(qp[0]) * scale2 : 0.0f;
+  Qf[dt].thread_elements()[1] = valid ? float(qp[qs2]) * scale2 : 0.0f;
+  Of[dt] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
 }
-// keys any row of the block can see
-int lo = int(s) * SS;
+float m = -INFINITY;  // running max of row fr (base-2 units), the same in the 4 lanes of the row
+float l = 0.0f;       // running sum
+
+// keys any row of the group can see
+int lo = s * SS;
 int hi = min(lo + SS, N);
 hi = min(hi, qk + L);
 if (W > 0) {
   lo = max(lo, qk - W + 1);
 }
-for (int j = lo; j < hi; j++) {
-  const device T* kr = k + kvh * ks0 + j * ks1 + lane * DPL * ks2;
-  const device T* vr = v + kvh * vs0 + j * vs1 + lane * DPL * vs2;
-  float kk[DPL];
-  float vv[DPL];
-  for (int e = 0; e < DPL; e++) {
-    kk[e] = float(kr[e * ks2]);
-    vv[e] = float(vr[e * vs2]);
+for (int j0 = lo; j0 < hi; j0 += BK) {
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous block's tiles are no longer read
+  for (int c = int(tid); c < BK * CPR; c += NT) {
+    const int kr = c / CPR;
+    const int d0 = (c % CPR) * CH;
+    const int j = j0 + kr;
+    threadgroup float* kd = Ks + kr * LDS + d0;
+    threadgroup float* vd = Vs + kr * LDS + d0;
+    if (j < hi) {
+      const device T* kp = k + (long)kvh * ks0 + (long)j * ks1;
+      const device T* vp = v + (long)kvh * vs0 + (long)j * vs1;
+      if (unit) {
+        for (int e = 0; e < CH; e++) {
+          kd[e] = float(kp[d0 + e]);
+          vd[e] = float(vp[d0 + e]);
+        }
+      } else {
+        for (int e = 0; e < CH; e++) {
+          kd[e] = float(kp[(long)(d0 + e) * ks2]);
+          vd[e] = float(vp[(long)(d0 + e) * vs2]);
+        }
+      }
+    } else {
+      for (int e = 0; e < CH; e++) {
+        kd[e] = 0.0f;
+        vd[e] = 0.0f;
+      }
+    }
   }
-  for (int i = 0; i < L; i++) {
-    if (j > qk + i || (W > 0 && j <= qk + i - W)) {
-      continue;  // uniform across the simdgroup
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (active) {
+    // S = Q · Kᵀ for this block's KT key tiles
+    simdgroup_matrix<float, 8, 8> Sf[KT];
+    for (int kt = 0; kt < KT; kt++) {
+      Sf[kt] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      for (int dt = 0; dt < DT; dt++) {
+        simdgroup_matrix<float, 8, 8> Kf;
+        simdgroup_load(Kf, Ks + kt * 8 * LDS + dt * 8, LDS, ulong2(0, 0), true);  // (d, key)
+        simdgroup_multiply_accumulate(Sf[kt], Qf[dt], Kf, Sf[kt]);
+      }
     }
-    float dot = 0.0f;
-    for (int e = 0; e < DPL; e++) {
-      dot += qr[i][e] * kk[e];
+    // mask, running max, probabilities
+    float bmax = -INFINITY;
+    for (int kt = 0; kt < KT; kt++) {
+      for (int e = 0; e < 2; e++) {
+        const int j = j0 + kt * 8 + fc + e;
+        const bool see = valid && j < hi && j <= qk + i && (W == 0 || j > qk + i - W);
+        const float x = see ? Sf[kt].thread_elements()[e] : -INFINITY;
+        Sf[kt].thread_elements()[e] = x;
+        bmax = max(bmax, x);
+      }
     }
-    dot = simd_sum(dot);
-    float mn = max(m[i], dot);
-    float c = metal::exp(m[i] - mn);
-    float pj = metal::exp(dot - mn);
-    l[i] = l[i] * c + pj;
-    for (int e = 0; e < DPL; e++) {
-      o[i][e] = o[i][e] * c + pj * vv[e];
+    bmax = max(bmax, simd_shuffle_xor(bmax, ushort(1)));
+    bmax = max(bmax, simd_shuffle_xor(bmax, ushort(8)));
+    const float mn = max(m, bmax);
+    const bool none = mn == -INFINITY;  // nothing seen yet by this row
+    const float corr = none ? 1.0f : exp2(m - mn);
+    float psum = 0.0f;
+    for (int kt = 0; kt < KT; kt++) {
+      for (int e = 0; e < 2; e++) {
+        const float p = none ? 0.0f : exp2(Sf[kt].thread_elements()[e] - mn);
+        Sf[kt].thread_elements()[e] = p;
+        psum += p;
+      }
     }
-    m[i] = mn;
+    psum += simd_shuffle_xor(psum, ushort(1));
+    psum += simd_shuffle_xor(psum, ushort(8));
+    l = l * corr + psum;
+    m = mn;
+    // O = O * corr + P · V
+    for (int dt = 0; dt < DT; dt++) {
+      Of[dt].thread_elements()[0] *= corr;
+      Of[dt].thread_elements()[1] *= corr;
+      for (int kt = 0; kt < KT; kt++) {
+        simdgroup_matrix<float, 8, 8> Vf;
+        simdgroup_load(Vf, Vs + kt * 8 * LDS + dt * 8, LDS);  // (key, d)
+        simdgroup_multiply_accumulate(Of[dt], Sf[kt], Vf, Of[dt]);
+      }
+    }
   }
 }
-for (int i = 0; i < L; i++) {
-  ulong row = ((ulong)h * S + s) * L + i;
-  for (int e = 0; e < DPL; e++) {
-    o_part[row * D + lane * DPL + e] = o[i][e];
+if (active) {
+  const ulong row0 = ((ulong)kvh * S + s) * RP + rt * 8;
+  for (int dt = 0; dt < DT; dt++) {
+    simdgroup_store(Of[dt], o_part + row0 * D + dt * 8, D);
   }
-  if (lane == 0) {
-    ml[row * 2] = m[i];
-    ml[row * 2 + 1] = l[i];
+  if (fc == 0) {
+    ml[(row0 + fr) * 2] = m;
+    ml[(row0 + fr) * 2 + 1] = l;
   }
 }

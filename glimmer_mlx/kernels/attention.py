@@ -5,8 +5,12 @@ Positions: the L queries sit at absolute positions q0..q0+L-1 and the N keys at 
 matters. Query i sees key j iff `j <= qk + i` and, with a window W, `j > qk + i - W` (W keys including itself),
 which is exactly the mask `KVCache.update` builds.
 
-Two Metal passes (`block_attention_partial.metal`, `block_attention_combine.metal`): split-K online softmax per
-(query head, key chunk), then a merge. `block_attention_reference` is the pure-MLX definition.
+Two Metal passes (`block_attention_partial.metal`, `block_attention_combine.metal`): the G·L query rows of a GQA
+group form one matrix problem against the group's K/V; a threadgroup per (KV head, key chunk[, row group]) loads each
+K/V row of its chunk once for all its rows and computes QKᵀ and PV with 8x8 `simdgroup_matrix` tiles and an online
+softmax; the combine merges the chunks with a running max. `block_attention_reference` is the pure-MLX float32
+definition (the tests' oracle); shapes the kernel does not take go to MLX's `mx.fast.scaled_dot_product_attention`
+(`builtin_attention`), never to the reference, which would cast the whole cache to float32.
 """
 
 from __future__ import annotations
@@ -23,9 +27,15 @@ PARTIAL = KernelSpec("glimmer_block_attn_partial", "block_attention_partial.meta
 COMBINE = KernelSpec("glimmer_block_attn_combine", "block_attention_combine.metal", ("o_part", "ml", "meta"),
                      ("out",))
 
-MAX_ROWS = 16
-MAX_HEAD_DIM = 256
-
+MAX_ROWS = 16          # verify width L (a template parameter of the kernels: one variant per L)
+MAX_HEAD_DIM = 256     # head dims: multiples of 32 up to this
+MAX_SIMDGROUPS = 8     # simdgroups (8-row tiles) per threadgroup: 256 threads. Each lane keeps Q and O fragments
+#                        for its tile (D/4 + D/4 floats, 64 at D = 128); at 1024 threads that register use could
+#                        lower the pipeline's thread limit below the launch size, so groups with G·L > 64 rows are
+#                        split into row groups that each read the chunk's K/V once (still not once per query head).
+#                        Raise it after `glimmer bench kernels` on a Mac shows 512/1024-thread groups launch and win.
+TARGET_THREADGROUPS = 128  # key chunks are sized so that about this many threadgroups run per call
+LOG2E = 1.4426950408889634
 
 def _check(q: mx.array, k: mx.array, v: mx.array, qk: int, window: int | None):
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
@@ -66,35 +76,57 @@ def block_attention_reference(q, k, v, *, scale: float, qk: int, window: int | N
     return o.astype(q.dtype)
 
 
-def split_size(N: int, Hq: int) -> int:
-    """Keys per chunk: enough chunks for ~1024 simdgroups in flight, at least 64 keys each."""
-    target = max(1, math.ceil(1024 / Hq))
-    return max(64, math.ceil(N / target))
+def block_keys(D: int) -> int:
+    """Keys per block of the partial pass: 16, or 8 for D > 128, so that the float32 K and V tiles (padded rows)
+    fit in 32 KiB of threadgroup memory."""
+    return 16 if D <= 128 else 8
+
+
+def launch_shape(Hq: int, Hkv: int, L: int) -> tuple[int, int, int]:
+    """(NSG simdgroups per threadgroup, RG row groups, RP padded rows) for G = Hq / Hkv heads of L rows."""
+    rt = math.ceil(Hq // Hkv * L / 8)
+    nsg = min(rt, MAX_SIMDGROUPS)
+    return nsg, math.ceil(rt / nsg), rt * 8
+
+
+def split_size(N: int, Hkv: int, row_groups: int = 1, bk: int = 16) -> int:
+    """Keys per chunk: about TARGET_THREADGROUPS threadgroups per call, at least 64 keys each, a multiple of the
+    key block."""
+    target = max(1, math.ceil(TARGET_THREADGROUPS / (Hkv * row_groups)))
+    ss = max(64, math.ceil(N / target))
+    return math.ceil(ss / bk) * bk
 
 
 def block_attention_calls(q, k, v, *, scale: float, qk: int, window: int | None = None, split: int | None = None):
     """The two launches (batch 1). Returns (partial_call, make_combine_call(o_part, ml))."""
     B, Hq, L, D, Hkv, N = _check(q, k, v, qk, window)
-    if B != 1:
-        raise ValueError("the block-attention kernel handles batch 1")
-    SS = split or split_size(N, Hq)
+    if not supported(q, k, v):
+        raise ValueError(f"block-attention kernel: unsupported q {q.dtype} {tuple(q.shape)}, k {k.dtype} "
+                         f"{tuple(k.shape)} (needs batch 1, L <= {MAX_ROWS}, head dim a multiple of 32 <= "
+                         f"{MAX_HEAD_DIM}, one float dtype)")
+    G = Hq // Hkv
+    nsg, rg, rp = launch_shape(Hq, Hkv, L)
+    bk = block_keys(D)
+    SS = split or split_size(N, Hkv, rg, bk)
     S = math.ceil(N / SS)
-    meta = mx.array([L, N, Hq, Hkv, qk, window or 0, SS, S], dtype=mx.int32)
-    part = KernelCall(PARTIAL, [q[0], k[0], v[0], meta, mx.array([scale], dtype=mx.float32)],
-                      output_shapes=[(Hq, S, L, D), (Hq, S, L, 2)], output_dtypes=[mx.float32, mx.float32],
-                      grid=(32, Hq, S), threadgroup=(32, 1, 1), template=[("T", q.dtype), ("D", D)])
+    meta = mx.array([N, qk, window or 0, SS, S], dtype=mx.int32)
+    part = KernelCall(PARTIAL, [q[0], k[0], v[0], meta, mx.array([scale * LOG2E], dtype=mx.float32)],
+                      output_shapes=[(Hkv, S, rp, D), (Hkv, S, rp, 2)], output_dtypes=[mx.float32, mx.float32],
+                      grid=(32 * nsg, Hkv * rg, S), threadgroup=(32 * nsg, 1, 1),
+                      template=[("T", q.dtype), ("D", D), ("L", L), ("G", G), ("BK", bk), ("NSG", nsg)])
 
     def combine(o_part, ml):
         return KernelCall(COMBINE, [o_part, ml, meta], output_shapes=[(Hq, L, D)], output_dtypes=[q.dtype],
-                          grid=(32, Hq, L), threadgroup=(32, 1, 1), template=[("T", q.dtype), ("D", D)])
+                          grid=(32, Hq, L), threadgroup=(32, 1, 1),
+                          template=[("T", q.dtype), ("D", D), ("L", L), ("G", G), ("RP", rp)])
 
     return part, combine
 
 
 def supported(q, k, v) -> bool:
-    return (q.ndim == 4 and q.shape[0] == 1 and 1 <= q.shape[2] <= MAX_ROWS and q.shape[3] % 32 == 0
-            and q.shape[3] <= MAX_HEAD_DIM and q.dtype in FLOAT_DTYPES and k.dtype == q.dtype
-            and v.dtype == q.dtype and k.ndim == 4 and q.shape[1] % k.shape[1] == 0)
+    return (q.ndim == 4 and k.ndim == 4 and v.ndim == 4 and q.shape[0] == 1 and 1 <= q.shape[2] <= MAX_ROWS
+            and q.shape[3] % 32 == 0 and q.shape[3] <= MAX_HEAD_DIM and q.dtype in FLOAT_DTYPES
+            and k.dtype == q.dtype and v.dtype == q.dtype and k.shape[1] >= 1 and q.shape[1] % k.shape[1] == 0)
 
 
 def enabled() -> bool:
@@ -103,10 +135,17 @@ def enabled() -> bool:
     return use_metal()
 
 
+def builtin_attention(q, k, v, *, scale: float, qk: int, window: int | None = None) -> mx.array:
+    """MLX's own fused attention with the block mask (in q's dtype, reading the cache as it is)."""
+    B, Hq, L, D, Hkv, N = _check(q, k, v, qk, window)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=block_mask(L, N, qk, window))
+
+
 def block_attention(q, k, v, *, scale: float, qk: int, window: int | None = None) -> mx.array:
-    """Dispatcher: the Metal kernels when enabled and supported, else the reference."""
+    """Dispatcher: the Metal kernels when enabled and the shapes are supported, else `builtin_attention`."""
+    _check(q, k, v, qk, window)
     if use_metal() and supported(q, k, v):
         part, combine = block_attention_calls(q, k, v, scale=scale, qk=qk, window=window)
         o_part, ml = part.run_metal()
         return combine(o_part, ml).run_metal()[0][None]
-    return block_attention_reference(q, k, v, scale=scale, qk=qk, window=window)
+    return builtin_attention(q, k, v, scale=scale, qk=qk, window=window)

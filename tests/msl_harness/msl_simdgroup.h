@@ -107,6 +107,8 @@ inline unsigned long offset(const Stage& st, int r, int c) {
 
 }  // namespace msl_sg
 
+typedef vec2<unsigned long> ulong2;  // simdgroup_load/store's matrix_origin (ulong2(x, y): x = column, y = row)
+
 namespace metal {
 
 template <typename T, int Cols = 8, int Rows = 8>
@@ -143,7 +145,7 @@ inline simdgroup_matrix<T, Cols, Rows> make_filled_simdgroup_matrix(T v) {
 
 template <typename T, int C, int R>
 inline void simdgroup_load(thread simdgroup_matrix<T, C, R>& d, const T* src, unsigned long elements_per_row = C,
-                           vec2<unsigned long> matrix_origin = {0, 0}, bool transpose_matrix = false) {
+                           ulong2 matrix_origin = {0, 0}, bool transpose_matrix = false) {
   msl_sg::stage_args(src, elements_per_row, matrix_origin.x, matrix_origin.y, transpose_matrix, "simdgroup_load");
   d.elems = msl_rt::simd_collective<vec2<T>>(d.elems, 0, [](const msl_rt::SimdState& s, int lane) {
     vec2<T> r{T(0), T(0)};
@@ -160,7 +162,7 @@ inline void simdgroup_load(thread simdgroup_matrix<T, C, R>& d, const T* src, un
 
 template <typename T, int C, int R>
 inline void simdgroup_store(simdgroup_matrix<T, C, R> a, T* dst, unsigned long elements_per_row = C,
-                            vec2<unsigned long> matrix_origin = {0, 0}, bool transpose_matrix = false) {
+                            ulong2 matrix_origin = {0, 0}, bool transpose_matrix = false) {
   msl_sg::stage_args(dst, elements_per_row, matrix_origin.x, matrix_origin.y, transpose_matrix, "simdgroup_store");
   msl_rt::simd_collective<vec2<T>>(a.elems, 0, [](const msl_rt::SimdState& s, int lane) {
     vec2<T> none{T(0), T(0)};

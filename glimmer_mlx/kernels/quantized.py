@@ -1,12 +1,33 @@
-"""Small-row affine-quantized matmul: `x[M <= 16, K] @ dequant(Wq)^T` reading each packed weight word once for all
-M rows (`metal_kernels/qmm_small.metal`), for the k+1 rows of a verification forward.
+"""Small-M affine-quantized matmul `x[M <= 16, K] @ dequant(Wq)^T` for the k+1 rows of a verification forward: a
+`simdgroup_matrix` kernel (`metal_kernels/qmm_small.metal`) that reads each packed weight word once for all M rows,
+and the dispatch table that decides, per GPU generation and M, whether it or MLX's own `mx.quantized_matmul` runs.
 
-`qmm_reference` is the pure-MLX definition (dequantize in float32, matmul in float32, one rounding);
-`KernelQuantizedLinear` is an `nn.QuantizedLinear` that routes 2..16-row inputs through the dispatcher on Metal and
-is installed on a model by `install_block_kernels` (a no-op without Metal).
+`qmm_reference` is the pure-MLX definition (dequantize in float32, matmul in float32, one rounding) — the tests'
+oracle only; everything that does not take the kernel runs `mx.quantized_matmul`. `KernelQuantizedLinear` is an
+`nn.QuantizedLinear` that routes 2..16-row inputs through `qmm` on Metal; `install_block_kernels` installs it.
+
+Which wins where (`choose`). NOTHING HERE IS MEASURED ON A MAC: this machine has no Metal, so the default table is
+reasoned from MLX 0.32's own dispatch (mlx/backend/metal/quantized.cpp, kernels/quantized.h) and is to be replaced
+by measurements (`glimmer bench kernels` on a Mac, then an entry in `MEASURED`). For x[M, K] @ w[N, K]^T MLX runs:
+  * M >= qmv_batch_limit(K, N, gpu) (6..33, by generation and matrix size; see `mlx_qmv_limit`): split-K `qmm_t`,
+    steel MMA tiles of 32 rows of M — the weights are read once. MLX is expected at least as fast: its tiles are
+    tuned and ours have no advantage in traffic -> MLX.
+  * below that, on generation >= 15 (M3 and later): `qmv_wide`, which reuses each decoded weight group across up
+    to 5 vectors — weights read ceil(M/5) times. M <= 5: once, MLX's tuned kernel -> MLX. M = 6..limit-1: 2-3
+    reads (from cache when they fit), ours reads once -> the kernel (expected, unmeasured).
+  * below that, on generations 13/14 (M1/M2): `qmv`, one vector per pass — weights read M times (the repeats are
+    cache hits at best) -> the kernel for M >= 2 (expected, unmeasured).
+  * M = 1: `qmv` / `qmv_fast` reads the weights once and is what MLX tunes hardest -> MLX always.
+The kernel's costs that the argument ignores: per 32-value block each lane decodes 8 values and runs 4·ceil(M/8)
+8x8 MMAs, and x is re-read per 8 output columns (like qmv_wide's per-8-row threadgroups) — which is why a
+measurement may overrule it.
 """
 
 from __future__ import annotations
+
+import functools
+import math
+import re
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,6 +39,13 @@ QMM = KernelSpec("glimmer_qmm_small", "qmm_small.metal", ("x", "w", "scales", "b
 MAX_ROWS = 16
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
+SIMDGROUPS = 4  # per threadgroup (NSG in the body), splitting K
+
+# Measured overrides of the reasoned choice, from `glimmer bench kernels` on a Mac: {(generation, size letter, M):
+# ("kernel" | "mlx", "where it was measured")}; generation as in MLX's get_architecture_gen (13 = M1, 14 = M2,
+# 15 = M3, 16 = M4, 17 = M5), size letter the last character of the architecture name ('p', 'g', 's', 'd', ...).
+# Empty: nothing has been measured on a Mac yet.
+MEASURED: dict[tuple[int, str, int], tuple[str, str]] = {}
 
 
 def _check(x, w, scales, biases, group_size: int, bits: int):
@@ -51,35 +79,106 @@ def qmm_call(x, w, scales, biases, *, group_size: int = 64, bits: int = 4) -> Ke
                          f"group {group_size}")
     return KernelCall(QMM, [x, w, scales.astype(x.dtype), biases.astype(x.dtype),
                             mx.array([M, N, K], dtype=mx.int32)],
-                      output_shapes=[(M, N)], output_dtypes=[x.dtype], grid=(32, N, 1), threadgroup=(32, 4, 1),
+                      output_shapes=[(M, N)], output_dtypes=[x.dtype], grid=(32 * SIMDGROUPS, math.ceil(N / 8), 1),
+                      threadgroup=(32 * SIMDGROUPS, 1, 1),
                       template=[("T", x.dtype), ("M", M), ("BITS", bits), ("GS", group_size)])
 
 
 def supported(x, w, scales, biases, group_size: int, bits: int) -> bool:
     return (x.ndim == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype in FLOAT_DTYPES and bits in BITS
-            and group_size in GROUP_SIZES and biases is not None and w.dtype == mx.uint32
+            and group_size in GROUP_SIZES and biases is not None and w.dtype == mx.uint32 and w.ndim == 2
             and x.shape[1] % group_size == 0 and w.shape[1] * 32 == x.shape[1] * bits
             and scales.dtype in FLOAT_DTYPES and biases.dtype in FLOAT_DTYPES)
 
 
+# -- which path wins --------------------------------------------------------------------------------------------
+def parse_architecture(name: str) -> tuple[int, str] | None:
+    """'applegpu_g15s' -> (15, 's') as MLX reads it (get_architecture_gen and the last letter); None if not an
+    Apple GPU name."""
+    m = re.fullmatch(r"applegpu_g(\d+)([a-z]?)", name.strip())
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_architecture() -> tuple[int, str] | None:
+    """This machine's Apple GPU (generation, size letter), or None (no Metal)."""
+    try:
+        return parse_architecture(str(mx.device_info().get("architecture", "")))
+    except Exception:  # an MLX without device_info
+        return None
+
+
+def mlx_qmv_limit(K: int, N: int, gen: int, size: str) -> int:
+    """MLX 0.32's get_qmv_batch_limit(K, N): from this many rows on, mx.quantized_matmul (transposed weights) runs
+    its split-K MMA qmm instead of a matrix-vector kernel."""
+    small, mid = K <= 2048 and N <= 2048, K <= 4096 and N <= 4096
+    if gen >= 17 and size != "d":
+        return 33 if small else 25 if mid else 13
+    if gen >= 15 and size != "d":
+        return 13 if small else 15 if mid else 13
+    if size == "d":
+        return 32 if small else 18 if mid else 12
+    if gen >= 13:
+        return 14 if small else 10 if mid else 6
+    return 18 if small else 12 if mid else 10
+
+
+def mlx_path(M: int, K: int, N: int, gen: int, size: str) -> tuple[str, int]:
+    """(MLX's kernel for x[M, K] @ w[N, K]^T, affine, how many times it reads the weights) — see the module doc."""
+    if M >= mlx_qmv_limit(K, N, gen, size):
+        return "qmm_splitk", 1
+    if K in (64, 128):
+        return "qmv_quad", 1  # a tiny K: the whole weight is a few KB and stays cached
+    if M == 1:
+        return "qmv", 1
+    if gen >= 15:
+        return "qmv_wide", math.ceil(M / 5)
+    return "qmv", M
+
+
+def choose(M: int, K: int, N: int, arch: tuple[int, str] | None = None) -> tuple[str, str]:
+    """("kernel" | "mlx", why) for M rows on GPU `arch` (default: this machine's): a `MEASURED` entry if there is
+    one, else the reasoned rule: the kernel where MLX's path reads the weights more than once."""
+    arch = arch if arch is not None else gpu_architecture()
+    if arch is None or not 1 <= M <= MAX_ROWS:
+        return "mlx", "no Apple GPU / M outside 1..16"
+    gen, size = arch
+    if (gen, size, M) in MEASURED:
+        choice, where = MEASURED[(gen, size, M)]
+        return choice, f"measured: {where}"
+    name, reads = mlx_path(M, K, N, gen, size)
+    if reads >= 2:
+        return "kernel", f"expected (unmeasured): MLX's {name} reads the weights {reads}x, the kernel once"
+    return "mlx", f"expected (unmeasured): MLX's {name} reads the weights once"
+
+
+def builtin_qmm(x, w, scales, biases, *, group_size: int = 64, bits: int = 4) -> mx.array:
+    """MLX's own quantized matmul (what runs wherever the kernel does not)."""
+    return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+
+
 def qmm(x, w, scales, biases, *, group_size: int = 64, bits: int = 4) -> mx.array:
-    """Dispatcher: the Metal kernel when enabled and supported, else the reference."""
-    if use_metal() and supported(x, w, scales, biases, group_size, bits):
+    """Dispatcher: the Metal kernel when enabled, supported and chosen for this GPU and M, else
+    `mx.quantized_matmul` (never the float32 reference)."""
+    _check(x, w, scales, biases, group_size, bits)
+    if (use_metal() and supported(x, w, scales, biases, group_size, bits)
+            and choose(x.shape[0], x.shape[1], w.shape[0])[0] == "kernel"):
         return qmm_call(x, w, scales, biases, group_size=group_size, bits=bits).run_metal()[0]
-    return qmm_reference(x, w, scales, biases, group_size=group_size, bits=bits)
+    return builtin_qmm(x, w, scales, biases, group_size=group_size, bits=bits)
 
 
 class KernelQuantizedLinear(nn.QuantizedLinear):
-    """`nn.QuantizedLinear` whose 2..16-row calls (block verification) use the small-row kernel on Metal; every
-    other call (decode, prefill, unsupported modes) is the stock `mx.quantized_matmul`."""
+    """`nn.QuantizedLinear` whose 2..16-row calls (block verification) go through `qmm` on Metal (the kernel where
+    `choose` picks it); every other call (decode, prefill, unsupported modes) is the stock `mx.quantized_matmul`."""
 
     def __call__(self, x):
         rows = x.size // x.shape[-1] if x.ndim else 0
         if (2 <= rows <= MAX_ROWS and getattr(self, "mode", "affine") == "affine" and use_metal()
                 and supported(x.reshape(rows, x.shape[-1]), self["weight"], self["scales"], self.get("biases"),
-                              self.group_size, self.bits)):
-            y = qmm(x.reshape(rows, x.shape[-1]), self["weight"], self["scales"], self["biases"],
-                    group_size=self.group_size, bits=self.bits)
+                              self.group_size, self.bits)
+                and choose(rows, x.shape[-1], self["weight"].shape[0])[0] == "kernel"):
+            y = qmm_call(x.reshape(rows, x.shape[-1]), self["weight"], self["scales"], self["biases"],
+                         group_size=self.group_size, bits=self.bits).run_metal()[0]
             y = y.reshape(*x.shape[:-1], y.shape[-1])
             if "bias" in self:
                 y = y + self["bias"]

@@ -1,4 +1,5 @@
-"""Key/value caches with one contract for every layer type: `offset`, `update(k, v)`, `rewind(n)`.
+"""Key/value caches with one contract for every layer type: `offset`, `update(k, v)`, `rewind(n)`, and for token
+trees `update(k, v, tree=...)` + `keep_path(cache, offset, kept_rows)`.
 
 `KVCache(window=None)` keeps every row (global layers). `KVCache(window=W)` is a sliding-window cache for local
 layers: it keeps only the rows the window can still see plus `max_rewind` spare rows, so memory stays bounded by
@@ -7,6 +8,11 @@ wrapped (unlike mlx-lm's `RotatingKVCache`, which silently refuses to trim once 
 
 `update` returns the keys/values the new queries may attend to together with the boolean mask for them, built from
 absolute positions; callers never special-case a cache type.
+
+Token trees (speculative/tree.py): a verify forward appends the flattened tree's L nodes as the next L rows, while a
+node's real position is the first row's position + its depth and it sees only the committed context and its own
+ancestors (`tree_mask`). Afterwards `keep_path` keeps the accepted path's rows (moved down to be contiguous, in
+place) and drops the rest, for full and sliding-window caches alike (also after the window has wrapped).
 """
 
 from __future__ import annotations
@@ -78,15 +84,19 @@ class KVCache:
         lo = max(0, from_pos - self.start)
         return self.keys[..., lo : self.rows, :], self.values[..., lo : self.rows, :], self.start + lo
 
-    def update(self, k: mx.array, v: mx.array):
+    def update(self, k: mx.array, v: mx.array, tree=None):
         """Append `k, v` ([B, Hkv, L, D]); return (keys, values, mask) for the L new queries.
 
         mask is None (attend to everything returned) or a bool array [L, N] (True = attend).
+        tree: None (the L rows are consecutive positions), or (depths [L] int, ancestors [L, L] bool) of a token
+        tree's flattened nodes (`tree_mask`).
         """
         L = k.shape[2]
         q0 = self.offset  # absolute position of the first new query
         self.append(k, v)
         keys, values, k0 = self.view(0 if self.window is None else q0 - self.window + 1)
+        if tree is not None:
+            return keys, values, tree_mask(tree[0], tree[1], q0, k0, self.window)
         if L == 1:
             return keys, values, None
         kpos = mx.arange(k0, self.offset)[None, :]
@@ -114,6 +124,29 @@ class KVCache:
         self.check_rewind(n)
         self.offset -= n
 
+    def check_keep(self, offset: int, kept_rows: list[int]) -> None:
+        """Raise `CacheRewindError` (or ValueError for malformed rows) unless `keep_rows(offset, kept_rows)` is
+        possible; changes nothing."""
+        n = self.offset - offset
+        if not kept_rows or any(b <= a for a, b in zip(kept_rows, kept_rows[1:])) or kept_rows[0] < 0 \
+                or kept_rows[-1] >= n:
+            raise ValueError(f"kept rows must be increasing row indices in [0, {n}), got {kept_rows}")
+        self.check_rewind(n - len(kept_rows))
+        if offset < self.start:
+            raise CacheRewindError(f"cannot keep rows from position {offset}: the cache starts at {self.start}")
+
+    def keep_rows(self, offset: int, kept_rows: list[int]) -> None:
+        """Of the rows at positions >= `offset` keep only `kept_rows` (indices relative to `offset`, increasing),
+        moved to positions offset, offset+1, …; the others are forgotten."""
+        self.check_keep(offset, kept_rows)
+        m = len(kept_rows)
+        if kept_rows != list(range(m)):  # else a plain rewind: the kept rows are already in place
+            lo = offset - self.start
+            idx = mx.array([lo + r for r in kept_rows], dtype=mx.int32)
+            self.keys[..., lo : lo + m, :] = mx.take(self.keys, idx, axis=2)
+            self.values[..., lo : lo + m, :] = mx.take(self.values, idx, axis=2)
+        self.offset = offset + m
+
     @property
     def state(self) -> list[mx.array]:
         return [] if self.keys is None else [self.keys, self.values]
@@ -138,6 +171,32 @@ def rewind_cache(cache: list[KVCache], n: int) -> None:
         c.check_rewind(n)
     for c in cache:
         c.rewind(n)
+
+
+def keep_path(cache: list[KVCache], offset: int, kept_rows: list[int]) -> None:
+    """Commit a token tree's accepted path: in every layer, of the rows at positions >= `offset` (the flattened
+    tree's nodes) keep `kept_rows` (the path's node indices, increasing; 0 = the root) as positions offset.., and
+    forget the rest. All layers or none: a layer that cannot raises before any layer changes."""
+    for c in cache:
+        c.check_keep(offset, kept_rows)
+    for c in cache:
+        c.keep_rows(offset, kept_rows)
+
+
+def tree_mask(depths: mx.array, ancestors: mx.array, q0: int, k0: int, window: int | None) -> mx.array:
+    """[L, N] attention mask of a token tree's L flattened nodes (rows at positions q0.. in the cache, node i at
+    real position q0 + depths[i]) against N = q0 - k0 + L keys: the committed context's rows at positions k0..q0-1
+    and the tree's rows. A node sees the context and its own ancestors (itself included: `ancestors[i, j]`), and
+    on a sliding-window layer only keys less than `window` positions behind its own."""
+    d = depths.astype(mx.int32)[:, None]
+    ctx = mx.arange(k0, q0, dtype=mx.int32)[None, :]
+    if window is None:
+        ctx_mask = mx.broadcast_to(mx.array(True), (d.shape[0], q0 - k0))
+        own = ancestors
+    else:
+        ctx_mask = ctx > q0 + d - window
+        own = ancestors & (d - depths.astype(mx.int32)[None, :] < window)
+    return mx.concatenate([ctx_mask, own], axis=1)
 
 
 def cache_offset(cache: list[KVCache]) -> int:

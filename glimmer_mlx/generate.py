@@ -13,7 +13,7 @@ from .runtime.loop import GenerationChunk, GenerationResult, GenerationStats, co
 from .runtime.prefill import DEFAULT_PREFILL_STEP
 from .runtime.request import check_request, encode_prompt
 from .sampling import Sampler, SamplingParams
-from .strategy import make_decoder
+from .strategy import make_decoder, make_tree_decoder
 
 __all__ = ["generate", "stream_generate", "GenerationChunk", "GenerationResult", "GenerationStats"]
 
@@ -23,7 +23,7 @@ def stream_generate(model, prompt, *, tokenizer=None, max_tokens: int = 256, tem
                     repetition_context_size: int = 64, seed: int | None = None, stop: list[str] | None = None,
                     drafter=None, block_size=None, prefill_step_size: int = DEFAULT_PREFILL_STEP,
                     stats: GenerationStats | None = None, images=None,
-                    image_max_tokens: int | None = None) -> Iterator[GenerationChunk]:
+                    image_max_tokens: int | None = None, tree: int | None = None) -> Iterator[GenerationChunk]:
     """Yield chunks of committed tokens and their text; `stats` (if given) is filled in as generation runs.
 
     prompt: a string (with a tokenizer) or token ids. drafter: a drafter (`load_drafter`, `speculative.auto.
@@ -33,7 +33,9 @@ def stream_generate(model, prompt, *, tokenizer=None, max_tokens: int = 256, tem
     images: paths / bytes / PIL images / uint8 arrays. The prompt holds one `<|patch|>` per image where it goes
     (none: all images are put first, after a leading BOS); each becomes `<|image_start|> <|patch|>×N
     <|image_end|>` and the prefill runs on embeddings with the image features in place (needs a tokenizer).
-    image_max_tokens: per-image token budget (default 4096, transformers' `max_image_tokens`)."""
+    image_max_tokens: per-image token budget (default 4096, transformers' `max_image_tokens`).
+    tree: token-tree verification with up to this many draft nodes per round (n-gram lookup only; block_size is
+    then the most drafts per path), `strategy.make_tree_decoder`."""
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                             repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size)
     ids = encode_prompt(prompt, tokenizer)
@@ -46,8 +48,12 @@ def stream_generate(model, prompt, *, tokenizer=None, max_tokens: int = 256, tem
                                          max_tokens=image_max_tokens or MAX_IMAGE_TOKENS)
         stats.extra.update(image_tokens=sum(1 for t in ids if t == model.config.image_token_id),
                            image_encode_time=time.perf_counter() - t_img)
-    decoder = make_decoder(model, drafter, Sampler(params, seed), block_size=block_size,
-                           prefill_step=prefill_step_size)
+    if tree is not None:
+        decoder = make_tree_decoder(model, drafter, Sampler(params, seed), nodes=tree, block_size=block_size,
+                                    prefill_step=prefill_step_size)
+    else:
+        decoder = make_decoder(model, drafter, Sampler(params, seed), block_size=block_size,
+                               prefill_step=prefill_step_size)
     yield from stream(decoder, ids, max_tokens=max_tokens, eos=stop_ids(model, tokenizer), tokenizer=tokenizer,
                       stop=stop, stats=stats, input_embeddings=embeddings)
 

@@ -23,7 +23,7 @@ from .runtime.plain import PlainDecoder
 from .runtime.prefill import DEFAULT_PREFILL_STEP
 from .sampling import Sampler, is_int
 from .speculative.auto import AutoDrafter, make_auto
-from .speculative.engine import AutoDecoder, SpeculativeDecoder
+from .speculative.engine import AutoDecoder, SpeculativeDecoder, TreeDecoder
 from .speculative.loader import load_drafter
 from .speculative.mtp import MAX_DEPTH, load_mtp
 from .speculative.ngram import NGramDrafter
@@ -141,6 +141,20 @@ def make_decoder(model, drafter: Drafter | None, sampler: Sampler, *, block_size
         raise TypeError(f"unsupported drafter {type(drafter).__name__}")
     d, drafts = prepare(model, drafter, block_size)
     return build_decoder(model, d, sampler, drafts=drafts, prefill_step=prefill_step, cache=cache)
+
+
+def make_tree_decoder(model, drafter: Drafter, sampler: Sampler, *, nodes: int, block_size=None,
+                      prefill_step: int = DEFAULT_PREFILL_STEP, cache=None):
+    """Token-tree verification (`speculative.engine.TreeDecoder`): up to `nodes` draft nodes per round, each path at
+    most `block_size` drafts deep (None: the drafter's most). For n-gram lookup only (DFlash and MTP trees are not
+    implemented: a clean ModeError)."""
+    if drafter is None or getattr(drafter, "kind", None) != "ngram":
+        what = "no drafter" if drafter is None else f"a {drafter.kind} drafter"
+        raise ModeError(f"token trees (tree nodes) are implemented for n-gram lookup only, got {what}")
+    check_width("ngram", block_size, drafter)
+    if not is_int(nodes) or not 1 <= nodes <= MAX_NGRAM_DRAFTS:
+        raise ModeError(f"tree nodes must be an integer in [1, {MAX_NGRAM_DRAFTS}], got {nodes!r}")
+    return TreeDecoder(model, drafter, sampler, nodes, block_size, prefill_step, cache)
 
 
 class Drafters:

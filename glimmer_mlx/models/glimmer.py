@@ -16,7 +16,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..cache import DEFAULT_MAX_REWIND, KVCache, make_cache
+from ..cache import DEFAULT_MAX_REWIND, KVCache, make_cache, tree_mask
 from ..config import ModelConfig, TextConfig, rope_inv_freq
 from ..kernels.attention import block_attention
 from ..kernels.attention import enabled as block_kernels_enabled
@@ -114,6 +114,13 @@ class Rope:
         y = mx.fast.rope(x, self.dims, traditional=False, base=None, scale=1.0, offset=offset, freqs=self.freqs)
         return y * self.scaling if self.scaling != 1.0 else y
 
+    def at(self, x: mx.array, positions: mx.array) -> mx.array:
+        """x [1, H, L, D] with row i at position positions[i] (a token tree's nodes): the L rows become a batch of
+        one-token sequences, each with its own offset (the same arithmetic as a consecutive run of positions)."""
+        y = mx.fast.rope(x.transpose(2, 1, 0, 3), self.dims, traditional=False, base=None, scale=1.0,
+                         offset=positions, freqs=self.freqs).transpose(2, 1, 0, 3)
+        return y * self.scaling if self.scaling != 1.0 else y
+
 
 def causal_mask(L: int, window: int | None, offset: int = 0) -> mx.array | None:
     """Mask for L queries at positions offset.. against keys 0..offset+L-1 (no cache)."""
@@ -144,7 +151,8 @@ class Attention(nn.Module):
         self.window = cfg.sliding_window if cfg.is_sliding(layer_idx) else None
         self.use_rope = cfg.uses_rope(layer_idx)
 
-    def __call__(self, x: mx.array, rope: Rope, cache: KVCache | None) -> mx.array:
+    def __call__(self, x: mx.array, rope: Rope, cache: KVCache | None, tree=None) -> mx.array:
+        """tree: None, or (depths [L], ancestors [L, L]) of a token tree's flattened nodes (`Model.__call__`)."""
         B, L, _ = x.shape
         q = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
         k = self.k_proj(x).reshape(B, L, self.n_kv, self.head_dim)
@@ -153,6 +161,17 @@ class Attention(nn.Module):
         k = rms(k, self.eps).transpose(0, 2, 1, 3)
         v = v.transpose(0, 2, 1, 3)
         offset = cache.offset if cache is not None else 0
+        if tree is not None:  # a token tree: per-node positions and the tree mask, through the pure-MLX attention
+            if self.use_rope:
+                positions = offset + tree[0]
+                q, k = rope.at(q, positions), rope.at(k, positions)
+            if cache is not None:
+                k, v, mask = cache.update(k, v, tree=tree)
+            else:
+                mask = tree_mask(tree[0], tree[1], 0, 0, self.window)
+            o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+            o = o.transpose(0, 2, 1, 3).reshape(B, L, -1)
+            return self.o_proj(gated(o, self.gate_proj(x)))
         if self.use_rope:
             q, k = rope(q, offset), rope(k, offset)
         if cache is not None:
@@ -193,8 +212,8 @@ class DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = CenteredRMSNorm(D, cfg.rms_norm_eps)
         self.post_feedforward_layernorm = CenteredRMSNorm(D, cfg.post_norm_eps)
 
-    def __call__(self, x, rope, cache=None):
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, cache))
+    def __call__(self, x, rope, cache=None, tree=None):
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, cache, tree))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
@@ -206,7 +225,7 @@ class TextModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.embed_eps = cfg.rms_norm_eps
 
-    def __call__(self, inputs, cache=None, *, input_embeddings=None, taps=(), rope=None):
+    def __call__(self, inputs, cache=None, *, input_embeddings=None, taps=(), rope=None, tree=None):
         """Returns (final-normed hidden, [tapped outputs in the order of `taps`]).
 
         Tap i is the residual-stream output of layer i, except that the last layer's tap is the final-normed
@@ -216,7 +235,7 @@ class TextModel(nn.Module):
         last = len(self.layers) - 1
         tapped = {}
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
-            h = layer(h, rope, c)
+            h = layer(h, rope, c) if tree is None else layer(h, rope, c, tree)
             if i in taps and i != last:
                 tapped[i] = h
         h = self.norm(h)
@@ -345,14 +364,25 @@ class Model(nn.Module):
         return softcap_logits(self.lm_head_raw(h), self.args.output_multiplier,
                               self.args.final_logit_softcapping or 0.0)
 
-    def __call__(self, inputs, cache=None, *, input_embeddings=None, taps=None, last: int | None = None):
+    def __call__(self, inputs, cache=None, *, input_embeddings=None, taps=None, last: int | None = None,
+                 tree=None):
         """Run the text tower.
 
         inputs: token ids [B, L]; input_embeddings: already-normed embeddings [B, L, D] instead of ids.
         taps: layer indices whose residual-stream outputs to return as well (the last layer's is the final-normed
         state, as in transformers' hidden_states); when given the call returns `(logits, [h_tap0, h_tap1, …])`. last: only compute logits for the last `last` positions.
+        tree: a token tree's verify (batch 1): (depths [L] int32, ancestors [L, L] bool) of its flattened nodes —
+        node i at position cache offset + depths[i], attending to the committed context and to the nodes j with
+        ancestors[i, j] (itself included); see `cache.tree_mask`. It runs through the pure-MLX attention path.
         """
-        h, tapped = self.model(inputs, cache, input_embeddings=input_embeddings, taps=taps or (), rope=self.rope)
+        if tree is not None:
+            L = inputs.shape[1] if input_embeddings is None else input_embeddings.shape[1]
+            B = inputs.shape[0] if input_embeddings is None else input_embeddings.shape[0]
+            if B != 1 or tuple(tree[0].shape) != (L,) or tuple(tree[1].shape) != (L, L):
+                raise ValueError(f"tree verify: batch 1 with depths [{L}] and ancestors [{L}, {L}], got batch {B}, "
+                                 f"depths {tuple(tree[0].shape)}, ancestors {tuple(tree[1].shape)}")
+        h, tapped = self.model(inputs, cache, input_embeddings=input_embeddings, taps=taps or (), rope=self.rope,
+                               tree=tree)
         if last is not None:
             h = h[:, -last:]
         logits = self.logits(h)

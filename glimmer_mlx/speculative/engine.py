@@ -7,7 +7,9 @@ budget left, and `auto`'s plain stretches — run through the one plain loop (`r
 drafter's taps), pipelined: when the next round is known to be plain, its forward is queued before the current token
 is read back.
 
-`SpeculativeDecoder` drafts every round it can at a fixed width. `AutoDecoder` lets an `auto.AutoDrafter` decide
+`SpeculativeDecoder` drafts every round it can at a fixed width. `TreeDecoder` verifies a token tree per round
+(`tree.TokenTree`: several candidate continuations in one target forward) and keeps the accepted path in the
+caches (`cache.keep_path`). `AutoDecoder` lets an `auto.AutoDrafter` decide
 round by round between a plain step and which drafter at which width, and times every round for it.
 """
 
@@ -18,13 +20,14 @@ from collections import Counter
 
 import mlx.core as mx
 
-from ..cache import CacheRewindError, rewind_cache
+from ..cache import CacheRewindError, keep_path, rewind_cache
 from ..kernels import install_block_kernels
 from ..runtime.plain import PlainDecoder
 from ..runtime.prefill import DEFAULT_PREFILL_STEP
 from ..sampling import Sampler
 from .protocol import Drafter
-from .verify import target_distribution, verify_greedy, verify_sampling
+from .verify import (target_distribution, tree_target_distribution, verify_greedy, verify_sampling,
+                     verify_tree_greedy, verify_tree_sampling)
 
 
 class SpeculativeDecoder:
@@ -155,6 +158,62 @@ class SpeculativeDecoder:
         elif self.mode == "mtp":
             d["depth"] = self.max_k
         d.update(self.drafter.stats())
+        return d
+
+
+class TreeDecoder(SpeculativeDecoder):
+    """Token-tree rounds: the drafter proposes a tree (`propose_tree`) of at most `nodes` draft nodes, each path at
+    most `width` drafts deep; one target forward over the flattened tree (tree mask, per-node positions), acceptance
+    by `verify_tree_greedy` / `verify_tree_sampling`, and `cache.keep_path` keeps the accepted path's rows. A tree that
+    is a chain runs exactly the chain round's forward. Drafters with `propose_tree`: n-gram lookup."""
+
+    def __init__(self, model, drafter: Drafter, sampler: Sampler, nodes: int, width: int | None = None,
+                 prefill_step: int = DEFAULT_PREFILL_STEP, cache=None):
+        if not hasattr(drafter, "propose_tree") or not hasattr(drafter, "enable_trees"):
+            raise ValueError(f"token trees are implemented for n-gram lookup only, not for a {drafter.kind} drafter")
+        if not isinstance(nodes, int) or isinstance(nodes, bool) or not 1 <= nodes <= 64:
+            raise ValueError(f"tree nodes must be an int in [1, 64], got {nodes!r}")
+        super().__init__(model, drafter, sampler, width, prefill_step, cache)
+        drafter.enable_trees()
+        self.nodes = nodes
+        self.tree_rows = 0  # verified nodes, all rounds (the root included)
+        self.last_tree = None
+
+    def _spec_round(self, k: int) -> list[int]:
+        anchor = self.history[-1]
+        pos = self.cache[0].offset  # the anchor's position (its KV is not cached yet)
+        t0 = time.perf_counter()
+        tree, q = self.drafter.propose_tree(anchor, pos, k, self.nodes, self.sampler, self.history)
+        self.last_tree, self.last_drafts = tree, tree.tokens[1:]
+        t1 = time.perf_counter()
+        want = self.verify_taps()
+        ids = mx.array([tree.tokens], dtype=mx.int32)
+        out = self.model(ids, self.cache, taps=want, tree=None if tree.is_chain else tree.attention_inputs())
+        logits, taps = out if want is not None else (out, None)
+        if self.sampler.params.greedy:
+            path, nxt = verify_tree_greedy(logits[0], tree, self.sampler, self.history)
+        else:
+            p = tree_target_distribution(logits[0], self.sampler, self.history, tree)
+            path, nxt = verify_tree_sampling(p, tree, q, self.sampler)
+        rows = [0] + path
+        keep_path(self.cache, pos, rows)
+        new = [tree.tokens[i] for i in path] + [nxt]
+        self.history.extend(new)
+        if taps:
+            idx = mx.array(rows, dtype=mx.int32)
+            taps = [mx.take(t, idx, axis=1) for t in taps]
+        self.drafter.accept(taps, new)
+        self.tree_rows += len(tree)
+        t2 = time.perf_counter()
+        self.t_draft += t1 - t0
+        self.t_verify += t2 - t1
+        self.last_round = "spec"
+        return self._commit(new)
+
+    def stats(self) -> dict:
+        d = super().stats()
+        spec = self.rounds - self.plain_rounds
+        d.update(tree_nodes=self.nodes, mean_tree_rows=self.tree_rows / spec if spec > 0 else 0.0)
         return d
 
 

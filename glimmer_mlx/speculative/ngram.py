@@ -5,11 +5,18 @@ pays when the output quotes or edits its input (summaries with quotes, code edit
 Drafts are deterministic, so at temperature > 0 the drafter's q is a point mass on each draft: rejection sampling
 accepts draft x with probability p(x) and on rejection samples from normalize(max(0, p − onehot(x))) — p with x
 removed — which is still exactly the target's distribution (verify.verify_sampling does this given the one-hot q).
+
+Trees (`propose_tree`): several distinct continuations of the matched suffix — what followed each earlier occurrence
+of the context's last n tokens, longest n first and the latest occurrence first, so the first path is the chain's
+draft — merged into a trie within a node budget (`tree.TokenTree.from_paths`). The candidates are deterministic:
+each node's q is the point mass on its token (verify.verify_tree_sampling with q None).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+
+from .tree import TokenTree
 
 
 class NGramIndex:
@@ -18,16 +25,19 @@ class NGramIndex:
     An n-gram "ending at e" covers tokens[e-n:e]; what followed it starts at tokens[e]. The context's own suffix is
     always the latest occurrence, so lookup uses the one before it."""
 
-    def __init__(self, min_n: int = 1, max_n: int = 4):
+    def __init__(self, min_n: int = 1, max_n: int = 4, all_ends: bool = False):
+        """all_ends: also keep every end position of every n-gram (`continuations`, for trees)."""
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.min_n, self.max_n = min_n, max_n
+        self.all_ends = all_ends
         self.tokens: list[int] = []
         self.last: dict[tuple, int] = {}
         self.prev: dict[tuple, int] = {}
+        self.ends: dict[tuple, list[int]] = {}
 
     def reset(self, ids: list[int]) -> None:
-        self.tokens, self.last, self.prev = [], {}, {}
+        self.tokens, self.last, self.prev, self.ends = [], {}, {}, {}
         self.extend(ids)
 
     def extend(self, new: list[int]) -> None:
@@ -41,6 +51,8 @@ class NGramIndex:
                 if old is not None:
                     self.prev[key] = old
                 self.last[key] = e
+                if self.all_ends:
+                    self.ends.setdefault(key, []).append(e)
 
     def lookup(self, k: int) -> tuple[list[int], int]:
         """Up to k tokens that followed the longest matching earlier n-gram, and that n (0: no match)."""
@@ -55,6 +67,29 @@ class NGramIndex:
                 return toks[start:start + k], n
         return [], 0
 
+    def continuations(self, depth: int, limit: int) -> list[list[int]]:
+        """Up to `limit` distinct continuations (each up to `depth` tokens) of the context's suffix: what followed
+        the earlier occurrences of its last n tokens, n from max_n down, latest occurrence first (needs all_ends)."""
+        if not self.all_ends:
+            raise RuntimeError("NGramIndex.continuations needs an index built with all_ends=True")
+        toks = self.tokens
+        e = len(toks)
+        out, seen = [], set()
+        if depth <= 0:
+            return out
+        for n in range(min(self.max_n, e), self.min_n - 1, -1):
+            for start in reversed(self.ends.get(tuple(toks[e - n:]), ())):
+                if start >= e:
+                    continue  # the suffix itself
+                c = tuple(toks[start:start + depth])
+                # a continuation that is a prefix of one already taken adds no node
+                if c and not any(s[:len(c)] == c for s in seen):
+                    seen.add(c)
+                    out.append(list(c))
+                    if len(out) >= limit:
+                        return out
+        return out
+
 
 class NGramDrafter:
     """Prompt-lookup drafter (speculative.protocol.Drafter); it needs no taps and no model."""
@@ -64,11 +99,12 @@ class NGramDrafter:
     taps: tuple = ()
     measured_tau = None
 
-    def __init__(self, vocab_size: int, max_drafts: int = 8, min_n: int = 1, max_n: int = 4):
+    def __init__(self, vocab_size: int, max_drafts: int = 8, min_n: int = 1, max_n: int = 4, trees: bool = False):
+        """trees: keep what `propose_tree` needs (every occurrence of every n-gram)."""
         if not isinstance(max_drafts, int) or isinstance(max_drafts, bool) or not 1 <= max_drafts <= 64:
             raise ValueError(f"n-gram max_drafts must be an int in [1, 64], got {max_drafts!r}")
         self.vocab_size, self.max_drafts = vocab_size, max_drafts
-        self.index = NGramIndex(min_n, max_n)
+        self.index = NGramIndex(min_n, max_n, all_ends=trees)
 
     def start(self, taps: list[mx.array], ids: list[int]) -> None:
         self.index.reset(ids)
@@ -104,6 +140,24 @@ class NGramDrafter:
         if not drafts or sampler.params.greedy:
             return drafts, None
         return drafts, point_mass_logprobs(drafts, self.vocab_size)
+
+
+    def enable_trees(self) -> None:
+        """Keep every occurrence of every n-gram from now on (`propose_tree`); the index is rebuilt once."""
+        if not self.index.all_ends:
+            self.index.all_ends = True
+            self.index.reset(self.index.tokens)
+
+    def propose_tree(self, anchor: int, pos: int, depth: int, budget: int, sampler, history: list[int]):
+        """A token tree rooted at the anchor: distinct continuations of the matched suffix (at most `depth` tokens
+        each, capped at max_drafts), merged within `budget` nodes besides the root. Returns (tree, None): the
+        candidates are deterministic, each node's q a point mass on its token."""
+        toks = self.index.tokens
+        if not toks or toks[-1] != anchor:
+            raise RuntimeError("n-gram drafter out of sync with the committed tokens")
+        depth = min(depth, self.max_drafts)
+        paths = self.index.continuations(depth, limit=budget)
+        return TokenTree.from_paths(anchor, paths, budget, max_depth=depth), None
 
 
 def point_mass_logprobs(drafts: list[int], vocab_size: int) -> mx.array:

@@ -5,6 +5,23 @@ Sampling (Leviathan et al. 2023 / Chen et al. 2023): accept draft j with probabi
 the first rejection sample from normalize(max(0, p_j − q_j)); if all drafts are accepted, sample the bonus token from
 the last target row. p and q are the target's and the drafter's distributions after the *same* processing
 (`sampling.process`). The output distribution is exactly the target's.
+
+Token trees (`tree.TokenTree`; one target forward over the flattened nodes, row i predicting the token after node i):
+greedy accepts the deepest path whose every node equals the target's argmax at its parent, then appends the
+target's argmax at the path's end. Sampling is SpecInfer's multi-candidate recursive rejection sampling (Miao et al.
+2024, "SpecInfer: Accelerating Generative LLM Serving with Tree-based Speculative Inference and Verification",
+Algorithm 2 "VerifyStochastic"): at the current node, with p the target's distribution there, the children are
+tried in order; child c (token x, drawn from the drafter's q_c) is accepted with probability min(1, p(x) / q_c(x))
+and the walk moves on to it with p its own target row; after a rejection p ← normalize(max(0, p − q_c)) before the
+next sibling; when every child is rejected (or the node is a leaf) the next token is sampled from that residual.
+Each sibling step is one lossless single-draft rejection step against the current residual, so by induction the
+emitted token at every depth is distributed exactly as the target's p — provided q_c is the distribution x was
+drawn from *given the siblings before it*: for siblings drawn i.i.d. from one q (SpecInfer) every q_c is that q;
+for siblings drawn without replacement from q, q_c is q with the earlier siblings' tokens removed and renormalized
+(SpecTr, Sun et al. 2023, treats the same case); for a deterministic drafter (n-gram lookup: distinct candidates
+chosen without randomness) q_c is the point mass on x, so x is accepted with probability p(x) and the residual is
+p with x removed and renormalized — every candidate is accepted with exactly its target probability
+(p(x1) + p(x2) + … in all), the most any acceptance rule can give.
 """
 
 from __future__ import annotations
@@ -12,7 +29,10 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..kernels import greedy_accept, rejection_accept_logprobs
+import numpy as np
+
 from ..sampling import Sampler, apply_repetition_penalty, greedy_token, history_rows, history_window, process
+from .tree import TokenTree
 
 
 def verify_greedy(target_logits: mx.array, drafts: list[int], sampler: Sampler, history: list[int]):
@@ -62,3 +82,86 @@ def draft_tokens(q_logits: mx.array, sampler: Sampler, history: list[int]):
 
 def target_distribution(target_logits: mx.array, sampler: Sampler, history: list[int], drafts: list[int]):
     return process(target_logits, sampler.params, history_rows(sampler.params, history, drafts, target_logits.shape[0]))
+
+
+# -- token trees ---------------------------------------------------------------------------------------------------
+
+def tree_history_rows(params, history: list[int], tree: TokenTree) -> mx.array | None:
+    """[N, size] repetition-penalty windows for a tree's rows: node i sees history + the tokens of its path (the
+    tree form of `sampling.history_rows`, padded the same way); None without a penalty."""
+    if params.repetition_penalty == 1.0:
+        return None
+    size = params.repetition_context_size
+    seqs = [(history + tree.path_tokens(i))[-size:] for i in range(len(tree))]
+    width = max(len(s) for s in seqs)
+    if width == 0:
+        return None
+    return mx.array([[s[0]] * (width - len(s)) + s for s in seqs], dtype=mx.int32)
+
+
+def verify_tree_greedy(target_logits: mx.array, tree: TokenTree, sampler: Sampler, history: list[int]):
+    """target_logits [N, V] over the tree's nodes; returns (accepted nodes root-first without the root, next token).
+
+    The deepest path whose every node is the target's argmax at its parent (siblings are distinct tokens, so at
+    most one child can match), then the target's argmax at the path's end."""
+    p = sampler.params
+    x = apply_repetition_penalty(target_logits.astype(mx.float32), tree_history_rows(p, history, tree),
+                                 p.repetition_penalty)
+    best = mx.argmax(x, axis=-1).tolist()
+    path, node = [], 0
+    while True:
+        nxt = next((c for c in tree.children[node] if tree.tokens[c] == best[node]), None)
+        if nxt is None:
+            return path, best[node]
+        path.append(nxt)
+        node = nxt
+
+
+def tree_target_distribution(target_logits: mx.array, sampler: Sampler, history: list[int], tree: TokenTree):
+    """The target's processed log-probabilities [N, V] at every node (node i's history: history + its path)."""
+    return process(target_logits, sampler.params, tree_history_rows(sampler.params, history, tree))
+
+
+def sibling_residual(p: np.ndarray, q: np.ndarray | None, x: int) -> np.ndarray:
+    """SpecInfer's update after sibling x (drawn from q; None: a point mass on x) is rejected:
+    normalize(max(0, p − q))."""
+    r = p.copy()
+    if q is None:
+        r[x] = 0.0
+    else:
+        r = np.maximum(r - q, 0.0)
+    s = r.sum()
+    return r / s if s > 0 else r
+
+
+def sample_row(p: np.ndarray, u: float) -> int:
+    """Inverse CDF of p (float64, sums to 1 up to rounding) at u in [0, 1): never a token of zero probability."""
+    c = np.cumsum(p)
+    i = int(np.searchsorted(c, u * c[-1], side="right"))
+    return min(i, len(p) - 1)
+
+
+def verify_tree_sampling(p_logprobs: mx.array, tree: TokenTree, q_logprobs: mx.array | None, sampler: Sampler):
+    """Multi-candidate recursive rejection sampling (SpecInfer; module docstring). p_logprobs [N, V]: the target's
+    processed log-probabilities at each node; q_logprobs [N, V]: row c (c >= 1) the processed distribution node c's
+    token was drawn from given its earlier siblings, or None when every node is a deterministic candidate (point
+    masses). Returns (accepted nodes root-first without the root, next token). Exact arithmetic in float64."""
+    u = np.array(sampler.uniform((len(tree),)), dtype=np.float64)  # at most N - 1 sibling tests + 1 final draw
+    ui, node, path = 0, 0, []
+    p = np.exp(np.array(p_logprobs[0].astype(mx.float32), dtype=np.float64))
+    while True:
+        moved = False
+        for c in tree.children[node]:
+            x = tree.tokens[c]
+            q = None if q_logprobs is None else np.exp(np.array(q_logprobs[c].astype(mx.float32), dtype=np.float64))
+            qx = 1.0 if q is None else q[x]
+            accept = p[x] > 0 and u[ui] * qx <= p[x]
+            ui += 1
+            if accept:
+                path.append(c)
+                node, moved = c, True
+                p = np.exp(np.array(p_logprobs[c].astype(mx.float32), dtype=np.float64))
+                break
+            p = sibling_residual(p, q, x)
+        if not moved:
+            return path, sample_row(p, u[ui])

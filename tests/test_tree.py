@@ -1,0 +1,422 @@
+"""Token-tree verification (issue 23): the tree structure, the tree attention mask (vs numpy), the tree verify
+forward and `cache.keep_path` (vs from-scratch forwards of the committed tokens, full and sliding-window layers, past
+the window), greedy identity with trees (vs plain decoding, EOS and max_tokens inside a tree), and lossless tree
+sampling at T = 1 (vs enumerated distributions, chi-square), each with a deliberately broken sibling residual that
+must fail."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import glimmer_mlx
+from glimmer_mlx.cache import CacheRewindError, KVCache, keep_path, tree_mask
+from glimmer_mlx.sampling import Sampler, SamplingParams, process
+from glimmer_mlx.speculative import verify
+from glimmer_mlx.speculative.ngram import NGramDrafter, NGramIndex
+from glimmer_mlx.speculative.tree import TokenTree
+from glimmer_mlx.strategy import ModeError
+from hf_fixtures import TINY_TEXT
+
+V = TINY_TEXT["vocab_size"]
+W = TINY_TEXT["sliding_window"]  # 8
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint):
+    folder, _ = tiny_checkpoint()
+    m, _ = glimmer_mlx.load(folder)
+    m.eos_token_ids = set()
+    return m
+
+
+def random_tree(rng, root: int, nodes: int, vocab: int, max_children: int = 3) -> TokenTree:
+    """A random tree with distinct sibling tokens, in topological order."""
+    tokens, parents = [root], [-1]
+    used: dict[int, set] = {0: set()}
+    while len(tokens) <= nodes:
+        p = int(rng.integers(0, len(tokens)))
+        if len(used[p]) >= min(max_children, vocab):
+            continue
+        t = int(rng.integers(0, vocab))
+        if t in used[p]:
+            continue
+        used[p].add(t)
+        used[len(tokens)] = set()
+        tokens.append(t)
+        parents.append(p)
+    return TokenTree(tokens, parents)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# structure
+
+
+def test_from_paths_merges_a_trie_within_the_budget():
+    t = TokenTree.from_paths(9, [[1, 2, 3], [1, 2, 4], [5], [1, 6, 7, 8]], budget=6)
+    assert t.tokens == [9, 1, 2, 3, 4, 5, 6] and t.parents == [-1, 0, 1, 2, 2, 0, 1]
+    assert t.depths == [0, 1, 2, 3, 3, 1, 2]
+    assert t.path_tokens(4) == [1, 2, 4] and t.path(6) == [1, 6]
+    assert not t.is_chain and TokenTree.chain(9, [1, 2]).is_chain
+    assert TokenTree.from_paths(9, [[1, 2, 3, 4]], budget=8, max_depth=2).tokens == [9, 1, 2]
+    # ancestors, re-derived from the paths
+    a = t.ancestors()
+    for i in range(len(t)):
+        assert set(np.nonzero(a[i])[0]) == {0, i, *t.path(i)}
+    with pytest.raises(ValueError, match="parent"):
+        TokenTree([1, 2, 3], [-1, 2, 0])
+    with pytest.raises(ValueError, match="sibling"):
+        TokenTree([1, 2, 2], [-1, 0, 0])
+
+
+def test_ngram_continuations_first_path_is_the_chain_draft():
+    toks = [5, 1, 2, 3, 7, 1, 2, 4, 8, 6, 2, 9, 0, 1, 2]
+    idx = NGramIndex(1, 3, all_ends=True)
+    idx.reset(toks)
+    chain, _ = idx.lookup(3)
+    # suffix (1, 2): its latest earlier occurrence (the chain's draft), the one before; then the unigram (2)'s new
+    # continuation (its other two repeat those already taken)
+    assert idx.continuations(3, limit=8) == [chain, [3, 7, 1], [9, 0, 1]] and chain == [4, 8, 6]
+    d = NGramDrafter(V, max_drafts=3, min_n=1, max_n=3, trees=True)
+    d.start([], toks)
+    tree, q = d.propose_tree(2, len(toks) - 1, 3, 5, Sampler(SamplingParams()), toks)
+    assert q is None and tree.tokens == [2, 4, 8, 6, 3, 7] and tree.parents == [-1, 0, 1, 2, 0, 4]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the tree mask and the tree verify forward
+
+
+@pytest.mark.parametrize("window", [None, 3, 8])
+def test_tree_attention_against_numpy(window):
+    """cache.update(tree=...) + scaled_dot_product_attention vs a numpy attention with the mask written from the
+    rules (absolute positions, ancestors, window), after the sliding cache has compacted."""
+    rng = np.random.default_rng(0 if window is None else window)
+    H, D = 2, 8
+    c = KVCache(window=window, max_rewind=12)
+    c.step = 4
+    ctx_len = 23
+    kc = rng.standard_normal((1, H, ctx_len, D)).astype(np.float32)
+    vc = rng.standard_normal((1, H, ctx_len, D)).astype(np.float32)
+    for s in range(0, ctx_len, 5):
+        c.update(mx.array(kc[:, :, s:s + 5]), mx.array(vc[:, :, s:s + 5]))
+    tree = random_tree(rng, 0, 9, 50)
+    L = len(tree)
+    q = rng.standard_normal((1, H, L, D)).astype(np.float32)
+    kt = rng.standard_normal((1, H, L, D)).astype(np.float32)
+    vt = rng.standard_normal((1, H, L, D)).astype(np.float32)
+    keys, values, mask = c.update(mx.array(kt), mx.array(vt), tree=tree.attention_inputs())
+    out = np.array(mx.fast.scaled_dot_product_attention(mx.array(q), keys, values, scale=D ** -0.5, mask=mask))
+    # numpy reference over every key ever written
+    K = np.concatenate([kc, kt], axis=2)[0]
+    Vv = np.concatenate([vc, vt], axis=2)[0]
+    kpos = list(range(ctx_len)) + [ctx_len + d for d in tree.depths]
+    ref = np.zeros((H, L, D))
+    for i in range(L):
+        qpos = ctx_len + tree.depths[i]
+        anc = {0, i, *tree.path(i)}
+        vis = np.array([(j < ctx_len or (j - ctx_len) in anc) and (window is None or qpos - kpos[j] < window)
+                        for j in range(ctx_len + L)])
+        for h in range(H):
+            s = (K[h] @ q[0, h, i]) * D ** -0.5
+            s = np.where(vis, s, -np.inf)
+            w = np.exp(s - s.max())
+            ref[h, i] = (w / w.sum()) @ Vv[h]
+    np.testing.assert_allclose(out[0], ref, atol=1e-5)
+
+
+def test_tree_mask_function_rules():
+    t = TokenTree.from_paths(0, [[1, 2, 3], [4, 5]], budget=5)
+    d, a = t.attention_inputs()
+    m = np.array(tree_mask(d, a, 10, 7, 3))  # keys: context 7, 8, 9 then the 5 nodes + root
+    # node 3 (depth 3, position 13) sees no context (13 - 9 >= 3), its ancestors within 3 positions: 1, 2, 3
+    assert m[3].tolist() == [False, False, False, False, True, True, True, False, False]
+    # the root (position 10) sees positions 8, 9 and itself
+    assert m[0].tolist() == [False, True, True, True, False, False, False, False, False]
+
+
+def from_scratch_last(model, ids: list[int]) -> np.ndarray:
+    return np.array(model(mx.array([ids], dtype=mx.int32))[0, -1])
+
+
+@pytest.mark.parametrize("ctx_len", [5, 30])
+def test_tree_verify_forward_equals_from_scratch_paths(model, ctx_len):
+    """Row i of one tree forward = the last row of a cache-free forward over context + root..node i (sliding layers
+    of window 8 included: ctx 30 has wrapped them)."""
+    rng = np.random.default_rng(ctx_len)
+    ctx = rng.integers(0, V, ctx_len).tolist()
+    cache = model.make_cache(max_rewind=16)
+    for c in cache:
+        c.step = 8
+    model(mx.array([ctx[:-1]], dtype=mx.int32), cache)
+    tree = random_tree(rng, ctx[-1], 12, V)
+    out = np.array(model(mx.array([tree.tokens], dtype=mx.int32), cache, tree=tree.attention_inputs())[0])
+    for i in range(len(tree)):
+        ref = from_scratch_last(model, ctx + tree.path_tokens(i))
+        np.testing.assert_allclose(out[i], ref, atol=1e-4, err_msg=f"node {i}")
+
+
+def test_keep_path_against_from_scratch(model):
+    """Many rounds of tree verify + keep_path on a random path, far past the window (tight caches that evict):
+    every tree row equals a from-scratch forward of the committed tokens + its path, and so does decoding after."""
+    rng = np.random.default_rng(5)
+    cache = model.make_cache(max_rewind=16)
+    for c in cache:
+        c.step = 8
+    committed = rng.integers(0, V, 6).tolist()
+    model(mx.array([committed[:-1]], dtype=mx.int32), cache)
+    while len(committed) < 60:
+        tree = random_tree(rng, committed[-1], int(rng.integers(1, 10)), V)
+        pos = cache[0].offset
+        out = np.array(model(mx.array([tree.tokens], dtype=mx.int32), cache, tree=tree.attention_inputs())[0])
+        leaf = int(rng.integers(0, len(tree)))
+        np.testing.assert_allclose(out[leaf], from_scratch_last(model, committed + tree.path_tokens(leaf)),
+                                   atol=1e-4)
+        path = tree.path(int(rng.integers(0, len(tree))))
+        keep_path(cache, pos, [0] + path)
+        committed = committed + [tree.tokens[i] for i in path] + [int(rng.integers(0, V))]
+        assert all(c.offset == len(committed) - 1 for c in cache)
+    assert all(c.start > 0 for c in cache if c.window is not None), "the sliding caches should have wrapped"
+    more = rng.integers(0, V, 3).tolist()
+    out = np.array(model(mx.array([[committed[-1]] + more], dtype=mx.int32), cache)[0])
+    for j in range(4):
+        np.testing.assert_allclose(out[j], from_scratch_last(model, committed + more[:j]), atol=1e-4)
+
+
+def test_keep_path_is_atomic_and_checked():
+    a, b = KVCache(), KVCache(window=4, max_rewind=2)
+    for c in (a, b):
+        c.step = 2
+        for _ in range(17):
+            c.update(mx.zeros((1, 1, 1, 2)), mx.zeros((1, 1, 1, 2)))
+    assert b.start == 11
+    with pytest.raises(CacheRewindError):
+        keep_path([a, b], 12, [0])  # position 13 would need rows from 10 on: the sliding cache starts at 11
+    assert a.offset == b.offset == 17
+    with pytest.raises(ValueError, match="increasing"):
+        keep_path([a, b], 12, [0, 3, 2])
+    keep_path([a, b], 12, [0, 2, 3, 4])
+    assert a.offset == b.offset == 16
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# greedy identity
+
+
+class OracleTreeDrafter(NGramDrafter):
+    """Trees that hold the plain continuation (`truth`) on a random branch, cut or corrupted at a random depth,
+    among random decoys: acceptance deep in the tree and on later siblings."""
+
+    def __init__(self, truth: list[int], prompt_len: int, seed: int):
+        super().__init__(V, max_drafts=6, trees=True)
+        self.truth, self.prompt_len, self.rng = truth, prompt_len, np.random.default_rng(seed)
+
+    def propose_tree(self, anchor, pos, depth, budget, sampler, history):
+        g = len(history) - self.prompt_len  # tokens generated so far
+        depth = min(depth, self.max_drafts)
+        true = list(self.truth[g:g + int(self.rng.integers(0, depth + 1))])
+        if true and self.rng.random() < 0.3:
+            j = int(self.rng.integers(0, len(true)))
+            true[j] = (true[j] + 1) % V
+        decoys = [self.rng.integers(0, V, int(self.rng.integers(1, depth + 1))).tolist() for _ in range(3)]
+        paths = decoys[:int(self.rng.integers(0, 4))] + [true] + decoys
+        return TokenTree.from_paths(anchor, paths, budget, max_depth=depth), None
+
+
+def test_greedy_identity_with_oracle_trees(model):
+    for seed, n in [(1, 3), (2, 12), (3, 30)]:
+        ids = np.random.default_rng(seed).integers(10, V, n).tolist()
+        plain = glimmer_mlx.generate(model, ids, max_tokens=60).tokens
+        d = OracleTreeDrafter(plain + [0] * 8, len(ids), seed)
+        r = glimmer_mlx.generate(model, ids, max_tokens=60, drafter=d, tree=12, block_size=6)
+        assert r.tokens == plain
+        assert r.stats.extra["tau"] > 2.0  # the oracle's branches are accepted, deep and on later siblings
+
+
+@pytest.mark.parametrize("nodes", [1, 5, 16])
+def test_greedy_identity_ngram_trees(model, nodes):
+    rng = np.random.default_rng(nodes)
+    base = rng.integers(10, 60, 25).tolist()
+    ids = base + base[:12] + base[3:15]  # repeats: matches with several continuations
+    plain = glimmer_mlx.generate(model, ids, max_tokens=50).tokens
+    r = glimmer_mlx.generate(model, ids, max_tokens=50, drafter=NGramDrafter(V, max_drafts=5), tree=nodes)
+    assert r.tokens == plain and len(r.tokens) == 50
+    assert r.stats.extra["mean_tree_rows"] > 1.0
+
+
+def test_greedy_identity_eos_and_max_tokens_inside_a_tree(model):
+    ids = np.random.default_rng(7).integers(10, V, 10).tolist()
+    plain = glimmer_mlx.generate(model, ids, max_tokens=40).tokens
+    stop = plain[17]
+    saved = model.eos_token_ids
+    model.eos_token_ids = {stop}
+    try:
+        d = OracleTreeDrafter(plain + [0] * 8, len(ids), 0)
+        s = glimmer_mlx.generate(model, ids, max_tokens=40, drafter=d, tree=10, block_size=6)
+    finally:
+        model.eos_token_ids = saved
+    assert s.tokens == plain[: plain.index(stop)] and s.finish_reason == "stop"
+    for m in (1, 2, 5, 13):
+        d = OracleTreeDrafter(plain + [0] * 8, len(ids), m)
+        assert glimmer_mlx.generate(model, ids, max_tokens=m, drafter=d, tree=10, block_size=6).tokens == plain[:m]
+
+
+def test_tree_mode_errors(model):
+    from glimmer_mlx.strategy import make_tree_decoder
+
+    with pytest.raises(ModeError, match="n-gram lookup only"):
+        glimmer_mlx.generate(model, [5, 6], max_tokens=3, tree=4)
+    for bad in (0, 65, "x"):
+        with pytest.raises(ModeError, match="tree nodes"):
+            make_tree_decoder(model, NGramDrafter(V), Sampler(SamplingParams()), nodes=bad)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sampling is lossless on trees
+
+
+def _chi2(counts: np.ndarray, probs: np.ndarray, n: int) -> tuple[float, int]:
+    """Chi-square statistic with cells of expected count < 5 merged; (statistic, df)."""
+    exp = probs * n
+    big = exp >= 5
+    obs_c = np.array(list(counts[big]) + [counts[~big].sum()], float)
+    exp_c = np.array(list(exp[big]) + [exp[~big].sum()], float)
+    keep = exp_c > 0
+    return float((((obs_c - exp_c) ** 2) / np.where(keep, exp_c, 1))[keep].sum()), int(keep.sum()) - 1
+
+
+def _chi2_critical(df: int, z: float = 3.09) -> float:
+    """Wilson–Hilferty 0.999 quantile of chi-square(df)."""
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def _worst(counts, joint, n):
+    worst = 0.0
+    for axes in [(1, 2), (0, 2), (0, 1), (0,), ()]:
+        c, p = counts.sum(axis=axes).ravel(), joint.sum(axis=axes).ravel()
+        stat, df = _chi2(c, p, n)
+        worst = max(worst, stat / _chi2_critical(df))
+    return worst
+
+
+def broken_residual(p, q, x):
+    """A classic bug: after a sibling is rejected the next one is tested against the unchanged p."""
+    return p
+
+
+MARKOV_V = 5
+
+
+def preferred_tree(rng, root: int, prefer: list[list[int]], nodes: int) -> TokenTree:
+    """A tree whose node with token a has as children the first 1-3 tokens of prefer[a] (a deterministic drafter's
+    ranked candidates), breadth first, within `nodes` nodes."""
+    tokens, parents, i = [root], [-1], 0
+    while i < len(tokens) and len(tokens) <= nodes:
+        for t in prefer[tokens[i]][:int(rng.integers(1, 4))]:
+            if len(tokens) > nodes:
+                break
+            tokens.append(t)
+            parents.append(i)
+        i += 1
+    return TokenTree(tokens, parents)
+
+
+def _markov_rounds(P: np.ndarray, start: int, n: int, seed: int) -> np.ndarray:
+    """n samples of 3 tokens after `start` from tree rounds over a Markov target P[a, b] = p(b | a), with random
+    deterministic trees (several siblings per node), verified by verify_tree_sampling."""
+    rng = np.random.default_rng(seed)
+    logP = mx.array(np.log(P).astype(np.float32))
+    sampler = Sampler(SamplingParams(temperature=1.0), seed)
+    counts = np.zeros((MARKOV_V,) * 3)
+    prefer = [rng.permutation(MARKOV_V).tolist() for _ in range(MARKOV_V)]  # the drafter's candidates, in order
+    for _ in range(n):
+        out = [start]
+        while len(out) < 4:
+            tree = preferred_tree(rng, out[-1], prefer, int(rng.integers(1, 9)))
+            p = logP[mx.array(tree.tokens, dtype=mx.int32)]
+            path, nxt = verify.verify_tree_sampling(p, tree, None, sampler)
+            out += [tree.tokens[i] for i in path] + [nxt]
+        counts[tuple(out[1:4])] += 1
+    return counts
+
+
+def _markov_target():
+    rng = np.random.default_rng(11)
+    P = rng.dirichlet(np.ones(MARKOV_V) * 0.8, size=MARKOV_V)
+    start = 2
+    joint = P[start][:, None, None] * P[:, :, None] * P[None, :, :]
+    return P, start, joint
+
+
+def test_tree_sampling_enumerated_markov_target():
+    """verify_tree_sampling alone, against a target whose every conditional is known (a Markov table): the first
+    three tokens' joint distribution is enumerated exactly."""
+    P, start, joint = _markov_target()
+    n = 4000
+    assert _worst(_markov_rounds(P, start, n, 0), joint, n) < 1.0
+
+
+def test_tree_sampling_broken_residual_fails_markov(monkeypatch):
+    monkeypatch.setattr(verify, "sibling_residual", broken_residual)
+    P, start, joint = _markov_target()
+    n = 4000
+    assert _worst(_markov_rounds(P, start, n, 0), joint, n) > 1.0
+
+
+V_SMALL = 12
+
+
+@pytest.fixture(scope="module")
+def small_model(tiny_checkpoint):
+    path, _ = tiny_checkpoint(seed=3, vocab_size=V_SMALL)
+    m, _ = glimmer_mlx.load(path)
+    m.eos_token_ids = set()
+    return m
+
+
+# every token follows several different ones: n-gram lookup finds several distinct continuations (siblings)
+SMALL_PROMPT = [3, 7, 2, 9, 4, 3, 5, 1, 7, 8, 2, 6, 9, 0, 4, 10, 3, 11, 7, 2, 5, 9, 1, 4, 8, 3, 6, 2, 11, 9, 10, 4]
+
+
+def _exact_joint(model, prompt, params):
+    """P(t1, t2, t3) of plain sampling, by enumerating every continuation."""
+    def dist(seqs):
+        return np.exp(np.array(process(model(mx.array(seqs, dtype=mx.int32))[:, -1], params)))
+
+    p1 = dist([prompt])[0]
+    p2 = dist([prompt + [a] for a in range(V_SMALL)])
+    p3 = dist([prompt + [a, b] for a in range(V_SMALL) for b in range(V_SMALL)]).reshape((V_SMALL,) * 3)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def _tree_counts(model, params, n):
+    counts = np.zeros((V_SMALL,) * 3)
+    branched = 0
+    for seed in range(n):
+        d = NGramDrafter(V_SMALL, max_drafts=2)
+        r = glimmer_mlx.generate(model, SMALL_PROMPT, max_tokens=3, temperature=params.temperature, seed=seed,
+                                 drafter=d, tree=6)
+        counts[tuple(r.tokens)] += 1
+        branched += r.stats.extra["mean_tree_rows"] > 3
+    return counts, branched
+
+
+@pytest.mark.slow
+def test_tree_sampling_matches_target_distribution(small_model):
+    params = SamplingParams(temperature=1.0)
+    joint = _exact_joint(small_model, SMALL_PROMPT, params)
+    n = 1200
+    counts, branched = _tree_counts(small_model, params, n)
+    assert branched > n // 4  # many generations verified trees of several nodes
+    assert _worst(counts, joint, n) < 1.0
+
+
+@pytest.mark.slow
+def test_tree_sampling_broken_residual_is_detected(small_model, monkeypatch):
+    monkeypatch.setattr(verify, "sibling_residual", broken_residual)
+    params = SamplingParams(temperature=1.0)
+    joint = _exact_joint(small_model, SMALL_PROMPT, params)
+    n = 1200
+    counts, _ = _tree_counts(small_model, params, n)
+    assert _worst(counts, joint, n) > 1.0

@@ -16,8 +16,8 @@ from ..runtime.loop import GenerationStats
 from ..strategy import load_drafters
 from ..tool_calls import get_parser
 from .app import (AutoFlag, BlockSize, DflashFlag, DraftModel, Dtype, Images, MinP, Mode, Model, MtpFlag, MtpModel,
-                  RepetitionPenalty, Seed, SystemPrompt, Temp, TopK, TopP, app, check_spec, console, decode_spec, fail,
-                  model_path, note)
+                  RepetitionPenalty, Seed, SystemPrompt, Temp, TopK, TopP, Tree, app, check_spec, console, decode_spec,
+                  fail, model_path, note)
 
 # which drafter models a mode needs loaded (generate loads nothing it will not use)
 NEEDS = {"ar": (), "ngram": (), "dflash": ("dflash",), "mtp": ("mtp",), "auto": ("dflash", "mtp")}
@@ -41,6 +41,7 @@ def generate(
     prefill_step_size: int = typer.Option(512, "--prefill-step-size"),
     mode: Mode = None,
     block_size: BlockSize = None,
+    tree: Tree = None,
     draft_model: DraftModel = None,
     mtp_model: MtpModel = None,
     dflash: DflashFlag = False,
@@ -55,6 +56,8 @@ def generate(
     if prompt == "-":
         prompt = sys.stdin.read()
     mode, width = decode_spec(mode, block_size, dflash=dflash, mtp=mtp, auto=auto, mtp_depth=mtp_depth)
+    if tree is not None and mode != "ngram":
+        fail("--tree needs --mode ngram (token trees are implemented for n-gram lookup only)")
     if mode == "dflash" and draft_model is None and model is not None:
         fail("--mode dflash without --draft-model only works with the embedded default model; give --draft-model")
     embedded = model is None
@@ -94,7 +97,7 @@ def generate(
         for chunk in stream_generate(m, ids, tokenizer=tok, max_tokens=max_tokens, temperature=temp, top_p=top_p,
                                      top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
                                      stop=stop, drafter=drafter, block_size=bs, prefill_step_size=prefill_step_size,
-                                     stats=stats, images=images):
+                                     stats=stats, images=images, tree=tree):
             # model text is data: written verbatim (rich would expand :emoji: codes and drop control characters)
             text += chunk.text
             out = chunk.text

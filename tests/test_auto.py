@@ -11,7 +11,7 @@ import pytest
 import glimmer_mlx
 from glimmer_mlx.speculative.auto import (AcceptanceStats, AutoChooser, AutoDrafter, DraftCost, load_or_calibrate,
                                           make_auto)
-from glimmer_mlx.speculative.auto.chooser import ENTER_GAIN, MIN_GAIN
+from glimmer_mlx.speculative.auto.chooser import ENTER_GAIN, FUTURE_TOKENS, MIN_GAIN
 from glimmer_mlx.speculative.engine import AutoDecoder
 
 MS = 1e-3
@@ -85,6 +85,41 @@ def test_draft_cost_shapes():
     assert free(3) == 0.001  # from a zero prior: the sample itself
     with pytest.raises(ValueError):
         DraftCost("quadratic", 1.0)
+
+
+def test_affine_draft_cost_keeps_the_measured_shape_and_learns_its_level():
+    """MTP runs every depth each round (a fixed part) and the logits of the drafted ones (per draft): measured as
+    (fixed, per_draft) when auto starts; rounds at one width move the level of the whole line, not its shape."""
+    c = DraftCost("affine", (3.0, 1.0))
+    assert c(1) == 4.0 and c(2) == 5.0
+    for _ in range(80):
+        c.observe(1, 8.0)  # the machine runs twice as slow as measured
+    assert c(1) == pytest.approx(8.0, rel=1e-3) and c(2) == pytest.approx(10.0, rel=1e-3)
+    assert DraftCost("affine", (0.0, 0.0))(3) == 0.0  # nothing measured: additive from 0, like "free"
+
+
+def test_measured_draft_cost_has_the_drafters_own_shape(tiny):
+    """`measure_draft_costs` times a round at one draft and at the most: a drafter that costs 20 ms + 5 ms per draft
+    (MTP's shape: every depth runs every round, the drafted ones' logits per draft) is measured as such — a chain
+    prior (cost ∝ k) would take its one-draft rounds for a quarter of their cost."""
+    import time as _time
+
+    from glimmer_mlx.speculative.auto.calibrate import measure_draft_costs
+
+    model, _, _ = tiny
+
+    class Slow:
+        kind, taps, max_drafts = "mtp", (1,), 4
+
+        def start(self, taps, ids):
+            pass
+
+        def propose(self, anchor, pos, k, sampler, history):
+            _time.sleep(0.020 + 0.005 * k)
+            return [1] * k, None
+
+    fixed, per_draft = measure_draft_costs(model, {"mtp": Slow()}, (1,), {"mtp": [0]}, repeats=2)["mtp"]
+    assert fixed == pytest.approx(0.020, abs=0.004) and per_draft == pytest.approx(0.005, abs=0.0015)
 
 
 def test_flat_costs_and_high_acceptance_choose_full_width():
@@ -257,6 +292,28 @@ def test_short_requests_pay_for_no_exploration_they_cannot_earn_back():
     assert 4 < threshold < 2000
     ch = fresh()
     assert ch.pick({"dflash": 7}, remaining=threshold)[2] and not ch.pick({"dflash": 7}, remaining=threshold - 1)[2]
+
+
+def test_what_is_learned_serves_later_requests_of_the_same_chooser():
+    """A fresh process's first short request explores nothing it cannot earn back; a chooser that has already decoded
+    many tokens (a session, a server) counts up to `FUTURE_TOKENS` more, so the same short request explores."""
+    costs = {L: 10 * MS * (1 + 0.05 * (L - 1)) for L in range(1, 17)}
+
+    def fresh():
+        ch = AutoChooser(costs)
+        ch.add("dflash", 7, "block", draft_prior=6 * MS, measured_tau={"width": 7, "greedy": 1.4, "sampling": 1.4})
+        return ch
+
+    threshold = next(r for r in range(1, 4000) if fresh().pick({"dflash": 7}, remaining=r)[2])
+    assert FUTURE_TOKENS > threshold > 8
+    short = threshold - 8
+    ch = fresh()
+    assert not ch.pick({"dflash": 7}, remaining=short)[2]
+    for _ in range(2 * FUTURE_TOKENS):  # plain rounds of earlier requests
+        ch.count_plain()
+    assert ch.decoded == 2 * FUTURE_TOKENS
+    assert ch.pick({"dflash": 7}, remaining=short)[2]
+    assert not ch.pick({"dflash": 7}, remaining=1)[2]  # the last token: nothing left to draft
 
 
 def test_exploration_stops_once_the_estimate_settles_and_comes_back_when_it_fades():
@@ -658,22 +715,43 @@ def test_switch_cost_is_charged_only_to_a_round_that_starts_a_stretch_and_spread
     assert ch.switch_cost <= 0.75 * 10 * MS + 0.25 * 80 * MS + 1e-12
 
 
-def test_stretch_accounting_adds_lead_catch_up_and_restart(tiny, tmp_path):
-    """AutoDrafter: the plain token before a stretch (`lead`), each round's catch-up and the plain token after it
-    (`restart`) make one switch-cost sample; round overheads go to `round_overhead`."""
+def test_stretch_accounting_adds_lead_and_restart(tiny, tmp_path):
+    """AutoDrafter: the plain token before a stretch (`lead`) and the plain token after it (`restart`) make one
+    switch-cost sample; round overheads go to `round_overhead`; a drafter's catch-up is its own (not the stretch's)."""
     model, _, _ = tiny
     auto = make_auto(model, ngram=4, calibration_dir=tmp_path)
     ch = auto.chooser
     P = ch.plain_cost
     auto.lead(-0.9 * P)  # no next forward to wait for: shorter than a pipelined token
-    auto._round = (0.010, 0.004)  # measured draft + verify, catch-up of a drafter that sat idle
+    auto._round = 0.010  # measured draft + verify
     assert auto.end_round(0.0105)
     assert ch.round_overhead * ch.scale == pytest.approx(0.1 * 0.0005)
-    auto._round = (0.010, 0.0)
+    auto._round = 0.010
     assert auto.end_round(0.010)
     assert not auto.end_round(0.010)  # no speculative round measured since: nothing to charge
     auto.restart(1.1 * P)  # the first plain token after: its forward could not be queued early
-    assert ch.switch_cost * ch.scale == pytest.approx(0.25 * (-0.9 * P + 0.004 + 1.1 * P))
+    assert ch.switch_cost * ch.scale == pytest.approx(0.25 * (-0.9 * P + 1.1 * P))
+
+
+def test_a_drafters_catch_up_is_charged_to_it_alone():
+    """MTP catching up on 40 positions of n-gram rounds costs MTP's next rounds, not n-gram's: the shared switch cost
+    (what every stretch pays) stays 0, n-gram's rate is unchanged, and MTP's drops by what its catch-up costs (C(L)
+    only where taps are missing, plus the measured per-position cost past a steady round's backlog)."""
+    ch = chooser(flat(), {"mtp": (2, "block", 1 * MS, [0.7]), "ngram@4": (8, "free", 0.0, [0.9])})
+    ng_before, mtp_before = ch.rate("ngram@4", 8), ch.rate("mtp", 2)
+    ch.set_lag("mtp", 40, fill=False)
+    assert ch.catch_up_cost("mtp") == 0.0  # nothing measured yet
+    assert ch.steady("mtp", 3) and not ch.steady("mtp", 40)
+    ch.observe_catch_up("mtp", 40, 37 * 0.2 * MS)  # 0.2 ms per position beyond the 3 a steady round carries
+    assert ch.options["mtp"].catch_up == pytest.approx(0.25 * 0.2 * MS)
+    assert ch.catch_up_cost("mtp") == pytest.approx(0.25 * 0.2 * MS * (64 - 3))  # 40 → the bucket 64
+    assert ch.switch_cost == 0.0 and ch.rate("ngram@4", 8) == pytest.approx(ng_before)
+    assert ch.rate("mtp", 2) < mtp_before
+    own = ch.catch_up_cost("mtp")
+    ch.set_lag("mtp", 40, fill=True)  # the taps of those positions must be recomputed too: a forward over them
+    ch.set_lag("ngram@4", 40, fill=True)  # (an option with no catch-up of its own: that forward alone)
+    assert ch.catch_up_cost("ngram@4") > 0
+    assert ch.catch_up_cost("mtp") == pytest.approx(own + ch.catch_up_cost("ngram@4"))
 
 
 def test_adaptive_block_width_takes_the_cached_calibration(tiny, tmp_path, monkeypatch):

@@ -228,7 +228,8 @@ class AutoDecoder(SpeculativeDecoder):
     Timing is commit to commit (everything between two rounds' results, the consumer's work included): a plain
     token inside a plain stretch is what plain decoding costs now; a speculative round is charged what its draft and
     verify windows missed; a speculative stretch, what the plain tokens on either side of it cost beyond pipelined
-    ones and what its drafters spent catching up (`AutoChooser.switch_cost`)."""
+    ones (`AutoChooser.switch_cost`); a drafter's catch-up on rounds it sat out, that drafter
+    (`AutoChooser.observe_catch_up`)."""
 
     def __init__(self, model, drafter, sampler: Sampler, width: int | None = None,
                  prefill_step: int = DEFAULT_PREFILL_STEP, cache=None):

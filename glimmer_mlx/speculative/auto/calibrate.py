@@ -55,8 +55,8 @@ def measure_verify_costs(model, cache, taps, max_k: int, repeats: int = 3) -> di
 
 def calibrate(model, taps, max_len: int, context: int = CALIBRATION_CONTEXT,
               repeats: int = 5) -> tuple[dict[int, float], float]:
-    """({L: seconds of a target forward over L tokens (with `taps`)}, seconds per pipelined plain token), both
-    after `context` cached tokens."""
+    """({L: seconds of a target forward over L tokens (with `taps`)}, seconds per pipelined plain token without
+    taps), both after `context` cached tokens."""
     cache = model.make_cache()
     ids = [int(x) for x in (mx.arange(context) % max(2, model.args.vocab_size - 2) + 2).tolist()]
     logits, tapped = prefill(model, cache, ids, taps=tuple(taps))
@@ -72,7 +72,8 @@ def calibrate(model, taps, max_len: int, context: int = CALIBRATION_CONTEXT,
     for L in sorted(raw):
         top = max(top, raw[L])
         costs[L] = top
-    plain = min(plain_token_seconds(model, cache, taps=tuple(taps)) for _ in range(2))
+    # plain stretches compute no taps (a drafter catches up when it next drafts): the plain token is timed without
+    plain = min(plain_token_seconds(model, cache) for _ in range(2))
     return costs, min(plain, costs[1])
 
 
@@ -91,7 +92,8 @@ def load_or_calibrate(model, taps, max_len: int, *, directory=None, recalibrate:
         try:
             raw = json.loads(path.read_text())
             costs = {int(L): float(c) for L, c in raw["costs_s"].items()}
-            if all(L in costs for L in range(1, max_len + 1)):
+            # (files from before the plain token was timed without taps are measured again)
+            if all(L in costs for L in range(1, max_len + 1)) and raw.get("plain_taps") is False:
                 return costs, {**info, "cached": True, "plain_token_s": float(raw["plain_token_s"])}
         except (OSError, ValueError, KeyError, TypeError):
             pass  # unreadable or too short: measure again
@@ -100,7 +102,8 @@ def load_or_calibrate(model, taps, max_len: int, *, directory=None, recalibrate:
     costs, plain = calibrate(model, taps, max_len)
     write_atomic(path, json.dumps({"machine": machine, "model": mod, "taps": taps, "context": CALIBRATION_CONTEXT,
                                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                   "costs_s": {str(L): c for L, c in costs.items()}, "plain_token_s": plain},
+                                   "costs_s": {str(L): c for L, c in costs.items()}, "plain_token_s": plain,
+                                   "plain_taps": False},
                                   indent=2))
     return costs, {**info, "cached": False, "plain_token_s": plain}
 
@@ -108,11 +111,13 @@ def load_or_calibrate(model, taps, max_len: int, *, directory=None, recalibrate:
 
 
 def measure_draft_costs(target, drafters: dict, taps: tuple, tap_idx: dict, context: int = 32,
-                        repeats: int = 3) -> dict[str, float]:
-    """Seconds one round of each model drafter costs at its most drafts, measured now on a scratch context of
-    `context` tokens (the minimum of `repeats` rounds after a warm-up): the starting estimate of what drafting costs
-    (without it a drafter's first rounds would be chosen on a guess). n-gram lookup costs ~nothing and is skipped.
-    Each drafter is timed on a shallow copy (its weights, a state of its own): the drafter's own state is untouched."""
+                        repeats: int = 3) -> dict[str, tuple[float, float]]:
+    """{drafter: (fixed, per_draft)}: seconds one round of each model drafter costs as fixed + per_draft · k, from a
+    round at one draft and one at its most, measured now on a scratch context of `context` tokens (the minimum of
+    `repeats` rounds of each after a warm-up): the starting estimate of what drafting costs (without it a drafter's
+    first rounds would be chosen on a guess; its shape is the drafter's own: DFlash's block costs the same whatever
+    k, MTP runs every depth each round and only the drafted ones' logits). n-gram lookup costs ~nothing and is
+    skipped. Each drafter is timed on a shallow copy (its weights, a state of its own): its own state is untouched."""
     model_drafters = {n: copy.copy(d) for n, d in drafters.items() if n != "ngram"}
     if not model_drafters:
         return {}
@@ -122,12 +127,17 @@ def measure_draft_costs(target, drafters: dict, taps: tuple, tap_idx: dict, cont
     sampler = Sampler(SamplingParams())
     out = {}
     for n, d in model_drafters.items():
-        times = []
         kind = type(d)  # the class's own methods: the copy carries the instance's attributes, wrappers included
-        for _ in range(repeats + 1):
-            kind.start(d, [tapped[i] for i in tap_idx[n]], ids + [ids[-1]])
-            t0 = time.perf_counter()
-            kind.propose(d, ids[-1], context, d.max_drafts, sampler, ids + [ids[-1]])
-            times.append(time.perf_counter() - t0)
-        out[n] = min(times[1:])
+        widths = sorted({1, d.max_drafts})
+        best = dict.fromkeys(widths, float("inf"))
+        for r in range(repeats + 1):
+            for k in widths:
+                kind.start(d, [tapped[i] for i in tap_idx[n]], ids + [ids[-1]])
+                t0 = time.perf_counter()
+                kind.propose(d, ids[-1], context, k, sampler, ids + [ids[-1]])  # read back: its ids are ints
+                if r:  # the first pass warms up (kernels built on first use)
+                    best[k] = min(best[k], time.perf_counter() - t0)
+        lo, hi = best[widths[0]], best[widths[-1]]
+        per_draft = max(0.0, (hi - lo) / (widths[-1] - widths[0])) if len(widths) > 1 else 0.0
+        out[n] = (max(0.0, lo - per_draft), per_draft)
     return out

@@ -10,13 +10,15 @@ Rate of an option (drafter d, k drafts):  E_d(k) / s·(draft_d(k) + v·C(k+1) + 
 - s: how much slower the machine runs now than at calibration, measured by every plain token (context length,
   load); every other time is kept in calibrated units, so comparisons never mix speeds;
 - v: what a verify round measurably costs over the bare calibrated forward (sampling, the acceptance test), per regime;
-- draft_d(k): the drafter's own measured time per round (constant in k for DFlash, which drafts a whole block in
-  one forward; linear for MTP's chain; ~0 for n-gram lookup);
+- draft_d(k): the drafter's own measured time per round, fixed + per-draft · k as measured when `auto` starts
+  (DFlash drafts a whole block in one forward; MTP runs every depth each round, logits only for the drafted ones;
+  n-gram lookup ~0), scaled by what its rounds measure (`DraftCost`);
 - o: a speculative round's measured time outside its draft and verify windows; w, charged only to a round that would
   interrupt a plain stretch: what a speculative stretch measurably costs beyond its rounds (the plain tokens either
-  side lose their pipelining; a drafter that sat idle catches up on the tokens since it last drafted), plus, for a
-  drafter L positions behind, the forward that recomputes their taps (C(L): `lags`), both spread over the tokens the
-  stretch can run.
+  side lose their pipelining), spread over the tokens the stretch can run; and for a drafter L positions behind
+  (`lags`: it sat out plain rounds or another drafter's), its catch-up, spread alike: the forward that recomputes
+  their taps where none were computed (C(L)) and what the drafter itself measurably spends per position of backlog
+  (`Option.catch_up`, its own: one drafter's catch-ups never tax another's rounds).
 To start a speculative stretch, a drafter must beat plain by `ENTER_GAIN` (5 %): every estimate is noisy and the best
 looking option is the one most likely overestimated; to go on with one, by `MIN_GAIN` (leaving and re-entering costs
 two switches). n-gram lookup is only an option in a round where the context's suffix
@@ -38,7 +40,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-COST_SHAPES = ("block", "chain", "free")
+COST_SHAPES = ("affine", "block", "chain", "free")
 
 
 class AcceptanceStats:
@@ -120,6 +122,10 @@ MIN_GAIN = 0.01
 SWITCH_HORIZON = 64
 # starting a speculative stretch, a drafter must beat plain by this much (going on with one, by MIN_GAIN)
 ENTER_GAIN = 0.05
+# what is learned now also serves the requests after this one (a session, a server, a benchmark keep one chooser): an
+# exploration round's value counts the request's remaining tokens plus as many as this chooser has decoded so far, at
+# most this many (a fresh process's first request counts only its own)
+FUTURE_TOKENS = 128
 # the estimates every option's score shares are folded in every this many changes (`AutoChooser._rescore`)
 RESCORE_EVERY = 8
 
@@ -150,28 +156,45 @@ def robust_ema(old: float | None, x: float, w: float, clip: float = 3.0) -> floa
 
 
 class DraftCost:
-    """A drafter's measured seconds per round as a function of k: one EMA over every round, whatever its k.
+    """A drafter's measured seconds per round as a function of k: fixed + per_draft · k, times one learned factor.
 
-    shape "block": one forward whatever k (DFlash): seconds per round; "chain": one forward per draft (MTP): seconds
-    per draft, times k; "free": ~0 (n-gram lookup): seconds per round. Every round's sample feeds the one estimate
-    (kept per k, a DFlash round's cost jittered from width to width and the choice of width followed the jitter)."""
+    The shape comes from the drafter itself, measured when `auto` starts (`calibrate.measure_draft_costs` times a
+    round at one draft and at the most: "affine", prior = (fixed, per_draft)); every round's sample then moves one
+    factor on it (an EMA), whatever its k, so the shape never follows one width's jitter. Shorthands for synthetic
+    tables: "block" (one forward whatever k: prior = seconds per round), "chain" (prior = seconds per draft).
+    "free" (n-gram lookup, ~0): no shape, the EMA of the seconds per round itself. MTP was once priced as a chain
+    (its cost ∝ k): but every depth's layer runs every round (each keeps its cache in step), only the logits of the
+    drafted depths depend on k — the chooser took its one-draft rounds for half what they cost."""
 
-    def __init__(self, shape: str, prior: float, ema: float = 0.2):
+    def __init__(self, shape: str, prior, ema: float = 0.2):
         if shape not in COST_SHAPES:
             raise ValueError(f"cost shape must be one of {COST_SHAPES}, got {shape!r}")
-        self.shape, self.prior, self.ema = shape, prior, ema
-        self.unit: float | None = None  # measured seconds per round (per draft for "chain"); None: the prior
+        if shape == "affine":
+            fixed, per_draft = (float(x) for x in prior)
+        else:
+            fixed, per_draft = {"block": (prior, 0.0), "chain": (0.0, prior), "free": (0.0, 0.0)}[shape]
+        self.shape, self.ema = shape, ema
+        self.fixed, self.per_draft = max(0.0, float(fixed)), max(0.0, float(per_draft))
+        self.prior = float(prior) if shape == "free" else 0.0  # the additive estimate's start ("free")
+        self.unit: float | None = None  # learned: the factor on the shape, or seconds per round ("free"); None: prior
+
+    def _shaped(self) -> bool:
+        return self.fixed + self.per_draft > 0
 
     def __call__(self, k: int) -> float:
-        unit = self.prior if self.unit is None else self.unit
-        return unit * (k if self.shape == "chain" else 1)
+        if not self._shaped():
+            return self.prior if self.unit is None else self.unit
+        return (1.0 if self.unit is None else self.unit) * (self.fixed + self.per_draft * k)
 
     def observe(self, k: int, seconds: float) -> None:
         """EMA starting from the current estimate (the prior at first): one slow first sample (another process took
         the machine) cannot lock an option out, a truly costly drafter is learned within a few rounds."""
-        x = seconds / k if self.shape == "chain" else seconds
-        old = self.prior if self.unit is None else self.unit
-        self.unit = robust_ema(old if old > 0 else None, x, self.ema)
+        if not self._shaped():
+            old = self.prior if self.unit is None else self.unit
+            self.unit = robust_ema(old if old > 0 else None, seconds, self.ema)
+        else:
+            self.unit = robust_ema(1.0 if self.unit is None else self.unit,
+                                   seconds / (self.fixed + self.per_draft * k), self.ema)
 
 
 @dataclass
@@ -184,6 +207,14 @@ class Option:
     prior_alpha: dict = field(default_factory=dict)  # regime -> α from the drafter's measured τ (else 0.5)
     then_alpha: dict = field(default_factory=dict)  # regime -> α of the drafts after an accepted one (else shrunk)
     touched: dict = field(default_factory=dict)  # regime -> the chooser's round of its latest observation
+    # calibrated seconds per target position of backlog a round of it processes beyond a steady round's (`steady`):
+    # a drafter that sat out rounds of another one catches up on their tokens while it drafts (EMA, from 0)
+    catch_up: float = 0.0
+
+    @property
+    def steady(self) -> int:
+        """The backlog a round in a run of its own rounds has: the previous round's tokens (anchor + drafts)."""
+        return self.max_k + 1
 
     def acceptance(self, regime: str) -> AcceptanceStats:
         if regime not in self.stats:
@@ -212,10 +243,14 @@ class AutoChooser:
     measured τ as the prior); over five equally likely scenarios of it (`SCENARIOS`, every position shifted alike)
     the expected saving per token over the incumbent (the best choice by the mean estimates) is EI. One round of the
     option resolves a share of that uncertainty, n_new / (n + n_new) with n the counts so far and n_new the positions
-    it tries; over the `remaining` tokens of the request that is worth remaining · EI · share. It is explored only
-    when that exceeds what the round costs against the incumbent by the mean estimates. So an option whose
-    optimistic scenario cannot beat plain is never tried (EI = 0), a short request pays for no exploration that
-    cannot pay back, and a long one tries a promising option until its estimate settles. Counts of an option left
+    it tries; over the H tokens that will use the answer that is worth H · EI · share, H = the request's remaining
+    tokens plus what this chooser has decoded so far, at most `FUTURE_TOKENS` (what it learns serves the requests of
+    the same session or server too). It is explored only when that exceeds what the round costs against the
+    incumbent by the mean estimates. So an option whose optimistic scenario cannot beat plain is never tried (EI = 0),
+    a fresh process's short request pays for no exploration that cannot pay back, and a long one tries a promising
+    option until its estimate settles (`benchmarks/simulate_auto.py`, 64 seeds of ten
+    96-token requests on the trained tiny set's cost curve: a drafter paying 17 % at T = 1, auto 0.93× the drafter
+    alone without the future tokens, 0.95× with 128 of them; one losing 19 %, auto 0.99× plain without, 0.98× with). Counts of an option left
     idle fade toward its prior (`age`), so the question comes back when the context may have changed."""
 
     def __init__(self, verify_costs: dict[int, float], scale_ema: float = 0.1,
@@ -233,10 +268,10 @@ class AutoChooser:
         # committing, the drafters' bookkeeping), EMA
         self.round_overhead = 0.0
         # calibrated seconds a speculative stretch costs beyond its rounds, EMA over stretches: what the plain tokens
-        # on either side of it lost to the interrupted pipeline and what the drafter spent catching up on the tokens
-        # it had not drafted from; charged to the round that would start a stretch
+        # on either side of it lost to the interrupted pipeline; charged to the round that would start a stretch
         self.switch_cost = 0.0
         self.round = 0  # rounds chosen so far
+        self.decoded = 0  # tokens committed under this chooser so far (`FUTURE_TOKENS`)
         self.horizon = SWITCH_HORIZON  # see `set_horizon`
         self.age_every, self.age = age_every, age  # idle evidence fades by age ** age_every every age_every rounds
         # per (regime, after a drafter?, option) its best width for each cap (`_leaders`), its exploration terms
@@ -246,15 +281,15 @@ class AutoChooser:
         # a measurable share of a step)
         self._memo: dict = {}
         self._changes = 0  # estimate changes so far (`_rescore`)
-        # option -> target positions its drafter is behind (set per round by the drafter that multiplexes them): a
-        # round of it first recomputes their taps, one forward over them (`catch_up_cost`), a one-time cost spread
-        # over the horizon like the switch cost
-        self.lags: dict[str, int] = {}  # set through `set_lag` / `clear_lags` (they keep `_lag_sig` in step)
+        # option -> (target positions its drafter is behind, whether their taps must be recomputed) (set per round by
+        # the drafter that multiplexes them): a round of it first catches up on them (`catch_up_cost`), a one-time
+        # cost spread over the horizon like the switch cost
+        self.lags: dict[str, tuple[int, bool]] = {}  # set through `set_lag` / `clear_lags` (they keep `_lag_sig`)
         self._lag_sig: tuple = ()  # the lags' power-of-two buckets, part of the memo keys
         self.chosen: Counter = Counter()  # (name or "plain", k) -> rounds
         self.explored: Counter = Counter()  # name -> rounds chosen to explore it
 
-    def add(self, name: str, max_k: int, shape: str, draft_prior: float | None = None, decay: float = 0.97,
+    def add(self, name: str, max_k: int, shape: str, draft_prior=None, decay: float = 0.97,
             measured_tau: dict | None = None, then_alpha: dict | None = None) -> Option:
         """measured_tau: {"width", "greedy", "sampling"} τ measured for this drafter (`read_measured_tau`): the
         acceptance estimates start from it instead of α = 0.5, so a weak drafter is not tried blindly first.
@@ -262,7 +297,10 @@ class AutoChooser:
         max_k = min(max_k, max(self.costs) - 1)
         if max_k < 1:
             raise ValueError(f"option {name!r}: the verify cost curve must cover at least L = 2")
-        prior = draft_prior if draft_prior is not None else (0.0 if shape == "free" else 0.3 * self.costs[1])
+        prior = draft_prior
+        if prior is None:  # a guess: 0.3 plain steps per round
+            guess = 0.0 if shape == "free" else 0.3 * self.costs[1]
+            prior = (guess, 0.0) if shape == "affine" else guess
         alphas = {} if not measured_tau else {
             regime: alpha_from_tau(measured_tau[regime], int(measured_tau["width"]))
             for regime in ("greedy", "sampling") if measured_tau.get(regime) is not None}
@@ -273,34 +311,57 @@ class AutoChooser:
         return opt
 
     def catch_up_cost(self, name: str) -> float:
-        """Calibrated seconds of the forward that brings option `name`'s drafter up to date (`lags`): the curve's
-        C(L) for L positions, rounded up to a power of two (so the memoised tables stay few), extended linearly past
-        its end."""
-        lag = self.lags.get(name, 0)
+        """Calibrated seconds that bring option `name`'s drafter up to date (`lags`), for L positions behind, L
+        rounded up to a power of two (so the memoised tables stay few): the forward that recomputes their taps when
+        they are missing (the curve's C(L), extended linearly past its end), plus what the drafter itself measurably
+        spends per position beyond a steady round's backlog (`Option.catch_up`)."""
+        lag, fill = self.lags.get(name, (0, False))
         if lag <= 0:
             return 0.0
         L = 1 << (lag - 1).bit_length()
+        opt = self.options.get(name)
+        own = 0.0 if opt is None else opt.catch_up * max(0, L - opt.steady)
+        if not fill:
+            return own
         top = max(self.costs)
         if L in self.costs:
-            return self.costs[L]
+            return self.costs[L] + own
         mid = max(1, top // 2)
         slope = max(0.0, (self.costs[top] - self.costs.get(mid, self.costs[1])) / max(1, top - mid))
-        return self.costs[top] + (L - top) * slope
+        return self.costs[top] + (L - top) * slope + own
 
-    def set_lag(self, name: str, lag: int) -> None:
-        """Option `name`'s drafter is `lag` target positions behind (0: in step)."""
-        if self.lags.get(name, 0) != lag:
-            self.lags[name] = lag
-            self._lag_sig = tuple(sorted((n, self._lag_key(n)) for n, v in self.lags.items() if v > 0))
+    def set_lag(self, name: str, lag: int, fill: bool = True) -> None:
+        """Option `name`'s drafter is `lag` target positions behind (0: in step); fill: their taps must be
+        recomputed (a plain stretch computed none)."""
+        old = self._lag_key(name)
+        self.lags[name] = (lag, fill)
+        if self._lag_key(name) != old:
+            self._lag_sig = tuple(sorted((n, self._lag_key(n)) for n in self.lags if self.lags[n][0] > 0))
 
     def clear_lags(self) -> None:
         """A new context: no drafter is behind."""
         self.lags.clear()
         self._lag_sig = ()
 
-    def _lag_key(self, name: str) -> int:
-        lag = self.lags.get(name, 0)
-        return 0 if lag <= 0 else (lag - 1).bit_length() + 1
+    def _lag_key(self, name: str) -> tuple:
+        lag, fill = self.lags.get(name, (0, False))
+        return (0, False) if lag <= 0 else ((lag - 1).bit_length() + 1, fill)
+
+    def steady(self, name: str, lag: int) -> bool:
+        """Whether a round of option `name` with its drafter `lag` positions behind costs what its rounds cost in a
+        run of their own (else the excess is a catch-up: `observe_catch_up`)."""
+        return lag <= self.options[name].steady
+
+    def observe_catch_up(self, name: str, lag: int, seconds: float, ema: float = 0.25) -> None:
+        """A round of option `name` whose drafter was `lag` positions behind spent `seconds` beyond its estimated
+        draft cost: the per-position catch-up it is charged from now on (only the positions beyond `steady`)."""
+        opt = self.options[name]
+        extra = lag - opt.steady
+        if extra <= 0:
+            return
+        x = max(0.0, seconds / self.scale) / extra
+        opt.catch_up = (1 - ema) * opt.catch_up + ema * min(x, 2.0 * self.plain_cal)
+        self._rescore(name)
 
     @property
     def plain_cost(self) -> float:
@@ -321,7 +382,7 @@ class AutoChooser:
         opt = self.options[name]
         stats = opt.acceptance(regime)
         fixed = max(0.0, self.round_overhead)
-        switch = (0.0 if self._spec_last else max(0.0, self.switch_cost)) + self.catch_up_cost(name)
+        switch = self._switch(name)
         vf = self.verify_factor.get(regime, 1.0)
         out, e, p = [], 1.0, 1.0
         alphas = stats.alphas()
@@ -331,6 +392,11 @@ class AutoChooser:
             cost = opt.cost(k) + vf * self.costs[k + 1] + fixed + switch * min(1.0, e / self.horizon)
             out.append(e / (self.scale * cost))
         return out
+
+    def _switch(self, name: str) -> float:
+        """Calibrated seconds a round of option `name` pays once, beyond its own work: the switch into a
+        speculative stretch (after a plain round) and its drafter's catch-up."""
+        return (0.0 if self._spec_last else max(0.0, self.switch_cost)) + self.catch_up_cost(name)
 
     def set_horizon(self, remaining: int | None) -> None:
         """The tokens a stretch started now can run: the request's remaining tokens, at most `SWITCH_HORIZON` (None:
@@ -372,8 +438,9 @@ class AutoChooser:
                 best_name, best_k, best_rate = name, k, r
         return best_name, best_k, best_rate / self.scale
 
-    def _explore_terms(self, name: str, cap: int, regime: str, incumbent: tuple) -> tuple[float, float, int]:
-        """(EI × share, loss, k) of exploring option `name` (at most `cap` drafts) against `incumbent` = (name or
+    def _explore_terms(self, name: str, cap: int, regime: str,
+                       incumbent: tuple) -> tuple[float, float, float, float, int]:
+        """(EI, n, n_new, loss, k) of exploring option `name` (at most `cap` drafts) against `incumbent` = (name or
         None, its rate × scale): see the class docstring. Scale-free, kept until an estimate changes."""
         key = ("explore", name, regime, self._spec_last, self.horizon, self._lag_key(name), cap, incumbent)
         out = self._memo.get(key)
@@ -393,22 +460,23 @@ class AutoChooser:
             e_mean = stats.expected_tokens(k_e)
             loss = max(0.0, e_mean * (1.0 / mean - t_inc))  # calibrated seconds this round loses on the incumbent
             n_new = min(e_mean, k_e)  # positions one round tries, about
-            share = n_new / (max(stats.tried[0], 0.0) + n_new)
-            out = self._memo[key] = (ei * share, loss, k_e)
+            out = self._memo[key] = (ei, max(stats.tried[0], 0.0), n_new, loss, k_e)
         return out
 
     def explore(self, available: dict[str, int], regime: str, incumbent: tuple, remaining: int):
         """(name, k) of the option worth exploring now, or None: remaining · EI · share must exceed the round's loss
-        against the incumbent ((name or None, rate × scale)); the largest surplus wins."""
+        against the incumbent ((name or None, rate × scale)), share = n_new / (n + n_new); the largest surplus wins.
+        (Looking m rounds ahead changes nothing: share(m)/m falls with m, so one round is the most favourable case.)"""
         best, surplus = None, 0.0
         # the incumbent's rate to 1 % (its estimate moves a little every round: the tables need not)
         incumbent = (incumbent[0], math.exp(round(100 * math.log(incumbent[1])) / 100))
         for name, cap in available.items():
             if cap < 1 or name == incumbent[0]:
                 continue
-            value, loss, k = self._explore_terms(name, min(cap, self.options[name].max_k), regime, incumbent)
-            if remaining * value - loss > surplus:
-                best, surplus = (name, k), remaining * value - loss
+            ei, n, n_new, loss, k = self._explore_terms(name, min(cap, self.options[name].max_k), regime, incumbent)
+            gain = remaining * ei * n_new / (n + n_new) - loss
+            if gain > surplus:
+                best, surplus = (name, k), gain
         return best
 
     def pick(self, available: dict[str, int], regime: str = "greedy",
@@ -418,7 +486,8 @@ class AutoChooser:
         self.set_horizon(remaining)
         name, k, rate = self.best(available, regime)
         if remaining is not None and remaining > 1:
-            e = self.explore(available, regime, (name, rate * self.scale), remaining)
+            horizon = remaining + min(self.decoded, FUTURE_TOKENS)
+            e = self.explore(available, regime, (name, rate * self.scale), horizon)
             if e is not None:
                 return e[0], e[1], True
         return name, k, False
@@ -482,6 +551,7 @@ class AutoChooser:
     def _tick(self) -> None:
         """A round is chosen; every `age_every` rounds the evidence of the options idle since the last time fades."""
         self.round += 1
+        self.decoded += 1  # every round commits a token; a speculative round's accepted drafts come with `update`
         if self.round % self.age_every:
             return
         factor = self.age ** self.age_every
@@ -496,6 +566,7 @@ class AutoChooser:
         """After a round: k drafts of `name` proposed, n accepted; measured draft and verify seconds."""
         self._rescore(name if name is not None and k > 0 else None)
         if name is not None and k > 0:
+            self.decoded += n_accepted
             opt = self.options[name]
             opt.acceptance(regime).update(k, n_accepted)
             opt.touched[regime] = self.round
@@ -557,7 +628,6 @@ class AutoChooser:
             "explored": dict(sorted(self.explored.items())),
             "acceptance": {n: {reg: [round(a, 3) for a in s.alphas()] for reg, s in o.stats.items()}
                            for n, o in self.options.items()},
-            "draft_cost_ms": {n: {("per draft" if o.cost.shape == "chain" else "per round"):
-                                  round(1000 * self.scale * o.cost(1), 3)} for n, o in self.options.items()
-                              if o.cost.unit is not None},
+            "draft_cost_ms": {n: {f"k={k}": round(1000 * self.scale * o.cost(k), 3) for k in sorted({1, o.max_k})}
+                              for n, o in self.options.items() if o.cost.unit is not None},
         }

@@ -15,7 +15,7 @@ from .calibrate import load_or_calibrate, measure_draft_costs
 from .chooser import AutoChooser
 
 
-_SHAPES = {"dflash": "block", "mtp": "chain", "ngram": "free"}
+_KINDS = ("dflash", "mtp", "ngram")
 # the first draft's acceptance after an n-gram match of each size (greedy, sampling), as measured with n-gram lookup
 # drafting every round it could on the embedded set and the trained tiny set (BENCHMARKS.md, issue 20): greedy
 # 0.11-0.20 after a 1-gram, 0.26-0.38 after a 2-gram, 0.75-0.99 after a 4-gram; at T = 1 0.02-0.09 and 0.00-0.05 after
@@ -63,7 +63,7 @@ class AutoDrafter:
         self.target = target
         self.drafters: dict[str, Drafter] = {}
         for d in drafters:
-            if d.kind not in _SHAPES:
+            if d.kind not in _KINDS:
                 raise TypeError(f"auto cannot drive a {d.kind!r} drafter")
             if d.kind in self.drafters:
                 raise ValueError(f"two {d.kind} drafters given to auto")
@@ -80,16 +80,14 @@ class AutoDrafter:
         self.draft_costs = measure_draft_costs(target, self.drafters, self.taps, self._tap_idx)
         self._kind_of: dict[str, str] = {}  # option name -> drafter kind
         for n, d in self.drafters.items():
-            cost = self.draft_costs.get(n)
-            if cost is not None and _SHAPES[n] == "chain":
-                cost /= d.max_drafts  # one forward per draft
             if n == "ngram":
                 for m in range(d.index.min_n, d.index.max_n + 1):
                     self.chooser.add(f"ngram@{m}", d.max_drafts, "free", measured_tau=ngram_prior(m),
                                      then_alpha=NGRAM_THEN)
                     self._kind_of[f"ngram@{m}"] = n
             else:
-                self.chooser.add(n, d.max_drafts, _SHAPES[n], draft_prior=cost, measured_tau=d.measured_tau)
+                self.chooser.add(n, d.max_drafts, "affine", draft_prior=self.draft_costs.get(n),
+                                 measured_tau=d.measured_tau)
                 self._kind_of[n] = n
         self._ngram_options = frozenset(o for o, n in self._kind_of.items() if n == "ngram")
         self._model = [n for n in self.drafters if n != "ngram"]  # the drafters that read the target's taps
@@ -101,7 +99,7 @@ class AutoDrafter:
         self.needs_taps = False  # whether the latest round's drafter reads taps (the verify forward then yields them)
         self._pending = None
         self._round = None  # (draft + verify seconds, catch-up seconds) of the last speculative round
-        self._stretch = 0.0  # the running speculative stretch's cost beyond its rounds (`lead`, catch-ups)
+        self._stretch = 0.0  # the running speculative stretch's cost beyond its rounds so far (`lead`)
         self.remaining: int | None = None  # tokens of the request still to generate (the decoder sets it per round)
         self._at = dict.fromkeys(self.drafters, 0)  # target positions each drafter has been handed (`_from`)
         self._how = dict.fromkeys(self.drafters, "start")  # how it gets them next: "start" | "extend" | "accept"
@@ -221,7 +219,7 @@ class AutoDrafter:
                 if (among is not None and n not in among) or not self._ready(n):
                     continue
                 cap = min(k, d.max_drafts)
-                self.chooser.set_lag(n, 0 if self._from(n) >= self._hole else self._lag(n))
+                self.chooser.set_lag(n, self._lag(n), fill=self._from(n) < self._hole)
             if cap >= 1 and (among is None or n in among):
                 available[n] = cap
         return available
@@ -260,11 +258,11 @@ class AutoDrafter:
         regime = "greedy" if sampler.params.greedy else "sampling"
         name, kk = self.chooser.choose(self._available(k), regime, self.remaining)
         t0 = time.perf_counter()
-        steady, spent = True, 0.0
+        lag, spent = 0, 0.0
         kind = None if name is None else self._kind_of[name]
         if kind is not None:
             # a drafter that sat idle catches up on its backlog while drafting: not its steady-state cost
-            steady = self._lag(kind) <= self.drafters[kind].max_drafts + 1
+            lag = self._lag(kind)
             spent = self._sync(kind)
         if kind is None or spent is None:
             drafts, q, spent = [], None, 0.0
@@ -272,17 +270,20 @@ class AutoDrafter:
             drafts, q = self.drafters[kind].propose(anchor, pos, kk, sampler, history)
         self.needs_taps = (kind is not None and kind != "ngram") or self._warm(regime, self.remaining)
         t1 = time.perf_counter()
-        self._pending = (name, len(drafts), regime, t1 - t0 - spent, steady, t1)
+        self._pending = (name, len(drafts), regime, t1 - t0 - spent, lag, t1)
         return drafts, q
 
     def accept(self, taps: list[mx.array] | None, new_tokens: list[int]) -> None:
         now = time.perf_counter()
         if self._pending is not None:
-            name, k, regime, t_draft, steady, t1 = self._pending
+            name, k, regime, t_draft, lag, t1 = self._pending
+            steady = not k or self.chooser.steady(name, lag)
+            if not steady:  # what it spent beyond a steady round is its own catch-up cost
+                opt = self.chooser.options[name]
+                self.chooser.observe_catch_up(name, lag, t_draft - self.chooser.scale * opt.cost(k))
             self.chooser.update(name if k else None, k, len(new_tokens) - 1, regime, t_draft if steady else None,
                                 now - t1)
-            catch_up = 0.0 if steady or not k else t_draft - self.chooser.scale * self.chooser.options[name].cost(k)
-            self._round = (t_draft + now - t1, catch_up) if k else None
+            self._round = t_draft + now - t1 if k else None
             self._pending = None
         p = len(self._tokens) - 1
         if taps:
@@ -294,13 +295,11 @@ class AutoDrafter:
 
     def end_round(self, seconds: float) -> bool:
         """The whole round took `seconds` (AutoDecoder: from the previous round's commit to this one's): what its
-        draft and verify windows did not cover is overhead every speculative round pays; what its drafter spent
-        catching up goes to the stretch. True if this was a speculative round."""
+        draft and verify windows did not cover is overhead every speculative round pays. (What its drafter spent
+        catching up is that option's own: `AutoChooser.observe_catch_up`.) True if this was a speculative round."""
         if self._round is None:
             return False
-        measured, catch_up = self._round
-        self.chooser.observe_round_overhead(seconds - measured)
-        self._stretch += catch_up
+        self.chooser.observe_round_overhead(seconds - self._round)
         self._round = None
         return True
 

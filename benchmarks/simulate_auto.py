@@ -1,0 +1,91 @@
+"""Simulate `auto`'s chooser (`AutoChooser`, the real decision code) against fixed choices on a synthetic drafter:
+per-position acceptance drawn at random, the trained tiny set's verify cost curve (OpenBLAS, BENCHMARKS.md), a plain
+token 3.2 ms, the first plain token after a speculative round unpipelined (+0.9 of a step), a drafter idle for more
+than a block recomputing its taps (C(L)). Noise-free, so decision-rule changes can be compared without a quiet
+machine; the figures it prints are tokens per second relative to plain decoding, averaged over seeds.
+
+    python benchmarks/simulate_auto.py --draft-ms 3 [--future-tokens 128] [--requests 10 --tokens 96]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+
+import glimmer_mlx.speculative.auto.chooser as chooser_mod
+from glimmer_mlx.speculative.auto.chooser import AutoChooser
+
+MS = 1e-3
+COSTS = {1: 3.2 * MS, 2: 3.2 * MS, 3: 3.2 * MS, 4: 3.63 * MS, 5: 3.63 * MS, 6: 3.68 * MS, 7: 3.68 * MS,
+         8: 3.68 * MS, 9: 3.68 * MS}
+PLAIN = 3.2 * MS
+# DFlash's conditional acceptance per position on the trained tiny set at T = 1 (issue20-tiny-trained-r0.json)
+ALPHAS = [0.508, 0.717, 0.627, 0.676, 0.669, 0.798, 0.46]
+
+
+def simulate(policy: str, draft: float, *, requests: int, tokens: int, seed: int, prior_tau: float = 2.2,
+             regime: str = "sampling") -> tuple[float, int]:
+    """(tokens per second, exploration rounds) of `policy` ("plain", "dflash": every round at 7 drafts, "auto")."""
+    rng = random.Random(seed)
+    ch = AutoChooser(COSTS, plain_cost=PLAIN)
+    ch.add("dflash", 7, "block", draft_prior=draft,
+           measured_tau={"width": 7, "greedy": prior_tau, "sampling": prior_tau})
+    seconds, done = 0.0, 0
+    for _ in range(requests):
+        left, spec_last, lag = tokens - 1, False, 0
+        seconds, done = seconds + PLAIN, done + 1  # the prefill's token
+        ch.clear_lags()
+        while left > 0:
+            k = min(7, left - 1)
+            name, kk = None, 0
+            if k >= 1 and policy == "dflash":
+                name, kk = "dflash", k
+            elif k >= 1 and policy == "auto":
+                ch.set_lag("dflash", lag, fill=True)
+                name, kk = ch.choose({"dflash": k}, regime, left)
+            if name is None:
+                seconds += PLAIN * (1.9 if spec_last else 1.0)
+                if policy == "auto":
+                    ch.observe_plain(PLAIN)
+                    if spec_last:
+                        ch.observe_switch(0.9 * PLAIN)
+                left, done, lag, spec_last = left - 1, done + 1, lag + 1, False
+                continue
+            fill = COSTS[9] if lag > 8 else 0.0
+            n = 0
+            while n < kk and rng.random() < ALPHAS[min(n, len(ALPHAS) - 1)]:
+                n += 1
+            seconds += draft + COSTS[kk + 1] + fill
+            got = min(n + 1, left)
+            left, done, lag, spec_last = left - got, done + got, n + 1, True
+            if policy == "auto":
+                ch.update("dflash", kk, n, regime, draft, COSTS[kk + 1])
+    return done / seconds, sum(ch.explored.values())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--draft-ms", type=float, default=3.0, help="the drafter's seconds per round, in ms")
+    ap.add_argument("--future-tokens", type=int, default=None, help="override chooser.FUTURE_TOKENS")
+    ap.add_argument("--prior-tau", type=float, default=2.2, help="the drafter's eval.json τ at 7 drafts")
+    ap.add_argument("--prior-weight", type=float, default=None, help="override chooser.PRIOR_WEIGHT")
+    ap.add_argument("--requests", type=int, default=10)
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--seeds", type=int, default=16)
+    a = ap.parse_args()
+    if a.future_tokens is not None:
+        chooser_mod.FUTURE_TOKENS = a.future_tokens
+    if a.prior_weight is not None:
+        chooser_mod.PRIOR_WEIGHT = a.prior_weight
+    res = {p: [simulate(p, a.draft_ms * MS, requests=a.requests, tokens=a.tokens, seed=s, prior_tau=a.prior_tau)
+                for s in range(a.seeds)]
+           for p in ("plain", "dflash", "auto")}
+    base = statistics.mean(r for r, _ in res["plain"])
+    rel = {p: round(statistics.mean(r for r, _ in v) / base, 3) for p, v in res.items()}
+    print(f"draft {a.draft_ms} ms, prior τ {a.prior_tau}, FUTURE_TOKENS {chooser_mod.FUTURE_TOKENS}, PRIOR_WEIGHT {chooser_mod.PRIOR_WEIGHT}: × plain {rel}, auto explored "
+          f"{statistics.mean(e for _, e in res['auto']):.1f} rounds a run")
+
+
+if __name__ == "__main__":
+    main()

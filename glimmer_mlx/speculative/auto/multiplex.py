@@ -14,7 +14,6 @@ from ..protocol import Drafter
 from .calibrate import load_or_calibrate, measure_draft_costs
 from .chooser import AutoChooser
 
-
 _KINDS = ("dflash", "mtp", "ngram")
 # the first draft's acceptance after an n-gram match of each size (greedy, sampling), as measured with n-gram lookup
 # drafting every round it could on the embedded set and the trained tiny set (BENCHMARKS.md, issue 20): greedy

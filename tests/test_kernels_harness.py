@@ -24,15 +24,15 @@ def call(body, inputs, names, out_shape, out_dtype, grid, tg, template=(), init_
 
 
 def test_generated_source_is_mlx_text_with_the_exact_body():
-    c = accept.greedy_accept_call(mx.zeros((3, 100)), [1, 2])
+    c = accept.greedy_argmax_call(mx.zeros((3, 100)))
     src = harness.generated_source(c)
     body = (kernel_dir() / "greedy_accept.metal").read_text()
     assert body.strip() in src  # the .metal file verbatim
-    assert "[[kernel]] void custom_kernel_glimmer_greedy_accept" in src
+    assert "[[kernel]] void custom_kernel_glimmer_greedy_argmax" in src
     assert "uint3 threads_per_threadgroup [[threads_per_threadgroup]]" in src
     tu, params = harness.translate(src)
-    assert [p[1] for p in params if p[0] == "buffer"] == ["logits", "drafts", "meta", "out"]
-    assert "tg_array<float[32]>" in tu and "threadgroup float tg_val" not in tu
+    assert [p[1] for p in params if p[0] == "buffer"] == ["logits", "meta", "sel"]
+    assert "tg_array<uint[32]>" in tu and "threadgroup uint tg_key" not in tu
 
 
 def test_grid_positions_partial_threadgroups_and_template():

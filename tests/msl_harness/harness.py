@@ -13,14 +13,23 @@ itself generates for it.
    outputs). Outputs start as 0xFF bytes (NaN / -1) unless `init_value` is given, and carry a trailing canary that
    must survive (out-of-bounds writes past the end are caught). For kernels built with ensure_row_contiguous=False,
    inputs of ndim >= 2 are passed as strided views into NaN-padded buffers (as MLX passes views on the GPU), so a
-   body that ignores `*_strides` reads NaN. `run` executes the grid twice, with forward and reverse fiber
-   schedules, and requires identical bytes (exposes most missing barriers).
+   body that ignores `*_strides` reads NaN.
+5. Every buffer (inputs, their `_shape/_strides`, outputs with their canary) is copied into its own mapping that
+   touches a PROT_NONE guard page: ending at it in one run, starting right after one in the other, so a read or
+   write past the end or before the start faults; msl_cpu.h's fault handler records it and the launch fails naming
+   the buffer and the offset (out-of-bounds reads are detected, not just writes).
+6. `run` executes the grid twice: forward fiber schedule with the memory-flag model on (threadgroup writes are
+   published only by barriers with mem_threadgroup, see msl_cpu.h) and reverse schedule with plain shared
+   threadgroup memory, and requires identical bytes. When they differ, a third run (forward, plain memory) tells a
+   schedule dependence (missing barrier / race) from a kernel relying on a barrier whose flags do not publish
+   threadgroup memory (e.g. `mem_none`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import mmap
 import os
 import re
 import shutil
@@ -31,6 +40,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+
+from glimmer_mlx.kernels._core import mlx_kernel
 
 HERE = Path(__file__).resolve().parent
 CANARY = 256  # bytes after each output buffer
@@ -76,7 +87,7 @@ def generated_source(call) -> str:
            tuple(str(d) for d in call.output_dtypes))
     if key in _GEN_CACHE:
         return _GEN_CACHE[key]
-    kernel = call.spec.build()
+    kernel = mlx_kernel(call.spec)  # MLX's own builder, even where a test substitutes KernelSpec.build
     kw = call.kwargs()
     kw.pop("inputs")
 
@@ -171,9 +182,62 @@ def translate(src: str):
 _LIBS: dict = {}
 
 
+MAX_GUARDS = 128  # as msl_cpu.h
+
+
 class _LaunchSpec(ctypes.Structure):
     _fields_ = [("grid", ctypes.c_uint32 * 3), ("group", ctypes.c_uint32 * 3), ("reverse", ctypes.c_int32),
-                ("error", ctypes.c_char * 512)]
+                ("error", ctypes.c_char * 512), ("strict_tg", ctypes.c_int32), ("n_guards", ctypes.c_int32),
+                ("guard_lo", ctypes.c_uint64 * MAX_GUARDS), ("guard_hi", ctypes.c_uint64 * MAX_GUARDS),
+                ("guard_buf", ctypes.c_int32 * MAX_GUARDS), ("fault_guard", ctypes.c_int32),
+                ("fault_addr", ctypes.c_uint64)]
+
+
+# -- guarded buffers ------------------------------------------------------------------------------------------------
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+PAGE = mmap.PAGESIZE
+
+
+class GuardedBuffer:
+    """A copy of `data` (bytes) in its own mapping between two PROT_NONE pages, flush against the trailing one
+    (at_end) or the leading one."""
+
+    def __init__(self, name: str, data: np.ndarray, at_end: bool):
+        self.name = name
+        raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        self.nbytes = raw.size
+        body = max(PAGE, -(-self.nbytes // PAGE) * PAGE)
+        self.total = body + 2 * PAGE
+        base = _libc.mmap(None, self.total, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                          -1, 0)
+        if base in (None, ctypes.c_void_p(-1).value):
+            raise HarnessError(f"mmap failed (errno {ctypes.get_errno()})")
+        self.base = base
+        if _libc.mprotect(base, PAGE, 0) or _libc.mprotect(base + PAGE + body, PAGE, 0):
+            self.free()
+            raise HarnessError(f"mprotect failed (errno {ctypes.get_errno()})")
+        self.start = base + PAGE + (body - self.nbytes if at_end else 0)
+        if self.nbytes:
+            ctypes.memmove(self.start, raw.ctypes.data, self.nbytes)
+        self.guards = [(base, base + PAGE), (base + PAGE + body, base + self.total)]
+
+    def read(self) -> np.ndarray:
+        """The buffer's bytes now (a copy)."""
+        return np.frombuffer(ctypes.string_at(self.start, self.nbytes), dtype=np.uint8).copy()
+
+    def describe(self, addr: int) -> str:
+        if addr >= self.start + self.nbytes:
+            return f"past the end of {self.name} (byte +{addr - self.start - self.nbytes} after its last byte)"
+        return f"before the start of {self.name} (byte -{self.start - addr})"
+
+    def free(self):
+        if self.base:
+            _libc.munmap(self.base, self.total)
+            self.base = 0
 
 
 def compile_unit(tu: str):
@@ -242,9 +306,12 @@ def _as_view(a: np.ndarray):
     return base, VIEW_OFFSET * strides[-2] * a.itemsize, strides
 
 
-def run_once(call, reverse: bool = False) -> list[np.ndarray]:
+def run_once(call, reverse: bool = False, strict: bool = True, at_end: bool | None = None) -> list[np.ndarray]:
     """One execution. For a spec built with ensure_row_contiguous=False, inputs of ndim >= 2 are passed as strided
-    views into padded buffers (so the body must honour `*_strides`, as it must for MLX views on the GPU)."""
+    views into padded buffers (so the body must honour `*_strides`, as it must for MLX views on the GPU).
+    strict: the memory-flag model (msl_cpu.h); at_end: buffers flush against their trailing guard page (default:
+    unless `reverse`)."""
+    at_end = (not reverse) if at_end is None else at_end
     src = generated_source(call)
     tu, params = translate(src)
     lib = compile_unit(tu)
@@ -265,17 +332,19 @@ def run_once(call, reverse: bool = False) -> list[np.ndarray]:
             raw[:nbytes].view(npdt)[:] = (to_numpy(mx.array(call.init_value, dtype=dtype)).item())
         out_raw[name] = (raw, nbytes)
         outs_np[name] = raw[:nbytes].view(npdt).reshape(shape)
-    ptrs = []
+    ptrs, bufs = [], []
     for kind, name, ctype in params:
         if kind != "buffer":
             continue
         offset = 0
+        what_ = f"input {name!r}"
         if name in views:
             arr, offset, _ = views[name]
         elif name in ins:
             arr = to_numpy(ins[name])
         elif name in outs_np:
             arr = out_raw[name][0]
+            what_ = f"output {name!r} (with its {CANARY}-byte canary)"
         else:
             base, _, what = name.rpartition("_")
             if base not in ins or what not in ("shape", "strides", "ndim"):
@@ -296,19 +365,38 @@ def run_once(call, reverse: bool = False) -> list[np.ndarray]:
                 arr = np.array(st, dtype=dt)
             else:
                 arr = np.array([a.ndim], dtype=dt)
+            what_ = f"{name!r} (of input {base!r})"
         if arr.size == 0:
             arr = np.zeros(1, dtype=arr.dtype)
         keep.append(arr)
-        ptrs.append(arr.ctypes.data + offset)
-    spec = _LaunchSpec()
-    for i in range(3):
-        spec.grid[i] = int(call.grid[i])
-        spec.group[i] = int(call.threadgroup[i])
-    spec.reverse = 1 if reverse else 0
-    cptrs = (ctypes.c_void_p * max(1, len(ptrs)))(*ptrs)
-    rc = lib.glimmer_msl_launch(cptrs, ctypes.byref(spec))
-    if rc != 0:
-        raise HarnessError(f"{call.spec.name}: {spec.error.decode(errors='replace')}")
+        bufs.append(GuardedBuffer(what_, arr, at_end))
+        ptrs.append(bufs[-1].start + offset)
+    try:
+        spec = _LaunchSpec()
+        for i in range(3):
+            spec.grid[i] = int(call.grid[i])
+            spec.group[i] = int(call.threadgroup[i])
+        spec.reverse = 1 if reverse else 0
+        spec.strict_tg = 1 if strict else 0
+        guards = [(lo, hi, b) for b, buf in enumerate(bufs) for lo, hi in buf.guards]
+        if len(guards) > MAX_GUARDS:
+            raise HarnessError(f"{call.spec.name}: more than {MAX_GUARDS // 2} buffers")
+        spec.n_guards = len(guards)
+        for i, (lo, hi, b) in enumerate(guards):
+            spec.guard_lo[i], spec.guard_hi[i], spec.guard_buf[i] = lo, hi, b
+        cptrs = (ctypes.c_void_p * max(1, len(ptrs)))(*ptrs)
+        rc = lib.glimmer_msl_launch(cptrs, ctypes.byref(spec))
+        if spec.fault_guard >= 0:
+            buf = bufs[guards[spec.fault_guard][2]]
+            raise HarnessError(f"{call.spec.name}: out-of-bounds access {buf.describe(spec.fault_addr)}")
+        if rc != 0:
+            raise HarnessError(f"{call.spec.name}: {spec.error.decode(errors='replace')}")
+        out_bufs = {n: bufs[i] for i, n in enumerate(p[1] for p in params if p[0] == "buffer") if n in out_raw}
+        for name, (raw, nbytes) in out_raw.items():
+            raw[:] = out_bufs[name].read()
+    finally:
+        for buf in bufs:
+            buf.free()
     result = []
     for name in call.spec.output_names:
         raw, nbytes = out_raw[name]
@@ -318,13 +406,27 @@ def run_once(call, reverse: bool = False) -> list[np.ndarray]:
     return result
 
 
+def _first_difference(names, xs, ys) -> str | None:
+    for name, a, b in zip(names, xs, ys):
+        if a.tobytes() != b.tobytes():
+            return name
+    return None
+
+
 def run(call, check_races: bool = True) -> list[mx.array]:
-    """Execute the launch on the CPU; with check_races, also with the reverse schedule, requiring equal bytes."""
-    fwd = run_once(call)
+    """Execute the launch on the CPU (forward schedule, memory flags modelled, buffers flush against their end
+    guard); with check_races, also with the reverse schedule and plain shared memory (buffers flush against their
+    start guard), requiring equal bytes."""
+    fwd = run_once(call, reverse=False, strict=True)
     if check_races:
-        rev = run_once(call, reverse=True)
-        for name, a, b in zip(call.spec.output_names, fwd, rev):
-            if a.tobytes() != b.tobytes():
+        rev = run_once(call, reverse=True, strict=False)
+        name = _first_difference(call.spec.output_names, fwd, rev)
+        if name is not None:
+            plain = run_once(call, reverse=False, strict=False)
+            if _first_difference(call.spec.output_names, plain, rev) is not None:
                 raise HarnessError(f"{call.spec.name}: output {name!r} depends on the thread schedule "
                                    f"(missing barrier / threadgroup-memory race)")
+            raise HarnessError(f"{call.spec.name}: output {name!r} depends on threadgroup memory that no barrier "
+                               f"with mem_flags::mem_threadgroup published (a barrier with mem_none / mem_device "
+                               f"does not make threadgroup writes visible to other threads)")
     return [from_numpy(a, dt) for a, dt in zip(fwd, call.output_dtypes)]

@@ -15,6 +15,16 @@
 //     (NaN for floats, -1 for ints) before each threadgroup runs, so reads of uninitialised shared memory show up.
 //   * A barrier not reached by every thread, or a simd collective not reached by every live lane of its
 //     simdgroup, is reported as a deadlock (an error), not emulated.
+//   * Memory flags (strict mode, LaunchSpec.strict_tg): a thread's writes to threadgroup memory are visible to the
+//     other threads only after a threadgroup_barrier whose flags (in every thread) include mem_threadgroup, or, to
+//     the lanes of its simdgroup, a simdgroup_barrier with mem_threadgroup. Until then the others read what was
+//     last published (the 0xFF fill at first). Between two switches the runtime diffs the arena to find what the
+//     running fiber wrote; two threads writing different values to one byte between the same barriers is an error
+//     (a threadgroup-memory write race). Without strict mode, threadgroup memory is plain shared memory.
+//     mem_device is not modelled: device memory is always shared.
+//   * Out-of-bounds device reads (harness.py places every buffer against a PROT_NONE guard page, after its end or
+//     before its start) fault; the SIGSEGV/SIGBUS handler installed for the launch records which buffer and where,
+//     makes the page readable (zeros) and lets the kernel finish; the launch then fails with that report.
 #pragma once
 
 #include <algorithm>
@@ -24,8 +34,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <signal.h>
+#include <sys/mman.h>
 #include <type_traits>
 #include <ucontext.h>
+#include <unistd.h>
+#include <utility>
 #include <vector>
 
 // ---- address spaces and qualifiers ---------------------------------------------------------------------------
@@ -223,6 +237,7 @@ struct SimdState {
   alignas(16) unsigned char out[SIMD][16];
   int arg[SIMD] = {};
   void (*finish)(SimdState&) = nullptr;  // completes the pending collective (set by its first lane)
+  uint64_t published_gen = 0;            // the last simdgroup_barrier(mem_threadgroup) already published
 };
 
 struct TgBlock {
@@ -241,6 +256,15 @@ struct Group {
   uint64_t bar_gen = 0;
   std::vector<SimdState> simd;
   int stalls = 0;
+  // memory-flag model (strict mode): published threadgroup memory, each fiber's unpublished writes
+  bool strict_tg = false;
+  std::vector<unsigned char> visible, snapshot;
+  std::vector<std::vector<std::pair<uint32_t, unsigned char>>> pending;
+  std::vector<int> stamp, owner;
+  std::vector<unsigned char> owner_val;
+  int bar_flags = ~0;          // AND of the flags of the threads arrived at the current barrier
+  bool publish_all = false;    // a threadgroup_barrier(mem_threadgroup) was released: publish every fiber's writes
+  uint64_t publish_simd = 0;   // simdgroups whose simdgroup_barrier(mem_threadgroup) completed
   // threadgroup memory
   std::vector<unsigned char> arena;
   std::vector<long> block_offset;  // by declaration id, -1 = not yet placed
@@ -278,15 +302,61 @@ inline void wait_until(Pred p) {
 
 inline const ThreadIds& me() { return current()->fibers[current()->cur].ids; }
 
-inline void barrier() {
+inline void barrier(int flags) {
   Group* g = current();
   uint64_t gen = g->bar_gen;
+  g->bar_flags &= flags;
   if (++g->bar_count == g->n) {
     g->bar_count = 0;
     g->bar_gen++;
+    if (g->strict_tg && (g->bar_flags & 2)) {  // mem_threadgroup in every thread's call
+      g->publish_all = true;
+      yield();  // the scheduler publishes before anyone runs past the barrier
+    }
+    g->bar_flags = ~0;
     return;
   }
   wait_until([g, gen] { return g->bar_gen != gen || g->error[0]; });
+}
+
+// -- the memory-flag model: what the scheduler does around each fiber switch (strict mode only)
+inline void tg_present(Group& g, int i) {  // fiber i sees the published memory plus its own writes
+  size_t used = g.arena_used;
+  std::memcpy(g.arena.data(), g.visible.data(), used);
+  for (auto& w : g.pending[i]) g.arena[w.first] = w.second;
+  std::memcpy(g.snapshot.data(), g.arena.data(), used);
+}
+inline void tg_collect(Group& g, int i) {  // what fiber i wrote since tg_present
+  size_t used = g.arena_used;
+  for (size_t b = 0; b < used; b++)
+    if (g.arena[b] != g.snapshot[b]) g.pending[i].push_back({(uint32_t)b, g.arena[b]});
+}
+inline void tg_publish(Group& g, int lo, int hi) {  // fibers [lo, hi) publish; a byte two of them wrote differently is a race
+  size_t used = g.arena_used;
+  for (int t = lo; t < hi; t++) {
+    auto& pw = g.pending[t];
+    for (size_t j = pw.size(); j-- > 0;) {  // the last write of each byte is the fiber's value
+      uint32_t off = pw[j].first;
+      if (g.stamp[off] == t + 1) continue;
+      g.stamp[off] = t + 1;
+      if (g.owner[off] >= 0 && g.owner_val[off] != pw[j].second && !g.error[0]) {
+        std::snprintf(g.error, sizeof(g.error),
+                      "threadgroup memory write race: threads %d and %d wrote different values to byte %u of "
+                      "threadgroup memory between the same barriers", g.owner[off], t, off);
+      }
+      g.owner[off] = t;
+      g.owner_val[off] = pw[j].second;
+      g.visible[off] = pw[j].second;
+    }
+  }
+  for (int t = lo; t < hi; t++) {
+    for (auto& w : g.pending[t]) {
+      g.stamp[w.first] = 0;
+      g.owner[w.first] = -1;
+    }
+    g.pending[t].clear();
+  }
+  (void)used;
 }
 
 // One simd collective: every live lane deposits `v` (and an int argument); the last to arrive computes every
@@ -367,12 +437,52 @@ inline A* tg_array(int id) {
   return reinterpret_cast<A*>(g->arena.data() + g->block_offset[id]);
 }
 
+constexpr int MAX_GUARDS = 128;
 struct LaunchSpec {
   uint32_t grid[3];
   uint32_t group[3];
   int32_t reverse;  // schedule fibers in reverse order
   char error[512];
+  int32_t strict_tg;  // model memory flags (see the header comment)
+  int32_t n_guards;   // PROT_NONE guard pages set up by harness.py: [lo, hi) each, and the buffer it guards
+  uint64_t guard_lo[MAX_GUARDS], guard_hi[MAX_GUARDS];
+  int32_t guard_buf[MAX_GUARDS];
+  int32_t fault_guard;    // out: index of the first guard page touched, -1 if none
+  uint64_t fault_addr;    // out: the address touched
 };
+
+// the fault handler: a touched guard page is recorded and made accessible (zeros); anything else is a real crash
+inline LaunchSpec*& fault_spec() {
+  static LaunchSpec* s = nullptr;
+  return s;
+}
+inline struct sigaction& old_segv() {
+  static struct sigaction a;
+  return a;
+}
+inline struct sigaction& old_bus() {
+  static struct sigaction a;
+  return a;
+}
+inline void on_fault(int sig, siginfo_t* info, void*) {
+  LaunchSpec* s = fault_spec();
+  uint64_t a = (uint64_t)info->si_addr;
+  if (s) {
+    for (int i = 0; i < s->n_guards; i++) {
+      if (a >= s->guard_lo[i] && a < s->guard_hi[i]) {
+        if (s->fault_guard < 0) {
+          s->fault_guard = i;
+          s->fault_addr = a;
+        }
+        long page = sysconf(_SC_PAGESIZE);
+        mprotect((void*)(a & ~(uint64_t)(page - 1)), page, PROT_READ | PROT_WRITE);
+        return;
+      }
+    }
+  }
+  sigaction(SIGSEGV, &old_segv(), nullptr);  // not ours: let the previous handler (or the default) take it
+  sigaction(SIGBUS, &old_bus(), nullptr);
+}
 
 inline int launch(LaunchSpec* spec, void** buffers, ThreadFn fn) {
   uint gx = spec->grid[0], gy = spec->grid[1], gz = spec->grid[2];
@@ -380,6 +490,8 @@ inline int launch(LaunchSpec* spec, void** buffers, ThreadFn fn) {
   uint tx = std::min(spec->group[0], gx), ty = std::min(spec->group[1], gy),
        tz = std::min(spec->group[2], gz);
   spec->error[0] = 0;
+  spec->fault_guard = -1;
+  spec->fault_addr = 0;
   if (gx == 0 || gy == 0 || gz == 0) return 0;
   if ((uint64_t)tx * ty * tz > 1024) {
     std::snprintf(spec->error, sizeof(spec->error), "threadgroup of %u threads exceeds 1024", tx * ty * tz);
@@ -391,6 +503,23 @@ inline int launch(LaunchSpec* spec, void** buffers, ThreadFn fn) {
   g.buffers = buffers;
   g.arena.assign(TG_MEMORY_LIMIT, 0xFF);
   int cap = tx * ty * tz;
+  g.strict_tg = spec->strict_tg != 0;
+  if (g.strict_tg) {
+    g.visible.assign(TG_MEMORY_LIMIT, 0xFF);
+    g.snapshot.assign(TG_MEMORY_LIMIT, 0xFF);
+    g.pending.assign(cap, {});
+    g.stamp.assign(TG_MEMORY_LIMIT, 0);
+    g.owner.assign(TG_MEMORY_LIMIT, -1);
+    g.owner_val.assign(TG_MEMORY_LIMIT, 0);
+  }
+  struct sigaction sa;
+  std::memset(&sa, 0, sizeof(sa));
+  sa.sa_sigaction = on_fault;
+  sa.sa_flags = SA_SIGINFO;
+  sigemptyset(&sa.sa_mask);
+  fault_spec() = spec;
+  sigaction(SIGSEGV, &sa, &old_segv());
+  sigaction(SIGBUS, &sa, &old_bus());
   g.fibers.resize(cap);
   for (auto& f : g.fibers) f.stack = (char*)std::malloc(STACK);
   current() = &g;
@@ -405,6 +534,13 @@ inline int launch(LaunchSpec* spec, void** buffers, ThreadFn fn) {
         g.stalls = 0;
         g.simd.assign((n + SIMD - 1) / SIMD, SimdState());
         std::memset(g.arena.data(), 0xFF, g.arena.size());
+        g.bar_flags = ~0;
+        g.publish_all = false;
+        g.publish_simd = 0;
+        if (g.strict_tg) {
+          std::memset(g.visible.data(), 0xFF, g.visible.size());
+          for (auto& pw : g.pending) pw.clear();
+        }
         int nsg = (n + SIMD - 1) / SIMD;
         for (int i = 0; i < n; i++) {
           uint lx = i % ax, ly = (i / ax) % ay, lz = i / (ax * ay);
@@ -446,7 +582,20 @@ inline int launch(LaunchSpec* spec, void** buffers, ThreadFn fn) {
             if (g.fibers[i].done) continue;
             g.cur = i;
             resumed++;
+            if (g.strict_tg) tg_present(g, i);
             swapcontext(&g.sched, &g.fibers[i].ctx);
+            if (g.strict_tg) {
+              tg_collect(g, i);
+              if (g.publish_all) {
+                tg_publish(g, 0, n);
+                g.publish_all = false;
+              }
+              for (int s = 0; g.publish_simd && s < (int)g.simd.size(); s++)
+                if (g.publish_simd & (1ull << s)) {
+                  tg_publish(g, s * SIMD, std::min(n, (s + 1) * SIMD));
+                  g.publish_simd &= ~(1ull << s);
+                }
+            }
             if (g.fibers[i].done) alive--;
           }
           if (alive > 0 && resumed > 0 && g.stalls - stalls_before == resumed && !g.error[0]) {
@@ -463,15 +612,33 @@ inline int launch(LaunchSpec* spec, void** buffers, ThreadFn fn) {
       }
   for (auto& f : g.fibers) std::free(f.stack);
   current() = nullptr;
+  sigaction(SIGSEGV, &old_segv(), nullptr);
+  sigaction(SIGBUS, &old_bus(), nullptr);
+  fault_spec() = nullptr;
   return rc;
 }
 
 }  // namespace msl_rt
 
 // ---- the Metal builtins the kernel bodies call --------------------------------------------------------------
-inline void threadgroup_barrier(metal::mem_flags) { msl_rt::barrier(); }
-inline void simdgroup_barrier(metal::mem_flags) {
-  msl_rt::simd_collective<int>(0, 0, [](const msl_rt::SimdState&, int) { return 0; });
+inline void threadgroup_barrier(metal::mem_flags f) { msl_rt::barrier((int)f); }
+inline void simdgroup_barrier(metal::mem_flags f) {
+  // the flags of every lane are ANDed; with mem_threadgroup (strict mode) the lanes' writes are published
+  msl_rt::Group* g = msl_rt::current();
+  int sg = msl_rt::me().simdgroup_index_in_threadgroup;
+  uint64_t gen0 = g->simd[sg].gen;
+  int all = msl_rt::simd_collective<int>((int)f, 0, [](const msl_rt::SimdState& s, int) {
+    int a = ~0;
+    for (int l = 0; l < msl_rt::SIMD; l++)
+      if (s.present[l]) a &= msl_rt::lane_value<int>(s, l);
+    return a;
+  });
+  msl_rt::SimdState& st = g->simd[sg];
+  if (g->strict_tg && (all & 2) && st.published_gen <= gen0) {
+    st.published_gen = gen0 + 1;  // the first lane past this barrier asks; the scheduler publishes at once
+    g->publish_simd |= 1ull << sg;
+    msl_rt::yield();
+  }
 }
 
 template <typename T>

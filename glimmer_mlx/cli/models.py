@@ -1,4 +1,4 @@
-"""The commands about checkpoints themselves: `glimmer info`, `glimmer convert`, `glimmer train dflash|mtp`."""
+"""The commands about checkpoints themselves: `glimmer info`, `glimmer convert`, `glimmer train dflash|dflash2|mtp`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from rich.table import Table
 from ..convert import ConvertError, convert as run_convert, parse_size
 from ..info import memory_plan, model_info
 from ..loading import CheckpointError
-from ..train import DataError, TrainConfig, train
+from ..train import SELECTOR_WEIGHT, DataError, TrainConfig, train
 from .app import app, console, fail, model_path, note
 
 
@@ -172,14 +172,15 @@ def convert(
     console.print(f"[dim]quality report: {s['out']}/quality.json; model card: {s['out']}/README.md[/]")
 
 
-train_app = typer.Typer(help="Train drafters against a frozen target: `train dflash`, `train mtp`.",
+train_app = typer.Typer(help="Train drafters against a frozen target: `train dflash`, `train dflash2`, `train mtp`.",
                         no_args_is_help=True)
 app.add_typer(train_app, name="train")
 
 
 def _train(kind, model, out, data, text, regenerate, regen_max_tokens, regen_temp, init, layers, block_size,
            target_layer_ids, mask_token_id, mtp_layers, anchors_per_seq, gamma, max_length, val_fraction, epochs,
-           batch_size, lr, warmup, grad_accum, save_every, max_steps, seed, resume, draft_logits, eval_tokens):
+           batch_size, lr, warmup, grad_accum, save_every, max_steps, seed, resume, draft_logits, eval_tokens,
+           selector_weight=SELECTOR_WEIGHT):
     if data is None and not text:
         fail("give training data: --data CHATS.jsonl and/or --text FILE_OR_FOLDER")
     model = model_path(model)
@@ -197,7 +198,7 @@ def _train(kind, model, out, data, text, regenerate, regen_max_tokens, regen_tem
                         block_size=block_size, target_layer_ids=taps, mask_token_id=mask_token_id,
                         mtp_layers=mtp_layers, anchors_per_seq=anchors_per_seq, gamma=gamma, max_length=max_length,
                         val_fraction=val_fraction, draft_logits=draft_logits, resume=resume, cfg=cfg,
-                        console=console, eval_tokens=eval_tokens)
+                        console=console, eval_tokens=eval_tokens, selector_weight=selector_weight)
     except (CheckpointError, DataError, ValueError, FileExistsError, FileNotFoundError) as e:
         fail(str(e))
     ev = summary["eval"]
@@ -265,6 +266,46 @@ def train_dflash_cmd(
     _train("dflash", model, out, data, text, regenerate, regen_max_tokens, regen_temp, init, layers, block_size,
            target_layer_ids, mask_token_id, 1, anchors_per_seq, gamma, max_length, val_fraction, epochs, batch_size,
            lr, warmup, grad_accum, save_every, max_steps, seed, resume, draft_logits, eval_tokens)
+
+
+@train_app.command("dflash2")
+def train_dflash2_cmd(
+    model: _TrainModel = None,
+    out: str = typer.Option(..., "--out", help="Output folder (the published DFlash2DraftModel layout)."),
+    data: _TrainData = None,
+    text: _TrainText = [],
+    regenerate: bool = typer.Option(False, "--regenerate", help="Rewrite assistant replies with the target "
+                                    "(resumable, cached in OUT/regenerated.jsonl)."),
+    regen_max_tokens: _RegenMaxTokens = 256,
+    regen_temp: _RegenTemp = 0.0,
+    init: Optional[str] = typer.Option(None, "--init", help="Fine-tune this DFlash 2 drafter instead of a new one."),
+    layers: int = typer.Option(1, "--layers", help="New drafter: decoder layers."),
+    block_size: int = typer.Option(16, "--block-size", help="New drafter: block size B."),
+    target_layer_ids: Optional[str] = typer.Option(None, "--target-layer-ids", help="e.g. 1,13,25,37,49 "
+                                                   "(default: evenly spaced)."),
+    mask_token_id: Optional[int] = typer.Option(None, "--mask-token-id", help="Default: <|mask|> or 201818."),
+    anchors_per_seq: int = typer.Option(16, "--anchors-per-seq"),
+    gamma: Optional[float] = typer.Option(None, "--gamma", help="Loss decay (default 7 for B=16)."),
+    selector_weight: float = typer.Option(SELECTOR_WEIGHT, "--selector-weight",
+                                          help="λ: loss = DFlash CE + λ·selector CE."),
+    max_length: _MaxLength = 1024,
+    val_fraction: _ValFraction = 0.1,
+    epochs: int = typer.Option(6, "--epochs"),
+    batch_size: _BatchSize = 8,
+    lr: _Lr = 6e-4,
+    warmup: _Warmup = 0.04,
+    grad_accum: _GradAccum = 1,
+    save_every: _SaveEvery = 200,
+    max_steps: _MaxSteps = None,
+    seed: _TrainSeed = 0,
+    resume: _Resume = False,
+    eval_tokens: _EvalTokens = 64,
+):
+    """Train a DFlash 2 drafter (dynamic convolutions + pairwise path selector; DFlash CE + λ·selector CE) against a
+    frozen target. Its draft logits are its config's (the target's multiplier and softcap)."""
+    _train("dflash2", model, out, data, text, regenerate, regen_max_tokens, regen_temp, init, layers, block_size,
+           target_layer_ids, mask_token_id, 1, anchors_per_seq, gamma, max_length, val_fraction, epochs, batch_size,
+           lr, warmup, grad_accum, save_every, max_steps, seed, resume, "target", eval_tokens, selector_weight)
 
 
 @train_app.command("mtp")

@@ -42,6 +42,12 @@ class AssistantConfig:
         if d.get("model_type") != "muse_glimmer_assistant":
             raise ConfigError(f"{where}: model_type {d.get('model_type')!r} is not a DFlash drafter "
                               "(expected 'muse_glimmer_assistant')")
+        return cls.from_fields(d, where)
+
+    @classmethod
+    def from_fields(cls, d: dict, where: str = "config.json") -> "AssistantConfig":
+        """The config from a flat dict of its fields (no model_type check): what `from_dict` and DFlash 2's config
+        (`models.dflash2.DFlash2Config`, whose checkpoints say `model_type: qwen3`) share."""
         known = set(cls.__dataclass_fields__)
         kw = {k: v for k, v in d.items() if k in known and v is not None}
         rp = dict(d)
@@ -77,7 +83,7 @@ class AssistantRMSNorm(nn.Module):
 
 
 class DraftAttention(nn.Module):
-    def __init__(self, cfg: AssistantConfig, i: int):
+    def __init__(self, cfg: AssistantConfig, i: int, window_rule: str = "inclusive"):
         super().__init__()
         D, hd = cfg.hidden_size, cfg.head_dim
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
@@ -88,7 +94,15 @@ class DraftAttention(nn.Module):
         self.q_norm = AssistantRMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = AssistantRMSNorm(hd, cfg.rms_norm_eps)
         self.window = cfg.window(i)
+        # "inclusive" (transformers' MuseGlimmerAssistantModel): a key is seen iff |q − k| <= W. "strict" (DFlash 2,
+        # as its public ports mask): context keys iff q − k < W, every block key always.
+        self.window_rule = window_rule
         self.scale = hd**-0.5
+
+    @property
+    def reach(self) -> int:
+        """The largest q − k at which a context key is still seen (sliding layers only)."""
+        return self.window - (1 if self.window_rule == "strict" else 0)
 
     def _kv(self, x, rope, offset):
         B, L, _ = x.shape
@@ -111,15 +125,17 @@ class DraftAttention(nn.Module):
             if n:
                 kc, vc = self._kv(ctx, rope, pos - n)
                 cache.append(kc, vc)
-            lo = 0 if self.window is None else pos - self.window
+            lo = 0 if self.window is None else pos - self.reach
             kc, vc, k0 = cache.view(lo)
         keys = mx.concatenate([kc, kb], axis=2)
         values = mx.concatenate([vc, vb], axis=2)
         mask = None
-        if self.window is not None and k0 < pos + L - 1 - self.window:
+        if self.window is not None and k0 < pos + L - 1 - self.reach:
             kpos = mx.concatenate([mx.arange(k0, k0 + kc.shape[2]), mx.arange(pos, pos + L)])[None, :]
             qpos = mx.arange(pos, pos + L)[:, None]
-            mask = mx.abs(qpos - kpos) <= self.window
+            mask = mx.abs(qpos - kpos) <= self.reach
+            if self.window_rule == "strict":
+                mask = mask | (kpos >= pos)
         if ctx_mask is not None:  # training: per-sample valid context rows [B, n] (left padding is masked out)
             valid = mx.concatenate([ctx_mask, mx.ones((B_, L), dtype=mx.bool_)], axis=1)[:, None, None, :]
             mask = valid if mask is None else (mask[None, None] & valid)

@@ -26,6 +26,7 @@ class DFlashDrafter:
     """
 
     kind = "dflash"
+    variant = "dflash"  # what stats and benchmark labels call it (`dflash2.DFlash2Drafter`: "dflash2")
 
     def __init__(self, assistant: Assistant, target, draft_logits: str = "target"):
         if draft_logits not in DRAFT_LOGITS:
@@ -155,17 +156,25 @@ def load_dflash(path: Path, raw: dict, target, *, dtype=None, draft_logits: str 
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
     check_fit(cfg, target, path)
-    weights = Assistant.sanitize(load_weights(path))
     assistant = Assistant(cfg)
+    load_module(assistant, Assistant.sanitize(load_weights(path)), path, raw, target, dtype)
+    return finish_loading(DFlashDrafter(assistant, target, draft_logits), path)
+
+
+def load_module(module, weights: dict, path, raw: dict, target, dtype=None) -> None:
+    """A drafter module's weights from its checkpoint (quantized like `glimmer convert -q` wrote them, when its
+    config says so), checked name by name and shape by shape, cast to `dtype` (None: the target's), evaluated."""
     if isinstance(raw.get("quantization"), dict):  # converted by `glimmer convert -q` (mlx-lm layout)
-        quantize_like(assistant, raw["quantization"], weights)
-    check_weights(assistant, weights, path, raw.get("quantization"), kind="drafter ", names_hint=None)
+        quantize_like(module, raw["quantization"], weights)
+    check_weights(module, weights, path, raw.get("quantization"), kind="drafter ", names_hint=None)
     dt = parse_dtype(dtype) or target.model.norm.weight.dtype
-    assistant.load_weights([(k, v.astype(dt) if mx.issubdtype(v.dtype, mx.floating) else v)
-                            for k, v in weights.items()], strict=True)
-    mx.eval(assistant.parameters())
-    assistant.eval()
-    d = DFlashDrafter(assistant, target, draft_logits)
-    d.source = str(path)
-    d.measured_tau = read_measured_tau(path, "dflash")  # τ measured when it was trained (auto's starting estimate)
-    return d
+    module.load_weights([(k, v.astype(dt) if mx.issubdtype(v.dtype, mx.floating) else v)
+                         for k, v in weights.items()], strict=True)
+    mx.eval(module.parameters())
+    module.eval()
+
+
+def finish_loading(drafter: DFlashDrafter, path) -> DFlashDrafter:
+    drafter.source = str(path)
+    drafter.measured_tau = read_measured_tau(path, "dflash")  # τ measured when it was trained (auto's estimate)
+    return drafter

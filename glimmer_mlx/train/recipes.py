@@ -22,6 +22,7 @@ from mlx.utils import tree_flatten
 
 from ..generate import generate
 from ..models.assistant import Assistant, AssistantConfig
+from ..models.dflash2 import DFlash2, DFlash2Config
 from ..models.mtp import MTPHead, mtp_text_config
 from .data import Sequence, pad_batch
 from .loop import TrainConfig, mean_loss, memory_estimate, run
@@ -77,6 +78,54 @@ def save_assistant(assistant: Assistant, folder: Path, dtype=mx.float32) -> None
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     mx.save_safetensors(str(folder / "model.safetensors"),
                         {k: v.astype(dtype) for k, v in tree_flatten(assistant.parameters())}, metadata={"format": "pt"})
+
+
+SELECTOR_WEIGHT = 1.0  # λ of DFlash 2's loss (module docstring)
+
+
+def new_dflash2_config(target, tokenizer, *, layers: int, block_size: int, target_layer_ids=None,
+                       mask_token_id=None, window=None) -> DFlash2Config:
+    """A fresh DFlash 2 drafter's config: v1's (`new_assistant_config`) plus the published convolution and selector
+    sizes (group 16, two taps, rank 256, top-16), scaled down where the target is smaller, and the target's own
+    logit multiplier and softcap as the draft logits'."""
+    base = new_assistant_config(target, tokenizer, layers=layers, block_size=block_size,
+                                target_layer_ids=target_layer_ids, mask_token_id=mask_token_id, window=window)
+    t = target.args
+    D = t.hidden_size
+    group = next(g for g in (16, 8, 4, 2, 1) if D % g == 0)
+    return DFlash2Config(**asdict(base), vocab_size=t.vocab_size, conv_group_size=group, conv_kernel_size=2,
+                         selector_rank=min(256, D), selector_top_k=min(16, t.vocab_size),
+                         output_multiplier=float(t.output_multiplier),
+                         final_logit_softcapping=t.final_logit_softcapping or None,
+                         num_target_layers=t.num_hidden_layers)
+
+
+def new_dflash2(cfg: DFlash2Config, seed: int = 0) -> DFlash2:
+    """Fresh weights: identity convolutions (base taps (1, 0), no correction: a v1 drafter at the start) and small
+    random codebooks (both factors of the bilinear term nonzero, so that both get gradients)."""
+    mx.random.seed(seed)
+    m = DFlash2(cfg)
+    D, K = cfg.hidden_size, cfg.conv_kernel_size
+    for layer in m.layers:
+        for c in (layer.attention_conv, layer.mlp_conv):
+            c.base_kernel = mx.concatenate([mx.ones((2, 1, D)), mx.zeros((2, K - 1, D))], axis=1)
+            c.kernel_projection.weight = mx.zeros_like(c.kernel_projection.weight)
+    sel = m.candidate_selector
+    sel.predecessor_codebook = 0.02 * mx.random.normal(sel.predecessor_codebook.shape)
+    sel.successor_codebook = 0.02 * mx.random.normal(sel.successor_codebook.shape)
+    mx.eval(m.parameters())
+    return m
+
+
+def save_dflash2(model: DFlash2, folder: Path, dtype=mx.float32) -> None:
+    """The published DFlash 2 layout (`DFlash2Config.to_dict` + model.safetensors without prefix), loadable by
+    `load_drafter`."""
+    cfg = model.config.to_dict()
+    cfg["dtype"] = "float32" if dtype == mx.float32 else "bfloat16"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    mx.save_safetensors(str(folder / "model.safetensors"),
+                        {k: v.astype(dtype) for k, v in tree_flatten(model.parameters())}, metadata={"format": "pt"})
 
 
 def save_mtp(head: MTPHead, target, folder: Path, dtype=mx.float32) -> None:
@@ -163,12 +212,43 @@ def dflash_loss(target, gamma: float, draft_logits: str = "target"):
     return loss_fn
 
 
+def dflash2_loss(target, gamma: float, selector_weight: float = SELECTOR_WEIGHT, parts: bool = False):
+    """DFlash CE on the checkpoint's draft logits + λ·selector CE (module docstring); parts: return
+    (total, dflash CE, selector CE)."""
+    def loss_fn(model: DFlash2, b: dict):
+        h = model(target.embed_raw(b["block"]), b["ctx"], b["pos"], ctx_mask=b["ctx_mask"])[:, 1:]
+        logits = model.draft_logits(target.lm_head_raw(h))  # [N, B−1, V]
+        labels, valid = b["labels"], b["valid"]
+        ce = nn.losses.cross_entropy(logits, labels, reduction="none")
+        decay = mx.exp(-mx.arange(ce.shape[1], dtype=mx.float32) / gamma)[None, :]
+        w = decay * valid
+        base = (ce * w).sum() / mx.maximum(w.sum(), 1e-6)
+        sel = model.candidate_selector
+        cand, unary = sel.candidates(logits)  # [N, B−1, k]
+        prev = mx.concatenate([b["block"][:, :1], labels[:, :-1]], axis=1)  # the true predecessor
+        prev_ok = mx.concatenate([mx.ones_like(valid[:, :1]), valid[:, :-1]], axis=1)
+        s = sel.scores(unary, sel.project(h), sel.successors(cand), prev)
+        hit = cand == labels[..., None]
+        covered = hit.any(axis=-1) & valid & prev_ok
+        sce = mx.logsumexp(s, axis=-1) - (s * hit).sum(axis=-1)
+        ws = decay * covered
+        selector = (sce * ws).sum() / mx.maximum(ws.sum(), 1e-6)
+        total = base + selector_weight * selector
+        return (total, base, selector) if parts else total
+
+    return loss_fn
+
+
 def train_dflash(target, tokenizer, train: list[Sequence], val: list[Sequence], out: Path, *,
-                 assistant: Assistant, cfg: TrainConfig, anchors_per_seq: int = 16, gamma: float | None = None,
-                 draft_logits: str = "target", resume: bool = False, console=None) -> dict:
+                 assistant: Assistant | DFlash2, cfg: TrainConfig, anchors_per_seq: int = 16,
+                 gamma: float | None = None, draft_logits: str = "target", resume: bool = False, console=None,
+                 selector_weight: float = SELECTOR_WEIGHT) -> dict:
+    """v1 (an `Assistant`) or DFlash 2 (a `DFlash2`: its own loss, its own layout) on the same batches."""
     B = assistant.config.block_size
     gamma = gamma or default_gamma(B)
-    loss_fn = dflash_loss(target, gamma, draft_logits)
+    v2 = isinstance(assistant, DFlash2)
+    loss_fn = dflash2_loss(target, gamma, selector_weight) if v2 else dflash_loss(target, gamma, draft_logits)
+    save = save_dflash2 if v2 else save_assistant
 
     def batches(epoch):
         rng = np.random.RandomState(cfg.seed * 1000 + epoch)  # anchors resampled every epoch
@@ -189,8 +269,8 @@ def train_dflash(target, tokenizer, train: list[Sequence], val: list[Sequence], 
         return mean_loss(vals)
 
     return run(assistant, loss_fn, batches, cfg=cfg, steps_per_epoch=n_items // cfg.batch_size, out=out,
-               save_weights=lambda d: save_assistant(assistant, d), val_fn=val_fn, resume=resume, console=console,
-               label="train dflash")
+               save_weights=lambda d: save(assistant, d), val_fn=val_fn, resume=resume, console=console,
+               label="train dflash2" if v2 else "train dflash")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,428 @@
+"""Tensor parallelism for the Glimmer target on MLX's distributed backend (`mx.distributed`, launched with
+`mlx.launch -n N --backend ring|jaccl|mpi`).
+
+Sharding (`shard_model`, Megatron-style, MLX's own sharded layers): per decoder layer the attention's q/k/v and its
+output gate are column-split by heads (`nn.AllToShardedLinear`), `o_proj` row-split (`nn.ShardedToAllLinear`, one
+`all_sum`); the MLP's gate/up column-split, `down_proj` row-split (one `all_sum`). Each rank keeps
+`num_attention_heads / N` query heads and `num_key_value_heads / N` KV heads — head h of rank r is global head
+r·H/N + h, so a GQA group never straddles ranks — and its KV caches hold only those heads. Everything that acts on
+the residual stream (the sandwich norms, the per-head weightless q/k norms, RoPE, the final norm) is replicated and
+runs on full hidden states, so every tap a drafter asks for is the full hidden state on every rank. Affine-quantized
+layers are sharded the same way (`nn.QuantizedAllToShardedLinear` / `nn.QuantizedShardedToAllLinear`).
+
+The vocabulary is split too (`VocabShardedEmbedding`, `VocabShardedHead`): rank r holds rows [r·V/N, (r+1)·V/N) of the
+embedding table and the lm_head; a lookup is a masked local lookup + `all_sum` (exact: one non-zero term per row), the
+logits are the local slice + `all_gather`. Why split rather than replicate lm_head: it is 202 048 × 6656 in Glimmer
+(2.7 GB in bf16 per copy, twice that with the untied embedding), and — the reason that decides it — the gathered
+logits are bitwise identical on every rank *by construction* (each slice is computed on exactly one rank and copied),
+whatever the ranks' kernels do differently. Every token decision (sampling, greedy argmax, speculative acceptance,
+the drafters' own drafts, which also go through the target's logits) is a function of gathered logits, the sampler's
+key chain (same seed on every rank: `agree_seed`) and earlier decisions, so by induction all ranks decide the same
+tokens and issue the same collectives in the same order: lockstep without a per-round broadcast. The drafters
+(DFlash, MTP) are replicated: they are small, and a broadcast of rank 0's drafts would add a round trip per round.
+`LockstepGuard` still checks it (a tiny `all_gather` of the committed tokens' hash every few chunks). `auto` chooses
+rounds by wall-clock timings measured per rank, so it is refused (`check_mode`).
+
+Loading (`load_sharded`): the model is built lazily (`loading.load_model(lazy=True)`: every check, no data read), then
+each sharded parameter is read from its safetensors shard as only this rank's slice (a memory-mapped file, the slice
+copied out), so a rank's peak memory is about its share of the weights plus the replicated norms.
+
+Failures: `init_group` (no backend, world size 1), `check_same` (ranks disagree on the model or the options:
+fingerprints compared with an `all_gather`), `DistributedError` when a peer is lost mid-generation (the ring backend
+raises at once when a peer's sockets close), and `Watchdog` bounds the wait when a peer hangs instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import sys
+import threading
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from .loading import CheckpointError, load_model, parse_dtype, read_safetensors_header, resolve_path, weight_files
+from .models.glimmer import Model
+from .tokenizer import TokenizerError, load_tokenizer
+
+STRATEGIES = ("tp",)  # pipeline parallelism ("pp") is not implemented
+LOCKSTEP_EVERY = 16  # chunks between two lockstep checks (and one at the end)
+DEFAULT_TIMEOUT = 600.0  # seconds without progress before a rank gives up (a peer hung): loading + a long prefill
+
+
+class DistributedError(RuntimeError):
+    """A distributed run that cannot start or continue; the message is one line naming the rank and the cause."""
+
+
+def init_group(backend: str = "any") -> mx.distributed.Group:
+    """The world group; DistributedError without a backend or with a single process."""
+    if not mx.distributed.is_available():
+        raise DistributedError("--distributed: this MLX build has no distributed backend (mx.distributed is "
+                               "unavailable)")
+    try:
+        group = mx.distributed.init(strict=True, backend=backend)
+    except RuntimeError as e:
+        raise DistributedError(f"--distributed: no distributed backend could be initialised ({e}); launch with "
+                               f"`mlx.launch -n 2 --backend ring -- glimmer …`") from None
+    if group.size() == 1:
+        raise DistributedError("--distributed: world size 1; launch with `mlx.launch -n 2 --backend ring -- "
+                               "glimmer …` (or --hosts h1,h2)")
+    return group
+
+
+# -- sharding ------------------------------------------------------------------------------------------------------
+
+def check_shardable(model: Model, n: int) -> None:
+    """ValueError naming the dimension that cannot be split evenly over `n` ranks."""
+    c = model.args
+    quant = model.config.quantization
+    problems = []
+    for name, v in (("num_attention_heads", c.num_attention_heads), ("num_key_value_heads", c.num_key_value_heads),
+                    ("intermediate_size", c.intermediate_size), ("vocab_size", c.vocab_size)):
+        if v % n:
+            problems.append(f"{name} {v} is not divisible by {n}")
+    if quant is not None:
+        gs = quant.get("group_size", 64)
+        for name, v in (("num_attention_heads·head_dim", c.num_attention_heads * c.head_dim),
+                        ("intermediate_size", c.intermediate_size)):
+            if v % n == 0 and (v // n) % gs:
+                problems.append(f"{name} / {n} = {v // n} (a row-split layer's input) is not a multiple of the "
+                                f"quantization group size {gs}")
+    if problems:
+        raise ValueError(f"tensor parallelism over {n} ranks: " + "; ".join(problems))
+
+
+class InMemorySlices:
+    """Slices of a model's own (loaded or lazy) parameters."""
+
+    def __init__(self, model: nn.Module):
+        self.params = dict(tree_flatten(model.parameters()))
+
+    def take(self, name: str, axis: int, rank: int, n: int) -> mx.array:
+        w = self.params[name]
+        size = w.shape[axis] // n
+        idx = [slice(None)] * w.ndim
+        idx[axis] = slice(rank * size, (rank + 1) * size)
+        return mx.contiguous(w[tuple(idx)])
+
+
+_NP = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "U32": np.uint32, "I32": np.int32, "U8": np.uint8,
+       "I8": np.int8, "U16": np.uint16, "I16": np.int16, "I64": np.int64, "U64": np.uint64, "F64": np.float64}
+
+
+class FileSlices:
+    """Slices read straight from a checkpoint's safetensors shards (memory-mapped; only the slice is copied out), cast
+    as `loading.load_model` casts (floating tensors to `dtype` when given)."""
+
+    def __init__(self, path: Path, dtype=None):
+        self.dtype = parse_dtype(dtype)
+        self.where: dict[str, tuple[Path, int, str, tuple]] = {}  # checkpoint name -> (file, data offset, dtype, shape)
+        for f in weight_files(path):
+            header = read_safetensors_header(f)
+            with open(f, "rb") as fh:
+                start = 8 + struct.unpack("<Q", fh.read(8))[0]
+            for k, info in header.items():
+                self.where[k] = (f, start + info["data_offsets"][0], info["dtype"], tuple(info["shape"]))
+        text, _ = Model.sanitize({k: k for k in self.where})
+        self.names = text  # model parameter name -> checkpoint name
+
+    def take(self, name: str, axis: int, rank: int, n: int) -> mx.array:
+        ck = self.names.get(name)
+        if ck is None:
+            raise CheckpointError(f"sharded load: parameter {name!r} has no tensor in the checkpoint")
+        f, offset, st, shape = self.where[ck]
+        if st not in _NP:
+            raise CheckpointError(f"{f}: tensor '{ck}' has dtype {st}, which sharded loading cannot slice")
+        mm = np.memmap(f, dtype=_NP[st], mode="r", offset=offset, shape=shape)
+        axis = axis % len(shape)
+        size = shape[axis] // n
+        idx = [slice(None)] * len(shape)
+        idx[axis] = slice(rank * size, (rank + 1) * size)
+        a = mx.array(np.ascontiguousarray(mm[tuple(idx)]))
+        del mm
+        if st == "BF16":
+            a = a.view(mx.bfloat16)
+        if self.dtype is not None and mx.issubdtype(a.dtype, mx.floating):
+            a = a.astype(self.dtype)
+        mx.eval(a)
+        return a
+
+
+def _is_quantized(m) -> bool:
+    return isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+
+
+def _linear_params(m) -> list[str]:
+    return [k for k in ("weight", "scales", "biases", "bias") if k in m]
+
+
+def shard_linear(m: nn.Module, path: str, how: str, src, group) -> nn.Module:
+    """`m` (Linear or QuantizedLinear at `path`) as MLX's sharded layer holding this rank's slice: `how` is
+    "all-to-sharded" (output rows split) or "sharded-to-all" (input columns split, an all_sum after)."""
+    r, n = group.rank(), group.size()
+    quant = _is_quantized(m)
+    out_dims = m.weight.shape[0]
+    in_dims = m.weight.shape[1] * 32 // m.bits if quant else m.weight.shape[1]
+    bias = "bias" in m
+    if how == "all-to-sharded":
+        cls = nn.QuantizedAllToShardedLinear if quant else nn.AllToShardedLinear
+    else:
+        cls = nn.QuantizedShardedToAllLinear if quant else nn.ShardedToAllLinear
+    kw = dict(group_size=m.group_size, bits=m.bits, mode=getattr(m, "mode", "affine")) if quant else {}
+    sl = cls(in_dims, out_dims, bias, group=group, **kw)
+    new = {}
+    for k in _linear_params(m):
+        if how == "all-to-sharded":
+            new[k] = src.take(f"{path}.{k}", 0, r, n)
+        elif k == "bias":
+            new[k] = src.take(f"{path}.{k}", 0, 0, 1)  # added after the all_sum: the full bias on every rank
+        else:
+            new[k] = src.take(f"{path}.{k}", -1, r, n)
+    if quant and "biases" not in new:
+        sl.biases = None
+    sl.update(new)
+    return sl
+
+
+def gather_last(z: mx.array, group) -> mx.array:
+    """Concatenate every rank's `z` along its last axis (rank order); one all_gather."""
+    n, shape = group.size(), z.shape
+    g = mx.distributed.all_gather(z.reshape(-1, shape[-1]), group=group)  # [n·M, Vr], rank-major
+    return g.reshape(n, -1, shape[-1]).transpose(1, 0, 2).reshape(*shape[:-1], n * shape[-1])
+
+
+class VocabShardedEmbedding(nn.Module):
+    """Rows [start, start + rows) of an embedding table (float or affine-quantized). `__call__` is the full lookup
+    (local rows, zeros elsewhere, all_sum); `as_linear` the full logits (local slice, all_gather)."""
+
+    def __init__(self, weight, start: int, vocab: int, group, *, scales=None, biases=None, group_size=None,
+                 bits=None, mode="affine"):
+        super().__init__()
+        self.weight = weight
+        if scales is not None:
+            self.scales = scales
+            if biases is not None:
+                self.biases = biases
+        self.start, self.rows, self.vocab = start, weight.shape[0], vocab
+        self.quant = None if scales is None else (group_size, bits, mode)
+        self.group = group
+        self.freeze()
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.rows)
+        local = mx.where(inside, local, 0)
+        if self.quant is None:
+            e = self.weight[local]
+        else:
+            gs, bits, mode = self.quant
+            b = self.get("biases")
+            e = mx.dequantize(self.weight[local], scales=self.scales[local],
+                              biases=b[local] if b is not None else None, group_size=gs, bits=bits, mode=mode)
+        e = mx.where(inside[..., None], e, mx.zeros((), e.dtype))
+        return mx.distributed.all_sum(e, group=self.group)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        if self.quant is None:
+            z = x @ self.weight.T
+        else:
+            gs, bits, mode = self.quant
+            z = mx.quantized_matmul(x, self.weight, scales=self.scales, biases=self.get("biases"), transpose=True,
+                                    group_size=gs, bits=bits, mode=mode)
+        return gather_last(z, self.group)
+
+
+class VocabShardedHead(nn.Module):
+    """An untied lm_head split by vocabulary rows (MLX's column-parallel layer) with the logits gathered."""
+
+    def __init__(self, shard: nn.Module, group):
+        super().__init__()
+        self.shard = shard
+        self.group = group
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return gather_last(self.shard(x), self.group)
+
+
+def shard_embedding(m: nn.Module, src, group, vocab: int) -> VocabShardedEmbedding:
+    r, n = group.rank(), group.size()
+    w = src.take("model.embed_tokens.weight", 0, r, n)
+    if not _is_quantized(m):
+        return VocabShardedEmbedding(w, r * (vocab // n), vocab, group)
+    biases = src.take("model.embed_tokens.biases", 0, r, n) if "biases" in m else None
+    return VocabShardedEmbedding(w, r * (vocab // n), vocab, group, scales=src.take("model.embed_tokens.scales", 0, r, n),
+                                 biases=biases, group_size=m.group_size, bits=m.bits, mode=getattr(m, "mode", "affine"))
+
+
+def shard_model(model: Model, group, src=None) -> Model:
+    """Tensor-parallel `model` in place over `group` (see the module docstring); `src`: where the slices come from
+    (`FileSlices` for a sharded load; default: the model's own parameters). Returns the model."""
+    n = group.size()
+    check_shardable(model, n)
+    src = src if src is not None else InMemorySlices(model)
+    for i, layer in enumerate(model.model.layers):
+        p = f"model.layers.{i}"
+        a = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj", "gate_proj"):
+            setattr(a, name, shard_linear(getattr(a, name), f"{p}.self_attn.{name}", "all-to-sharded", src, group))
+        a.o_proj = shard_linear(a.o_proj, f"{p}.self_attn.o_proj", "sharded-to-all", src, group)
+        a.n_heads //= n
+        a.n_kv //= n
+        mlp = layer.mlp
+        mlp.gate_proj = shard_linear(mlp.gate_proj, f"{p}.mlp.gate_proj", "all-to-sharded", src, group)
+        mlp.up_proj = shard_linear(mlp.up_proj, f"{p}.mlp.up_proj", "all-to-sharded", src, group)
+        mlp.down_proj = shard_linear(mlp.down_proj, f"{p}.mlp.down_proj", "sharded-to-all", src, group)
+    model.model.embed_tokens = shard_embedding(model.model.embed_tokens, src, group, model.args.vocab_size)
+    if not model.args.tie_word_embeddings:
+        model.lm_head = VocabShardedHead(shard_linear(model.lm_head, "lm_head", "all-to-sharded", src, group), group)
+    model.tp_group = group
+    return model
+
+
+def load_sharded(path_or_repo, group, dtype=None):
+    """(model, tokenizer) with this rank's slices of the target only: lazy build and checks, slices read from the
+    shards, the replicated rest evaluated. The MTP weights stay lazy (the drafter loads them whole)."""
+    path = resolve_path(path_or_repo)
+    model = load_model(path, dtype, lazy=True)
+    check_shardable(model, group.size())
+    shard_model(model, group, FileSlices(path, dtype))
+    mx.eval(model.parameters())
+    try:
+        tokenizer = load_tokenizer(path, model.config)
+    except (TokenizerError, OSError, ValueError) as e:
+        raise CheckpointError(str(e)) from None
+    return model, tokenizer
+
+
+def local_weight_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters this rank holds."""
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+# -- agreement between ranks ---------------------------------------------------------------------------------------
+
+def checkpoint_fingerprint(path_or_repo) -> str:
+    """sha256 of config.json, every weight file's name, size and safetensors header, and its first 64 KiB of data."""
+    path = resolve_path(path_or_repo)
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    for f in weight_files(path):
+        with open(f, "rb") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            h.update(f.name.encode() + str(f.stat().st_size).encode() + fh.read(n) + fh.read(65536))
+    return h.hexdigest()
+
+
+def _digest_ints(text: str) -> mx.array:
+    d = hashlib.sha256(text.encode()).digest()[:16]
+    return mx.array(np.frombuffer(d, dtype=np.int32).copy())
+
+
+def check_same(group, **values) -> None:
+    """DistributedError unless every rank passes the same `values` (each compared by a hash, one all_gather)."""
+    names = sorted(values)
+    mine = mx.stack([_digest_ints(json.dumps(values[k], sort_keys=True, default=str)) for k in names])
+    every = np.array(mx.distributed.all_gather(mine[None], group=group))  # [N, len(names), 4]
+    for i, k in enumerate(names):
+        differ = [r for r in range(every.shape[0]) if not np.array_equal(every[r, i], every[0, i])]
+        if differ:
+            raise DistributedError(f"--distributed: ranks disagree on the {k}: rank(s) {differ} differ from rank 0 "
+                                   f"(this is rank {group.rank()}); give every rank the same {k}")
+
+
+def broadcast_ints(values: list[int] | None, group) -> list[int]:
+    """Rank 0's list of non-negative ints on every rank (others pass anything, e.g. None)."""
+    mine = values if group.rank() == 0 else []
+    n = int(mx.distributed.all_sum(mx.array(len(mine), dtype=mx.int32), group=group).item())
+    buf = mx.array(mine, dtype=mx.int32) if group.rank() == 0 else mx.zeros((n,), dtype=mx.int32)
+    return [int(x) for x in np.array(mx.distributed.all_sum(buf, group=group))] if n else []
+
+
+def agree_seed(seed: int | None, group) -> int:
+    """Rank 0's seed (its own random one when None) on every rank: seeded sampling must draw the same keys."""
+    if seed is None and group.rank() == 0:
+        seed = int.from_bytes(os.urandom(3), "little")
+    return broadcast_ints([seed] if group.rank() == 0 else None, group)[0]
+
+
+def check_mode(mode: str, width) -> None:
+    """ValueError for decoding that is not lockstep-safe across ranks (wall-clock choices)."""
+    if mode == "auto" or width == "auto":
+        raise ValueError("--distributed: 'auto' chooses rounds from wall-clock timings measured on each rank, which "
+                         "differ between ranks; give --mode ar|dflash|mtp|ngram and an integer --block-size")
+
+
+# -- bounded waits and lockstep ------------------------------------------------------------------------------------
+
+class Watchdog:
+    """Exits the process with one error line when `beat` is not called for `timeout` seconds (a peer that hangs
+    leaves this rank blocked inside a collective, where no exception can reach it)."""
+
+    def __init__(self, timeout: float, rank: int, what: str = "progress"):
+        self.timeout, self.rank, self.what = timeout, rank, what
+        self._last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def beat(self) -> None:
+        self._last = time.monotonic()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(min(1.0, self.timeout / 4)):
+            idle = time.monotonic() - self._last
+            if idle > self.timeout:
+                sys.stderr.write(f"error: rank {self.rank}: no {self.what} for {idle:.0f} s (another rank died or "
+                                 f"hung); exiting\n")
+                sys.stderr.flush()
+                os._exit(3)
+
+
+class LockstepGuard:
+    """Counts and hashes the committed tokens; `check` compares them across ranks (one small all_gather)."""
+
+    def __init__(self, group):
+        self.group, self.count, self.hash = group, 0, 0
+
+    def add(self, tokens) -> None:
+        for t in tokens:
+            self.hash = (self.hash * 1000003 + int(t) + 1) % 2147483647
+            self.count += 1
+
+    def check(self) -> None:
+        every = np.array(mx.distributed.all_gather(mx.array([[self.count, self.hash]], dtype=mx.int32),
+                                                   group=self.group))
+        if not (every == every[0]).all():
+            raise DistributedError(f"rank {self.group.rank()}: ranks diverged (committed tokens per rank: "
+                                   f"{every[:, 0].tolist()}, hashes differ); stopping")
+
+
+def lockstep(chunks, group, *, timeout: float = DEFAULT_TIMEOUT, every: int = LOCKSTEP_EVERY):
+    """Pass a token stream's chunks (objects with `.tokens`) through, checking lockstep every `every` chunks and at the
+    end, with a `Watchdog` over the whole stream; a lost peer becomes a one-line DistributedError."""
+    guard, dog = LockstepGuard(group), Watchdog(timeout, group.rank(), "progress from the other ranks")
+    try:
+        for i, chunk in enumerate(chunks):
+            dog.beat()
+            guard.add(getattr(chunk, "tokens", ()) or ())
+            if (i + 1) % every == 0:
+                guard.check()
+            yield chunk
+        dog.beat()
+        guard.check()
+    except RuntimeError as e:
+        if isinstance(e, DistributedError) or "[ring]" not in str(e) and "[mpi]" not in str(e) \
+                and "[jaccl]" not in str(e):
+            raise
+        raise DistributedError(f"rank {group.rank()}: lost contact with another rank mid-generation ({e})") from None
+    finally:
+        dog.stop()

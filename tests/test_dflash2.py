@@ -192,11 +192,14 @@ def test_layer_wiring_matches_numpy(target, tmp_path):
     np.testing.assert_allclose(got, want, atol=2e-4)
 
 
-def test_identity_conv_equals_v1(target, tmp_path):
-    """With identity convolutions (base taps (1, 0), no correction) and a window no query reaches past, DFlash 2's
-    layers are v1's: the same weights in v1's module (whose oracle is transformers) give the same hidden states."""
+@pytest.mark.parametrize("window", [4096, 6, 4])
+def test_identity_conv_equals_v1(target, tmp_path, window):
+    """With identity convolutions (base taps (1, 0), no correction) DFlash 2's layers are v1's, whose oracle is
+    transformers: the same weights in v1's module give the same hidden states, with v1's inclusive window one
+    smaller (DFlash 2 sees a context key iff q − k < W, i.e. q − k <= W − 1; block keys always, which W − 1 >=
+    B − 1 makes the same). Context longer than the window, fed through the caches in chunks."""
     raw = tiny_config()
-    raw["sliding_window"] = 4096
+    raw["sliding_window"] = window
     d = load_drafter(write_checkpoint(tmp_path / "d", raw), target)
     for layer in d.assistant.layers:
         for c in (layer.attention_conv, layer.mlp_conv):
@@ -204,8 +207,9 @@ def test_identity_conv_equals_v1(target, tmp_path):
             bk[:, 0] = 1.0
             c.base_kernel = mx.array(bk)
             c.kernel_projection.weight = mx.zeros_like(c.kernel_projection.weight)
-    v1cfg = AssistantConfig.from_fields({k: v for k, v in vars(d.config).items() if k in AssistantConfig.__dataclass_fields__})
-    v1 = Assistant(v1cfg)
+    fields = {k: v for k, v in vars(d.config).items() if k in AssistantConfig.__dataclass_fields__}
+    fields["sliding_window"] = window - 1
+    v1 = Assistant(AssistantConfig.from_fields(fields))
     w = dict(tree_flatten(d.assistant.parameters()))
     v1w = {("encoder.fc.weight" if k == "fc.weight" else "encoder.output_norm_enc.weight"
             if k == "hidden_norm.weight" else k): v for k, v in w.items()
@@ -213,8 +217,14 @@ def test_identity_conv_equals_v1(target, tmp_path):
     v1.load_weights(list(v1w.items()), strict=True)
     rng = np.random.RandomState(2)
     noise = mx.array(rng.randn(1, 4, 64).astype(np.float32))
-    ctx = mx.array(rng.randn(1, 7, 128).astype(np.float32))
-    np.testing.assert_allclose(np.array(d.assistant(noise, ctx, 7)), np.array(v1(noise, ctx, 7)), atol=1e-4)
+    ctx = mx.array(rng.randn(1, 20, 128).astype(np.float32))
+    np.testing.assert_allclose(np.array(d.assistant(noise, ctx, 20)), np.array(v1(noise, ctx, 20)), atol=1e-4)
+    c2, c1 = d.assistant.make_cache(), v1.make_cache()
+    for a, b in ((0, 9), (9, 13), (13, 20)):
+        h2 = d.assistant(noise, ctx[:, a:b], b, c2)
+        h1 = v1(noise, ctx[:, a:b], b, c1)
+    np.testing.assert_allclose(np.array(h2), np.array(h1), atol=1e-4)
+    np.testing.assert_allclose(np.array(h2), np.array(d.assistant(noise, ctx, 20)), atol=1e-4)
 
 
 def np_walk(logits, hid, anchor, Wh, A, Bc, top_k, temp=None, drafts=None):
@@ -520,3 +530,12 @@ def test_trained_dflash2_beats_v1(tmp_path):
     for p in held[:3]:
         assert glimmer_mlx.generate(model, p, max_tokens=40, drafter=d).tokens == \
             glimmer_mlx.generate(model, p, max_tokens=40).tokens
+
+
+def test_bench_label(target, tmp_path):
+    from glimmer_mlx.bench.settings import expand_modes, variant_label
+
+    d = load_drafter(write_checkpoint(tmp_path / "d", tiny_config()), target)
+    modes = expand_modes(["dflash", "auto"], [16, "auto"], [1])
+    assert [variant_label(m, d.variant) for m in modes] == ["ar", "dflash2-b16", "dflash2-auto", "auto"]
+    assert [variant_label(m, "dflash") for m in modes] == modes

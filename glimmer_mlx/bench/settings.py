@@ -85,6 +85,15 @@ def decode_spec(mode: str) -> DecodeSpec | None:
     return DecodeSpec(mode)
 
 
+def variant_label(mode: str, dflash_variant: str | None) -> str:
+    """An expanded mode's label in results and reports: `dflash-b16` → `dflash2-b16` (`dflash-auto` →
+    `dflash2-auto`) when the loaded DFlash drafter is a DFlash 2 one (`DFlashDrafter.variant`), which serves mode
+    dflash; every other mode as it is."""
+    if dflash_variant and dflash_variant != "dflash" and mode.startswith("dflash-"):
+        return dflash_variant + mode[len("dflash"):]
+    return mode
+
+
 @dataclass
 class BenchSettings:
     profile: str = "default"

@@ -265,7 +265,7 @@ def test_greedy_identity_eos_and_max_tokens_inside_a_tree(model):
 def test_tree_mode_errors(model):
     from glimmer_mlx.strategy import make_tree_decoder
 
-    with pytest.raises(ModeError, match="n-gram lookup only"):
+    with pytest.raises(ModeError, match="implemented for n-gram lookup and MTP only"):
         glimmer_mlx.generate(model, [5, 6], max_tokens=3, tree=4)
     for bad in (0, 65, "x"):
         with pytest.raises(ModeError, match="tree nodes"):
@@ -421,3 +421,69 @@ def test_tree_sampling_broken_residual_is_detected(small_model, monkeypatch):
     n = 1200
     counts, _ = _tree_counts(small_model, params, n)
     assert _worst(counts, joint, n) > 1.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# MTP trees: the chain plus the next most likely tokens at each depth
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tiny_checkpoint):
+    from hf_fixtures import build_hf_mtp, save_mtp_weights
+
+    path, hf = tiny_checkpoint(seed=4, num_mtp_layers=2, mtp_layer_types=["sliding_attention", "full_attention"])
+    save_mtp_weights(build_hf_mtp(hf, 2, seed=1), path)
+    m, _ = glimmer_mlx.load(path)
+    m.eos_token_ids = set()
+    return m, glimmer_mlx.load_drafter(path, m)
+
+
+@pytest.mark.parametrize("depth,nodes", [(2, 6), (3, 9), (1, 4)])
+def test_greedy_identity_mtp_trees(mtp_model, depth, nodes):
+    model, drafter = mtp_model
+    for seed, n in [(4, 3), (6, 30)]:
+        ids = np.random.default_rng(seed).integers(10, V, n).tolist()
+        plain = glimmer_mlx.generate(model, ids, max_tokens=50).tokens
+        r = glimmer_mlx.generate(model, ids, max_tokens=50, drafter=drafter, block_size=depth, tree=nodes)
+        assert r.tokens == plain
+        assert r.stats.extra["mean_tree_rows"] > depth + 1  # alternatives were verified beside the chain
+    for m in (1, 2, 5):
+        assert glimmer_mlx.generate(model, ids, max_tokens=m, drafter=drafter, block_size=depth,
+                                    tree=nodes).tokens == plain[:m]
+
+
+def test_mtp_tree_shape(mtp_model):
+    model, drafter = mtp_model
+    from glimmer_mlx.strategy import make_tree_decoder
+
+    ids = np.random.default_rng(1).integers(10, V, 12).tolist()
+    dec = make_tree_decoder(model, drafter, Sampler(SamplingParams()), nodes=7, block_size=2)
+    dec.prefill(ids)
+    dec.step(20)
+    dec.step(20)
+    t = dec.last_tree
+    # the chain (nodes 1, 2), then alternatives at depths 1, 2, 1, 2, 1 (round robin, shallow first)
+    assert t.parents == [-1, 0, 1, 0, 1, 0, 1, 0] and t.depths == [0, 1, 2, 1, 2, 1, 2, 1]
+
+
+@pytest.mark.slow
+def test_mtp_tree_sampling_matches_target_distribution(tiny_checkpoint):
+    """T = 1 with MTP trees: the chain's nodes sampled from q (their q rows), the alternatives point masses."""
+    from hf_fixtures import build_hf_mtp, save_mtp_weights
+
+    path, hf = tiny_checkpoint(seed=3, vocab_size=V_SMALL, num_mtp_layers=2,
+                               mtp_layer_types=["sliding_attention", "full_attention"])
+    save_mtp_weights(build_hf_mtp(hf, 2, seed=2), path)
+    model, _ = glimmer_mlx.load(path)
+    model.eos_token_ids = set()
+    drafter = glimmer_mlx.load_drafter(path, model)
+    params = SamplingParams(temperature=1.0)
+    prompt = [3, 7, 2, 9, 4]
+    joint = _exact_joint(model, prompt, params)
+    n = 1500
+    counts = np.zeros((V_SMALL,) * 3)
+    for seed in range(n):
+        r = glimmer_mlx.generate(model, prompt, max_tokens=3, temperature=1.0, seed=seed, drafter=drafter,
+                                 block_size=2, tree=6)
+        counts[tuple(r.tokens)] += 1
+    assert _worst(counts, joint, n) < 1.0

@@ -50,7 +50,7 @@ BlockSize = Annotated[Optional[str], typer.Option("--block-size", help="Width: D
                                                   "drafts per round, or 'auto' (per round); default: as trained.")]
 Tree = Annotated[Optional[int], typer.Option("--tree", help="Token-tree verification: up to N draft nodes per round, "
                                              "several candidate continuations in one verify forward (--mode ngram "
-                                             "only; --block-size is then the most drafts per path).")]
+                                             "or mtp; --block-size is then the most drafts per path).")]
 Dtype = Annotated[Optional[str], typer.Option("--dtype", help="bf16 | fp16 | fp32 (default: checkpoint dtype).")]
 MaxContext = Annotated[Optional[int], typer.Option("--max-context", help="Context limit in tokens (default: the "
                                                    "model's max_position_embeddings).")]

@@ -6,6 +6,12 @@ final-normed hidden state) and predicts the token at p+1 — transformers' `MtpM
 first processes the newly committed positions (those rows are final and stay cached), then depths 0..k−1 extend
 the chain over the drafted tokens: depth d's row at T+d (T = the anchor's position… see `propose`) yields draft d+1.
 Draft rows are rewound right away, so a rejected draft never leaves state behind and nothing needs recomputing.
+
+Trees (`propose_tree`): the chain, plus at each depth the next most likely tokens of that depth's distribution as
+extra leaves (siblings of the chain's node there), within a node budget, shallow depths first. The state only ever
+holds committed rows, so any accepted path is committed as the chain's accepted prefix is. For lossless sampling
+the chain's node at a depth was sampled from q (its q row) and the alternatives are chosen deterministically given
+it (the most likely others), so each alternative's q is a point mass (verify.verify_tree_sampling).
 """
 
 from __future__ import annotations
@@ -18,8 +24,12 @@ from ..cache import CacheRewindError
 from ..config import ConfigError
 from ..loading import CheckpointError, check_weights, load_weights, parse_dtype, quantize_like, read_json, resolve_path
 from ..models.mtp import MTPHead, mtp_text_config
+from ..sampling import apply_repetition_penalty, history_window
 from .protocol import MeasuredTau, read_measured_tau
+from .tree import TokenTree
 from .verify import draft_tokens
+
+MAX_ALTERNATIVES = 3  # extra leaves per depth in a tree
 
 MAX_DEPTH = 16
 
@@ -124,11 +134,51 @@ class MTPDrafter:
 
     def propose(self, anchor: int, pos: int, k: int, sampler, history: list[int]):
         """Drafts for positions T+1..T+k, the anchor (last committed token) being at T = `pos`."""
+        drafts, q_rows, _ = self.draft_chain(anchor, pos, k, sampler, history)
+        return drafts, (mx.concatenate(q_rows) if q_rows else None)
+
+    def enable_trees(self) -> None:
+        """Nothing to keep: trees come from the chain's own distributions."""
+
+    def propose_tree(self, anchor: int, pos: int, depth: int, budget: int, sampler, history: list[int]):
+        """The chain of up to `depth` drafts (fewer when the budget is smaller), and with the rest of `budget` the
+        next most likely tokens at each depth as leaves beside the chain's node (at most MAX_ALTERNATIVES per
+        depth, shallow depths first). Returns (tree, q): q[c] the q row node c was sampled from (chain nodes at
+        T > 0), None for a deterministic node (a point mass); q None at greedy."""
+        depth = min(depth, budget)
+        drafts, q_rows, logit_rows = self.draft_chain(anchor, pos, depth, sampler, history)
+        k = len(drafts)
+        params = sampler.params
+        ranked = []  # per depth: the other tokens, most likely first
+        for d in range(k):
+            if params.greedy:
+                x = apply_repetition_penalty(logit_rows[d].astype(mx.float32),
+                                             history_window(params, history + drafts[:d]), params.repetition_penalty)
+            else:
+                x = q_rows[d]
+            order = mx.argsort(-x[0])[:MAX_ALTERNATIVES + 1].tolist()
+            vals = x[0][mx.array(order, dtype=mx.int32)].tolist()
+            ranked.append([t for t, v in zip(order, vals) if t != drafts[d] and v > -float("inf")][:MAX_ALTERNATIVES])
+        tokens, parents = [anchor] + drafts, list(range(-1, k))
+        left = budget - k
+        for r in range(MAX_ALTERNATIVES):
+            for d in range(k):
+                if left > 0 and r < len(ranked[d]):
+                    tokens.append(ranked[d][r])
+                    parents.append(d)  # the chain's node at depth d (the root for d = 0)
+                    left -= 1
+        tree = TokenTree(tokens, parents)
+        if params.greedy:
+            return tree, None
+        return tree, [None] + list(q_rows) + [None] * (len(tree) - 1 - k)
+
+    def draft_chain(self, anchor: int, pos: int, k: int, sampler, history: list[int]):
+        """(drafts, their q rows [1, V] each (none at greedy), the raw draft logits [1, V] at each depth)."""
         T = pos
         if self.tokens[-1] != anchor or len(self.tokens) != T + 1:
             raise RuntimeError("MTP drafter out of sync with the target (tokens and positions disagree)")
         prev, prev_start = self.main, self.main_pos  # depth −1: target hidden rows from position main_pos
-        drafts, q_rows = [], []
+        drafts, q_rows, logit_rows = [], [], []
         for d in range(self.depth):
             cache = self.caches[d]
             first = cache.offset  # committed rows first..T, then n_draft rows over d_1..d_n_draft
@@ -149,7 +199,9 @@ class MTPDrafter:
             if d < k and out is None:
                 k = d  # nothing to draft from at this depth yet (prompt shorter than the chain)
             if d < k:
-                dt, q = draft_tokens(self.logits(out[0, -1:]), sampler, history + drafts)
+                z = self.logits(out[0, -1:])
+                logit_rows.append(z)
+                dt, q = draft_tokens(z, sampler, history + drafts)
                 drafts.append(dt[0])
                 if q is not None:
                     q_rows.append(q)
@@ -161,7 +213,7 @@ class MTPDrafter:
             else:
                 prev, prev_start = out, first
         self.main, self.main_pos = None, T  # consumed; the next accept brings the rows from position T on
-        return drafts, (mx.concatenate(q_rows) if q_rows else None)
+        return drafts, q_rows, logit_rows
 
 
 def load_mtp(path_or_repo, target, *, depth=None, dtype=None, draft_logits: str = "target") -> MTPDrafter:

@@ -143,9 +143,10 @@ def sample_row(p: np.ndarray, u: float) -> int:
 
 def verify_tree_sampling(p_logprobs: mx.array, tree: TokenTree, q_logprobs: mx.array | None, sampler: Sampler):
     """Multi-candidate recursive rejection sampling (SpecInfer; module docstring). p_logprobs [N, V]: the target's
-    processed log-probabilities at each node; q_logprobs [N, V]: row c (c >= 1) the processed distribution node c's
-    token was drawn from given its earlier siblings, or None when every node is a deterministic candidate (point
-    masses). Returns (accepted nodes root-first without the root, next token). Exact arithmetic in float64."""
+    processed log-probabilities at each node; q_logprobs: [N, V] or a list of N rows ([V] or [1, V]; None for a
+    deterministic node, a point mass), row c (c >= 1) the processed distribution node c's token was drawn from
+    given its earlier siblings; or None when every node is a deterministic candidate. Returns (accepted nodes
+    root-first without the root, next token). Exact arithmetic in float64."""
     u = np.array(sampler.uniform((len(tree),)), dtype=np.float64)  # at most N - 1 sibling tests + 1 final draw
     ui, node, path = 0, 0, []
     p = np.exp(np.array(p_logprobs[0].astype(mx.float32), dtype=np.float64))
@@ -153,7 +154,8 @@ def verify_tree_sampling(p_logprobs: mx.array, tree: TokenTree, q_logprobs: mx.a
         moved = False
         for c in tree.children[node]:
             x = tree.tokens[c]
-            q = None if q_logprobs is None else np.exp(np.array(q_logprobs[c].astype(mx.float32), dtype=np.float64))
+            row = None if q_logprobs is None else q_logprobs[c]
+            q = None if row is None else np.exp(np.array(row.reshape(-1).astype(mx.float32), dtype=np.float64))
             qx = 1.0 if q is None else q[x]
             accept = p[x] > 0 and u[ui] * qx <= p[x]
             ui += 1

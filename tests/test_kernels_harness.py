@@ -4,11 +4,13 @@ qmm}.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from glimmer_mlx.kernels import accept
+from glimmer_mlx.kernels import accept, attention
 from glimmer_mlx.kernels._core import KernelCall, KernelSpec, kernel_dir
 from msl_harness import harness
 
@@ -185,3 +187,155 @@ def test_strided_inputs_are_real_views_when_not_forced_contiguous():
         c = KernelCall(spec, [x], [(12,)], [mx.float32], (4, 3, 1), (4, 3, 1))
         out = np.array(harness.run(c)[0])
         assert np.array_equal(out, np.arange(12, dtype=np.float32)) == ok
+
+
+# -- memory flags, write races, out-of-bounds reads -------------------------------------------------------------------
+EXCHANGE = """
+uint t = thread_index_in_threadgroup;
+threadgroup float buf[64];
+buf[t] = float(t) + 1.0f;
+threadgroup_barrier(mem_flags::mem_threadgroup);
+out[t] = buf[(t + 1) % 64];
+"""
+
+
+def exchange(body, tg=64):
+    return call(body, [mx.zeros((1,))], ["dummy"], (64,), mx.float32, (64, 1, 1), (tg, 1, 1))
+
+
+def test_a_barrier_without_mem_threadgroup_does_not_publish_threadgroup_writes():
+    """Metal: threadgroup_barrier(mem_none) synchronises execution only; another thread's threadgroup write need
+    not be visible after it. The harness publishes threadgroup writes only at barriers with mem_threadgroup."""
+    np.testing.assert_array_equal(np.array(harness.run(exchange(EXCHANGE))[0]), (np.arange(64) + 1) % 64 + 1)
+    for flags in ("mem_none", "mem_device"):
+        body = EXCHANGE.replace("mem_flags::mem_threadgroup", f"mem_flags::{flags}")
+        with pytest.raises(harness.HarnessError, match="no barrier with mem_flags::mem_threadgroup published"):
+            harness.run(exchange(body))
+        # the plain shared-memory model (what the harness did before) would have accepted it
+        out = harness.run_once(exchange(body), strict=False)[0]
+        np.testing.assert_array_equal(out, (np.arange(64) + 1) % 64 + 1)
+    # flags combined with | still publish
+    both = EXCHANGE.replace("mem_flags::mem_threadgroup", "mem_flags::mem_threadgroup | mem_flags::mem_device")
+    np.testing.assert_array_equal(np.array(harness.run(exchange(both))[0]), (np.arange(64) + 1) % 64 + 1)
+
+
+def test_simdgroup_barrier_with_mem_threadgroup_publishes_its_lanes_writes():
+    """(The harness then publishes them to the whole threadgroup, more than Metal promises to other simdgroups.)"""
+    inside = EXCHANGE.replace("buf[(t + 1) % 64]", "buf[(t & ~31u) + ((t + 1) & 31u)]").replace(
+        "threadgroup_barrier(mem_flags::mem_threadgroup)", "simdgroup_barrier(mem_flags::mem_threadgroup)")
+    want = (np.arange(64) // 32) * 32 + (np.arange(64) + 1) % 32 + 1
+    np.testing.assert_array_equal(np.array(harness.run(exchange(inside))[0]), want)
+    with pytest.raises(harness.HarnessError, match="mem_threadgroup published"):
+        harness.run(exchange(inside.replace("simdgroup_barrier(mem_flags::mem_threadgroup)",
+                                            "simdgroup_barrier(mem_flags::mem_none)")))
+
+
+def test_threadgroup_write_race_is_an_error():
+    body = """
+    uint t = thread_index_in_threadgroup;
+    threadgroup float buf[4];
+    buf[0] = float(t);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    out[t] = buf[0];
+    """
+    with pytest.raises(harness.HarnessError, match="write race"):
+        harness.run(exchange(body))
+    same = body.replace("buf[0] = float(t);", "buf[0] = 7.0f;")  # every thread writes the same value: benign
+    np.testing.assert_array_equal(np.array(harness.run(exchange(same))[0]), np.full(64, 7.0))
+
+
+def test_out_of_bounds_reads_are_detected():
+    body = """
+    uint t = thread_position_in_grid.x;
+    out[t] = inp[int(t) + SHIFT - 1];
+    """
+    x = mx.arange(100).astype(mx.float32)
+
+    def c(shift):
+        return call(body, [x], ["inp"], (100,), mx.float32, (100, 1, 1), (64, 1, 1), [("SHIFT", shift)])
+
+    np.testing.assert_array_equal(np.array(harness.run(c(1))[0]), np.arange(100))
+    with pytest.raises(harness.HarnessError, match=r"out-of-bounds access past the end of input 'inp' \(byte \+0"):
+        harness.run(c(2))  # thread 99 reads inp[100]
+    with pytest.raises(harness.HarnessError, match=r"out-of-bounds access before the start of input 'inp' \(byte -4"):
+        harness.run(c(0))  # thread 0 reads inp[-1]
+    wild = body.replace("int(t) + SHIFT - 1", "t + SHIFT - 1")  # uint: thread 0 reads inp[4294967295]
+    with pytest.raises(harness.HarnessError, match="outside every buffer"):
+        harness.run(call(wild, [x], ["inp"], (100,), mx.float32, (100, 1, 1), (64, 1, 1), [("SHIFT", 0)]))
+    rd = body.replace("out[t] = inp[int(t) + SHIFT - 1];", "out[t] = float(inp_shape[t % 3]) * float(SHIFT);")
+    c3 = call(rd, [x], ["inp"], (100,), mx.float32, (100, 1, 1), (64, 1, 1), [("SHIFT", 1)])
+    with pytest.raises(harness.HarnessError, match="inp_shape"):
+        harness.run(c3)  # a 1-d input's shape has one entry
+
+
+# -- the escaped mutant classes of the issue, on the real kernels ------------------------------------------------------
+def mutated(spec, old, new):
+    src = spec.source
+    assert old in src, f"mutation site {old!r} not in {spec.filename}: update the mutant"
+    return dataclasses.replace(spec, name=f"{spec.name}_m{abs(hash((old, new))) % 10**8}", text=src.replace(old, new))
+
+
+def test_acceptance_kernels_relying_on_barriers_without_mem_threadgroup_are_caught():
+    rng = np.random.default_rng(0)
+    x = mx.array(rng.standard_normal((3, 3000)).astype(np.float32))
+    g = accept.greedy_argmax_call(x)
+    np.testing.assert_array_equal(np.array(harness.run(g)[0]), np.array(mx.argmax(x, axis=-1)))
+    z = rng.standard_normal((3, 3000)).astype(np.float32)
+    lp = mx.array(z - np.log(np.exp(z).sum(-1, keepdims=True)))
+    r = accept.rejection_accept_logprobs_call(lp, lp[:2] + 0.1, [1, 2], mx.array([0.3, 0.4, 0.5]))
+    harness.run(r)
+    for c in (g, r):
+        c.spec = mutated(c.spec, "threadgroup_barrier(mem_flags::mem_threadgroup)",
+                         "threadgroup_barrier(mem_flags::mem_none)")
+        with pytest.raises(harness.HarnessError, match="mem_threadgroup published"):
+            harness.run(c)
+
+
+def big_score_attention(scale_q):
+    """Hq 2 / Hkv 1, L 2, 150 keys in 3 chunks of 64, D 32; one chunk's scores far above the others'."""
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((1, 2, 2, 32)).astype(np.float32) * scale_q
+    k = rng.standard_normal((1, 1, 150, 32)).astype(np.float32)
+    k[:, :, 70:90] *= 4
+    v = rng.standard_normal((1, 1, 150, 32)).astype(np.float32)
+    return mx.array(q), mx.array(k), mx.array(v)
+
+
+def run_attention(q, k, v, partial=None, combine=None):
+    part, comb = attention.block_attention_calls(q, k, v, scale=1.0, qk=148, split=64)
+    if partial is not None:
+        part.spec = partial
+    o_part, ml = harness.run(part)
+    c = comb(o_part, ml)
+    if combine is not None:
+        c.spec = combine
+    return np.array(harness.run(c)[0])
+
+
+def test_removing_the_running_max_subtraction_is_caught_by_scores_in_the_hundreds():
+    """Softmax without subtracting the running maximum is the same math until exp overflows: with scores of a few
+    units every mutant passes, with scores in the hundreds (exp2 overflows above 128) each one is caught — in the
+    partial pass and in the combine."""
+    no_max_partial = mutated(attention.PARTIAL, "const float mn = max(m, bmax);",
+                             "const float mn = max(m, bmax) == -INFINITY ? -INFINITY : 0.0f;")
+    no_max_combine = mutated(attention.COMBINE, "const float mn = max(m, ms);",
+                             "const float mn = max(m, ms) == -INFINITY ? -INFINITY : 0.0f;")
+    for scale_q, caught in ((0.3, False), (12.0, True)):
+        q, k, v = big_score_attention(scale_q)
+        scores = np.array(q)[0] @ np.array(k)[0, 0].T
+        assert (np.abs(scores).max() > 100) == caught
+        want = np.array(attention.block_attention_reference(q, k, v, scale=1.0, qk=148))[0]
+        good = run_attention(q, k, v)
+        np.testing.assert_allclose(good, want, rtol=2e-3, atol=2e-3)
+        for spec in ({"partial": no_max_partial}, {"combine": no_max_combine}):
+            got = run_attention(q, k, v, **spec)
+            ok = bool(np.isfinite(got).all() and np.allclose(got, want, rtol=2e-3, atol=2e-3))
+            assert ok != caught, (scale_q, list(spec))
+
+
+def test_attention_relying_on_a_barrier_without_mem_threadgroup_is_caught():
+    q, k, v = big_score_attention(0.3)
+    broken = mutated(attention.PARTIAL, "threadgroup_barrier(mem_flags::mem_threadgroup);",
+                     "threadgroup_barrier(mem_flags::mem_none);")
+    with pytest.raises(harness.HarnessError, match="mem_threadgroup published"):
+        run_attention(q, k, v, partial=broken)

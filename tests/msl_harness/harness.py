@@ -389,6 +389,9 @@ def run_once(call, reverse: bool = False, strict: bool = True, at_end: bool | No
         if spec.fault_guard >= 0:
             buf = bufs[guards[spec.fault_guard][2]]
             raise HarnessError(f"{call.spec.name}: out-of-bounds access {buf.describe(spec.fault_addr)}")
+        if spec.fault_guard == -2:
+            raise HarnessError(f"{call.spec.name}: out-of-bounds access at {spec.fault_addr:#x}, outside every "
+                               f"buffer (a negative index in unsigned arithmetic?)")
         if rc != 0:
             raise HarnessError(f"{call.spec.name}: {spec.error.decode(errors='replace')}")
         out_bufs = {n: bufs[i] for i, n in enumerate(p[1] for p in params if p[0] == "buffer") if n in out_raw}

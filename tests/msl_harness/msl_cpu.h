@@ -18,7 +18,8 @@
 //   * Memory flags (strict mode, LaunchSpec.strict_tg): a thread's writes to threadgroup memory are visible to the
 //     other threads only after a threadgroup_barrier whose flags (in every thread) include mem_threadgroup, or, to
 //     the lanes of its simdgroup, a simdgroup_barrier with mem_threadgroup. Until then the others read what was
-//     last published (the 0xFF fill at first). Between two switches the runtime diffs the arena to find what the
+//     last published (the 0xFF fill at first; a simdgroup_barrier publishes its lanes' writes to the whole
+//     threadgroup, more than Metal promises to the other simdgroups). Between two switches the runtime diffs the arena to find what the
 //     running fiber wrote; two threads writing different values to one byte between the same barriers is an error
 //     (a threadgroup-memory write race). Without strict mode, threadgroup memory is plain shared memory.
 //     mem_device is not modelled: device memory is always shared.
@@ -180,6 +181,7 @@ template <typename T>
 struct numeric_limits : std::numeric_limits<T> {};
 
 enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
+inline mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(int(a) | int(b)); }
 }  // namespace metal
 using namespace metal;
 
@@ -447,7 +449,7 @@ struct LaunchSpec {
   int32_t n_guards;   // PROT_NONE guard pages set up by harness.py: [lo, hi) each, and the buffer it guards
   uint64_t guard_lo[MAX_GUARDS], guard_hi[MAX_GUARDS];
   int32_t guard_buf[MAX_GUARDS];
-  int32_t fault_guard;    // out: index of the first guard page touched, -1 if none
+  int32_t fault_guard;    // out: index of the first guard page touched, -1 if none, -2: an unmapped address
   uint64_t fault_addr;    // out: the address touched
 };
 
@@ -464,6 +466,15 @@ inline struct sigaction& old_bus() {
   static struct sigaction a;
   return a;
 }
+constexpr int MAX_WILD = 64;
+inline void** wild_pages() {  // zero pages mapped at wild addresses during a launch (unmapped after it)
+  static void* w[MAX_WILD];
+  return w;
+}
+inline int& n_wild() {
+  static int n = 0;
+  return n;
+}
 inline void on_fault(int sig, siginfo_t* info, void*) {
   LaunchSpec* s = fault_spec();
   uint64_t a = (uint64_t)info->si_addr;
@@ -479,6 +490,23 @@ inline void on_fault(int sig, siginfo_t* info, void*) {
         return;
       }
     }
+#ifdef MAP_FIXED_NOREPLACE
+    // an address outside every mapping (say a negative index in unsigned arithmetic): map zeros there, report it
+    long page = sysconf(_SC_PAGESIZE);
+    void* at = (void*)(a & ~(uint64_t)(page - 1));
+    if (n_wild() < MAX_WILD) {
+      void* m = mmap(at, page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
+      if (m == at) {
+        wild_pages()[n_wild()++] = m;
+        if (s->fault_guard == -1) {
+          s->fault_guard = -2;
+          s->fault_addr = a;
+        }
+        return;
+      }
+      if (m != MAP_FAILED) munmap(m, page);
+    }
+#endif
   }
   sigaction(SIGSEGV, &old_segv(), nullptr);  // not ours: let the previous handler (or the default) take it
   sigaction(SIGBUS, &old_bus(), nullptr);
@@ -615,6 +643,8 @@ inline int launch(LaunchSpec* spec, void** buffers, ThreadFn fn) {
   sigaction(SIGSEGV, &old_segv(), nullptr);
   sigaction(SIGBUS, &old_bus(), nullptr);
   fault_spec() = nullptr;
+  for (int i = 0; i < n_wild(); i++) munmap(wild_pages()[i], sysconf(_SC_PAGESIZE));
+  n_wild() = 0;
   return rc;
 }
 

@@ -1,0 +1,206 @@
+"""Tensor parallelism (glimmer_mlx/distributed.py) across 2 processes on this machine: `mlx.launch -n 2 --backend ring`
+over loopback runs this file as the worker (`python tests/test_distributed.py worker SPEC OUT`); each rank writes
+what it generated, the test compares it with single-process decoding in the test process (the oracle: the unsharded
+model through the same public `generate`).
+
+One launch runs every scenario (plain / DFlash / MTP greedy, seeded T = 1, a random fp32 checkpoint, a 4-bit one), so
+the start-up (two interpreters + MLX) is paid once."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = [[11, 50, 77, 300, 21, 9, 402], [5, 90, 13, 13, 60, 7, 71, 200, 4]]
+N_TOKENS = 12
+
+
+def scenarios(m, d, random_model, quantized_model) -> dict:
+    """What both sides decode: the embedded (trained, fp32) target plainly and with its DFlash and MTP drafters, greedy
+    and seeded T = 1; the random fp32 checkpoint greedy (two prompts) and T = 1; the 4-bit one greedy."""
+    from glimmer_mlx.generate import generate
+
+    runs = {}
+    for mode, drafter in (("ar", None), ("dflash", d.dflash), ("mtp", d.mtp)):
+        for temp in (0.0, 1.0):
+            runs[f"{mode}/{temp}"] = generate(m, PROMPTS[0], max_tokens=N_TOKENS, drafter=drafter, temperature=temp,
+                                              seed=7).tokens
+    runs["random"] = [generate(random_model, ids, max_tokens=N_TOKENS).tokens for ids in PROMPTS]
+    runs["random/1.0"] = generate(random_model, PROMPTS[0], max_tokens=N_TOKENS, temperature=1.0, seed=3).tokens
+    runs["quantized"] = generate(quantized_model, PROMPTS[1], max_tokens=N_TOKENS).tokens
+    return runs
+
+
+def run_scenarios(spec: dict, out: Path) -> None:
+    """The worker: every rank loads its slices and decodes each scenario; rank r writes out/rank{r}.json."""
+    import mlx.core as mx
+
+    from glimmer_mlx.distributed import (DistributedError, check_same, init_group, load_sharded, local_weight_bytes,
+                                         lockstep)
+    from glimmer_mlx.generate import stream_generate
+    from glimmer_mlx.strategy import load_drafters
+
+    g = init_group()
+    res: dict = {"rank": g.rank(), "size": g.size()}
+    if spec.get("die"):  # rank 1 leaves (exit code 0: the launcher lets rank 0 carry on) or hangs after 3 chunks
+        m, _ = load_sharded(spec["target"], g)
+        t0 = time.monotonic()
+        try:
+            for i, _chunk in enumerate(lockstep(stream_generate(m, PROMPTS[0], max_tokens=200), g,
+                                                timeout=spec["timeout"], every=1)):
+                if i == 3 and g.rank() == 1:
+                    if spec["die"] == "exit":
+                        os._exit(0)
+                    time.sleep(120)
+        except DistributedError as e:
+            res.update(error=str(e), seconds=time.monotonic() - t0)
+        (out / f"rank{g.rank()}.json").write_text(json.dumps(res))
+        return
+    mx.reset_peak_memory()
+    m, _ = load_sharded(spec["target"], g)
+    res["load_peak"], res["weights"] = mx.get_peak_memory(), local_weight_bytes(m)
+    d = load_drafters(m, embedded=True)
+    res["runs"] = scenarios(m, d, load_sharded(spec["random"], g)[0], load_sharded(spec["quantized"], g)[0])
+    try:  # a rank that was given another model is named
+        check_same(g, model=spec["target"] if g.rank() == 0 else spec["random"])
+    except DistributedError as e:
+        res["disagree"] = str(e)
+    (out / f"rank{g.rank()}.json").write_text(json.dumps(res))
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
+    sys.path.insert(0, str(ROOT))
+    run_scenarios(json.loads(sys.argv[2]), Path(sys.argv[3]))
+    sys.exit(0)
+
+import pytest  # noqa: E402
+
+LAUNCH = shutil.which("mlx.launch") or (str(Path(sys.executable).parent / "mlx.launch")
+                                        if (Path(sys.executable).parent / "mlx.launch").exists() else None)
+pytestmark = pytest.mark.skipif(LAUNCH is None, reason="mlx.launch is not installed (MLX's distributed launcher)")
+
+
+def launch(spec: dict, out: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--", sys.executable, str(Path(__file__).resolve()), "worker",
+           json.dumps(spec), str(out)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def quantized_checkpoint(tiny_checkpoint, tmp_path_factory):
+    """The random tiny checkpoint quantized to 4 bits (group 32: a row-split input of 32 columns) by the converter."""
+    from glimmer_mlx.convert import convert
+
+    src, _ = tiny_checkpoint(seed=3)
+    out = tmp_path_factory.mktemp("q4") / "q4"
+    convert(str(src), str(out), quantize=True, q_bits=4, q_group_size=32, evaluate=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_checkpoint, quantized_checkpoint, tmp_path_factory):
+    from glimmer_mlx.embedded import embedded_path
+
+    rnd, _ = tiny_checkpoint(seed=3)
+    spec = {"target": str(embedded_path("target")), "random": str(rnd), "quantized": str(quantized_checkpoint)}
+    out = tmp_path_factory.mktemp("tp")
+    r = launch(spec, out)
+    done = all((out / f"rank{i}.json").exists() for i in range(2))
+    assert r.returncode == 0 and done, r.stdout[-2000:] + r.stderr[-4000:]  # (mlx.launch can exit 0 when a rank failed)
+    return spec, [json.loads((out / f"rank{i}.json").read_text()) for i in range(2)]
+
+
+def single_process(spec):
+    """The oracle: the unsharded models, one process."""
+    from glimmer_mlx import load
+    from glimmer_mlx.strategy import load_drafters
+
+    m, _ = load(spec["target"])
+    return scenarios(m, load_drafters(m, embedded=True), load(spec["random"])[0], load(spec["quantized"])[0])
+
+
+def test_two_ranks_decode_exactly_as_one_process(two_ranks):
+    spec, ranks = two_ranks
+    want = single_process(spec)
+    assert [r["size"] for r in ranks] == [2, 2]
+    for r in ranks:
+        assert set(r["runs"]) == set(want)
+        for k in want:
+            assert r["runs"][k] == want[k], (r["rank"], k)
+    # the scenarios are not degenerate: sampling differs from greedy, and the runs produce tokens
+    assert want["ar/1.0"] != want["ar/0.0"] and all(len(v) for v in want.values())
+
+
+def test_each_rank_holds_and_peaks_at_about_half_the_weights(two_ranks):
+    from glimmer_mlx import load
+    from glimmer_mlx.distributed import local_weight_bytes
+
+    spec, ranks = two_ranks
+    m, _ = load(spec["target"])
+    full = local_weight_bytes(m)
+    c = m.args
+    replicated = sum(v.nbytes for k, v in __import__("mlx.utils", fromlist=["x"]).tree_flatten(m.parameters())
+                     if "norm" in k)
+    for r in ranks:
+        assert r["weights"] == (full - replicated) // 2 + replicated, (r["weights"], full)
+        # the load's peak: the rank's own weights plus at most one tensor slice being cast/copied
+        assert r["load_peak"] <= r["weights"] + c.vocab_size * c.hidden_size * 4 // 2 + 1024, (r["load_peak"], full)
+
+
+def test_ranks_that_disagree_on_the_model_get_one_clear_line(two_ranks):
+    _, ranks = two_ranks
+    for r in ranks:
+        assert "ranks disagree on the model: rank(s) [1] differ from rank 0" in r["disagree"]
+
+
+@pytest.mark.slow  # ~20 s each: two more launches
+@pytest.mark.parametrize("how", ["exit", "hang"])
+def test_a_rank_that_dies_or_hangs_mid_generation_ends_the_other_with_a_clear_error(how, tmp_path):
+    from glimmer_mlx.embedded import embedded_path
+
+    t0 = time.monotonic()
+    r = launch({"target": str(embedded_path("target")), "die": how, "timeout": 4.0}, tmp_path, timeout=90)
+    took = time.monotonic() - t0
+    assert took < 60
+    if how == "exit":
+        res = json.loads((tmp_path / "rank0.json").read_text())
+        assert "rank 0: lost contact with another rank mid-generation" in res["error"], res
+        assert res["seconds"] < 30
+    else:  # rank 0 blocks inside a collective: the watchdog ends it
+        assert "error: rank 0: no progress from the other ranks for" in r.stderr, r.stderr[-3000:]
+        assert not (tmp_path / "rank0.json").exists()
+
+
+def test_without_a_launcher_or_with_one_rank_the_error_says_how_to_launch():
+    from glimmer_mlx.distributed import DistributedError, init_group
+
+    with pytest.raises(DistributedError, match="mlx.launch -n 2 --backend ring"):
+        init_group()
+
+
+def test_dimensions_that_do_not_split_evenly_are_named(tiny_checkpoint):
+    from glimmer_mlx import load
+    from glimmer_mlx.distributed import check_shardable
+
+    path, _ = tiny_checkpoint(seed=3)
+    m, _ = load(path)
+    with pytest.raises(ValueError, match="num_key_value_heads 2 is not divisible by 4"):
+        check_shardable(m, 4)
+    check_shardable(m, 2)
+
+
+def test_auto_is_refused():
+    from glimmer_mlx.distributed import check_mode
+
+    with pytest.raises(ValueError, match="wall-clock"):
+        check_mode("auto", None)
+    with pytest.raises(ValueError, match="wall-clock"):
+        check_mode("dflash", "auto")
+    check_mode("dflash", 4)

@@ -1,7 +1,11 @@
-"""GLIMMER_KERNELS and the dispatchers: Metal only when available and supported, the reference otherwise."""
+"""GLIMMER_KERNELS and the dispatchers: Metal only when available, self-tested and supported, the built-in path
+otherwise; the runtime self-test and its fallback (a compile failure, a wrong result, a failure at a call)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import warnings
 from pathlib import Path
 
 import mlx.core as mx
@@ -11,6 +15,7 @@ import pytest
 import glimmer_mlx
 from glimmer_mlx import kernels
 from glimmer_mlx.kernels import _core, accept
+from msl_harness import harness
 
 KERNELS = ("greedy_accept.metal", "rejection_accept.metal", "block_attention_partial.metal",
            "block_attention_combine.metal", "qmm_small.metal")
@@ -66,3 +71,168 @@ def test_every_kernel_builds_without_metal():
         assert spec.build() is spec.build()  # built once and cached
         for name in spec.input_names + spec.output_names:
             assert name in spec.source, (spec.name, name)
+
+
+# -- runtime self-test and fallback (Metal simulated: launches go through the MSL-on-CPU harness) ---------------------
+needs_cxx = pytest.mark.skipif(harness.find_compiler() is None,
+                               reason="MSL-on-CPU harness needs a C++20 compiler (g++ or clang++); none found")
+
+
+class Builder:
+    """A replacement kernel builder (`KernelSpec.build`): launches run through the harness, optionally on a
+    mutated body or failing the way a Metal compiler does; counts launches per kernel."""
+
+    def __init__(self, fail: str | None = None, mutate=None):
+        self.fail, self.mutate, self.launches = fail, mutate, []
+
+    def __call__(self, spec):
+        if self.fail:
+            raise RuntimeError(self.fail)
+
+        def kernel(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes, init_value=None):
+            s = spec if self.mutate is None else self.mutate(spec)
+            self.launches.append(spec.name)
+            return harness.run(_core.KernelCall(s, list(inputs), list(output_shapes), list(output_dtypes), grid,
+                                                threadgroup, list(template), init_value))
+        return kernel
+
+
+@pytest.fixture
+def fake_metal(monkeypatch, tmp_path):
+    """Metal 'available', a private cache dir, fresh verdicts; returns a function installing a Builder."""
+    monkeypatch.delenv(_core.ENV, raising=False)
+    monkeypatch.setenv("GLIMMER_MLX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_core, "metal_available", lambda: True)
+    _core.reset_selftests()
+
+    def install(builder):
+        monkeypatch.setattr(_core.KernelSpec, "build", lambda spec: builder(spec))
+        return builder
+
+    yield install
+    _core.reset_selftests()
+
+
+def logits_case():
+    x = np.random.default_rng(4).standard_normal((4, 2500)).astype(np.float32)
+    x[0, [9, 9 + 1024]] = 9.0  # a tie inside one thread's strided range
+    sel = x.argmax(-1)
+    return mx.array(x), [int(sel[0]), int(sel[1]), int(sel[2] + 1) % 2500]
+
+
+@needs_cxx
+def test_selftest_passes_the_dispatcher_uses_the_kernel_and_later_processes_reuse_the_verdict(fake_metal, tmp_path):
+    b = fake_metal(Builder())
+    x, drafts = logits_case()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning on success
+        assert kernels.greedy_accept(x, drafts) == accept.greedy_accept_reference(x, drafts) == (2, int(
+            np.argmax(np.array(x[2]))))
+    assert _core.kernel_stats()["greedy_accept"] == {"status": "ok", "path": "metal kernel", "reason": "",
+                                                     "cached": False}
+    n_test = len(b.launches)
+    assert n_test >= 2  # the self-test's launch(es) and the call's own
+    cache = json.loads((tmp_path / _core.SELFTEST_FILE).read_text())
+    assert [r["status"] for r in cache.values()] == ["ok"]
+    # a new process: the verdict comes from disk, no self-test launch, the call runs the kernel
+    _core.reset_selftests()
+    before = len(b.launches)
+    assert kernels.greedy_accept(x, drafts) == accept.greedy_accept_reference(x, drafts)
+    assert len(b.launches) == before + 1
+    assert _core.verdict("greedy_accept").cached is True
+    # another GPU / MLX version / kernel text: tested again
+    _core.reset_selftests()
+    real = _core.gpu_identity()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_core, "gpu_identity", lambda: {**real, "gpu": "Apple M9 Ultra"})
+        assert _core.verdict("greedy_accept").cached is False
+    assert len(json.loads((tmp_path / _core.SELFTEST_FILE).read_text())) == 2
+
+
+@needs_cxx
+def test_rejection_selftest_passes_through_the_harness(fake_metal):
+    fake_metal(Builder())
+    v = _core.verdict("rejection_accept")
+    assert v.status == "ok", v.reason
+    rng = np.random.default_rng(0)
+    z = rng.standard_normal((3, 900)).astype(np.float32)
+    lp = mx.array(z - np.log(np.exp(z).sum(-1, keepdims=True)))
+    args = (lp, lp[:2] * 1.1, [int(np.argmax(z[0])), 4], mx.array([0.3, 0.6, 0.2]))
+    assert kernels.rejection_accept_logprobs(*args) == accept.rejection_accept_reference_logprobs(*args)
+
+
+def test_compile_failure_warns_once_and_falls_back_for_the_process(fake_metal, tmp_path, monkeypatch):
+    fake_metal(Builder(fail="program_source:12:3: error: use of undeclared identifier 'simd_max2'"))
+    x, drafts = logits_case()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        results = [kernels.greedy_accept(x, drafts) for _ in range(3)]
+    assert results == [accept.greedy_accept_reference(x, drafts)] * 3
+    msgs = [str(m.message) for m in w if issubclass(m.category, RuntimeWarning)]
+    assert len(msgs) == 1 and "greedy_accept disabled" in msgs[0] and "undeclared identifier" in msgs[0]
+    st = _core.kernel_stats()["greedy_accept"]
+    assert st["status"] == "failed" and st["path"].startswith("pure-MLX reference")
+    assert st["reason"].startswith("build or launch failed: RuntimeError")
+    cache = json.loads((tmp_path / _core.SELFTEST_FILE).read_text())
+    assert [r["status"] for r in cache.values()] == ["failed"]
+    monkeypatch.setenv(_core.ENV, "metal")  # kernels required: the failure is an error
+    with pytest.raises(kernels.KernelUnavailable, match="failed its self-test"):
+        kernels.greedy_accept(x, drafts)
+
+
+@needs_cxx
+def test_wrong_result_is_caught_by_the_selftest(fake_metal):
+    """A kernel that compiles but mis-computes (here: ties resolved to the last index inside a thread's range)
+    fails the self-test; the dispatcher answers with the reference, also on inputs the broken kernel gets wrong."""
+    def keep_last(spec):
+        return dataclasses.replace(spec, name=spec.name + "_last", text=spec.source.replace("key > bk", "key >= bk"))
+
+    b = fake_metal(Builder(mutate=keep_last))
+    x, drafts = logits_case()
+    broken = b(accept.GREEDY)(inputs=[x, mx.array([4, 2500], dtype=mx.int32)], template=[("T", mx.float32)],
+                              grid=(1024, 4, 1), threadgroup=(1024, 1, 1), output_shapes=[(4,)],
+                              output_dtypes=[mx.int32])[0]
+    assert broken.tolist()[0] == 9 + 1024  # the mutant really is wrong here
+    with pytest.warns(RuntimeWarning, match="wrong result on the self-test inputs"):
+        assert kernels.greedy_accept(x, drafts) == accept.greedy_accept_reference(x, drafts)
+    assert _core.kernel_stats()["greedy_accept"]["status"] == "failed"
+
+
+@needs_cxx
+def test_a_kernel_failing_at_a_real_call_is_demoted(fake_metal):
+    b = fake_metal(Builder())
+    x, drafts = logits_case()
+    assert _core.verdict("greedy_accept").ok
+    b.fail = "Metal: command buffer execution failed (Caused GPU Timeout Error)"
+    with pytest.warns(RuntimeWarning, match="failed at a call: RuntimeError: Metal: command buffer"):
+        assert kernels.greedy_accept(x, drafts) == accept.greedy_accept_reference(x, drafts)
+    assert _core.kernel_stats()["greedy_accept"]["status"] == "failed"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # demoted once; later calls are quietly the reference
+        assert kernels.greedy_accept(x, drafts) == accept.greedy_accept_reference(x, drafts)
+
+
+@pytest.mark.skipif(_core.metal_available(), reason="checks the behaviour without Metal")
+def test_verdicts_without_metal_and_with_the_reference_switch(monkeypatch, tmp_path):
+    monkeypatch.setenv("GLIMMER_MLX_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(_core.ENV, raising=False)
+    _core.reset_selftests()
+    v = _core.verdict("greedy_accept")
+    assert (v.status, v.reason) == ("unavailable", "not available: no Metal")
+    assert not (tmp_path / _core.SELFTEST_FILE).exists()  # nothing was tested, nothing cached
+    _core.reset_selftests()
+    monkeypatch.setenv(_core.ENV, "reference")
+    assert _core.verdict("greedy_accept").status == "disabled"
+    _core.reset_selftests()
+    with pytest.raises(ValueError, match="no registered self-test"):
+        _core.verdict("no_such_kernel")
+
+
+def test_time_calls_evaluates_once_per_window(monkeypatch):
+    evals = []
+    real_eval = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: (evals.append(len(a[0]) if isinstance(a[0], list) else 1),
+                                                real_eval(*a)))
+    x = mx.ones((10,))
+    us = _core.time_calls(lambda: x * 2, calls=7, windows=3, warmup=1)
+    assert us > 0 and evals == [1, 7, 7, 7]  # the warm-up, then one eval of 7 outputs per window

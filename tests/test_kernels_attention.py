@@ -8,13 +8,33 @@ import numpy as np
 import pytest
 
 from glimmer_mlx.cache import KVCache
-from glimmer_mlx.kernels import attention
+from glimmer_mlx.kernels import _core, attention
 from glimmer_mlx.kernels._core import metal_available
 from msl_harness import harness
 
 needs_cxx = pytest.mark.skipif(harness.find_compiler() is None,
                                reason="MSL-on-CPU harness needs a C++20 compiler (g++ or clang++); none found")
 needs_metal = pytest.mark.skipif(not metal_available(), reason="needs Metal (Apple GPU); this MLX build has none")
+
+
+@pytest.fixture
+def simulated_metal(monkeypatch, tmp_path):
+    """Metal 'available', every launch through the MSL-on-CPU harness, a private self-test cache, fresh verdicts;
+    yields the list of launched kernel names."""
+    launched = []
+
+    def through_harness(call):
+        launched.append(call.spec.name)
+        return harness.run(call)
+
+    monkeypatch.delenv(_core.ENV, raising=False)
+    monkeypatch.setattr(_core, "metal_available", lambda: True)
+    monkeypatch.setattr(_core.KernelCall, "run_metal", through_harness)
+    monkeypatch.setattr(_core, "selftest_cache_path", lambda: tmp_path / "kernel-selftest.json")
+    monkeypatch.setattr(attention, "checked_variants", set())
+    _core.reset_selftests()
+    yield launched
+    _core.reset_selftests()
 
 
 def qkv(seed, Hq, Hkv, L, N, D, dtype):
@@ -58,7 +78,8 @@ def case_id(c):
 # (Hq, Hkv, L, N, D, qk, window, split, dtype): GQA groups G = 1, 2, 4, 16; k+1 = 1, 2, 3, 5, 8, 16; head dims 64,
 # 128, 256 (8-key blocks); windows cutting inside the block, at the block edge and wider than the cache; chunks some
 # rows see nothing of; key lengths that are not multiples of the chunk or of the 16-key block; G·L = 256 rows (4
-# row groups of 8 tiles); fp32 / fp16 / bf16
+# row groups of 8 tiles); idle simdgroups that race ahead to the next block's loads (the barrier that stops them is
+# tested only there); fp32 / fp16 / bf16
 CASES = [
     (4, 2, 16, 300, 64, 284, None, 64, mx.float32),
     (4, 1, 5, 137, 64, 132, 40, 64, mx.float32),
@@ -68,6 +89,7 @@ CASES = [
     (4, 2, 8, 260, 128, 252, 2048, 64, mx.bfloat16),
     (16, 1, 16, 75, 64, 59, None, 32, mx.float16),  # G = 16, 256 rows: 4 row groups
     (16, 1, 3, 70, 128, 67, None, 48, mx.float32),  # G = 16, 48 rows: one threadgroup for the whole group
+    (16, 1, 5, 70, 64, 65, None, 64, mx.float32),   # 80 rows: the 2nd row group has 2 busy and 6 idle simdgroups
 ]
 SLOW_CASES = [
     (4, 4, 16, 100, 64, 84, 16, 32, mx.float16),    # window == block size
@@ -171,20 +193,14 @@ def test_partial_pass_writes_per_chunk_softmax_states():
 
 
 @needs_cxx
-def test_dispatcher_runs_the_kernels_where_metal_would(monkeypatch):
-    """With the kernels enabled (Metal simulated: launches go through the harness) a supported call runs the two
-    passes; an unsupported one (head dim 48, batch 2) is MLX's fused SDPA, never the float32 reference."""
-    launched = []
-
-    def through_harness(call):
-        launched.append(call.spec.name)
-        return harness.run(call)
-
-    monkeypatch.setattr(attention, "use_metal", lambda: True)
-    monkeypatch.setattr(attention.KernelCall, "run_metal", through_harness)
+def test_dispatcher_self_tests_then_runs_the_kernels_and_falls_back_to_sdpa(simulated_metal, monkeypatch):
+    """Metal simulated: the first call runs the registered self-test (through the harness: it must pass), then the
+    two passes; unsupported shapes (head dim 48, batch 2) are MLX's fused SDPA, never the float32 reference."""
     q, k, v = qkv(6, 4, 2, 3, 70, 64, mx.float16)
     got = attention.block_attention(q, k, v, scale=0.125, qk=67, window=None)
-    assert launched == ["glimmer_block_attn_partial", "glimmer_block_attn_combine"]
+    assert _core.kernel_stats()["block_attention"]["status"] == "ok"
+    assert simulated_metal[-2:] == ["glimmer_block_attn_partial", "glimmer_block_attn_combine"]
+    assert len(simulated_metal) == 2 + 2 * len(attention.selftest_inputs())  # the self-test's launches first
     ref = attention.block_attention_reference(q, k, v, scale=0.125, qk=67)
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(ref.astype(mx.float32)), atol=2e-3,
                                rtol=2e-3)
@@ -199,12 +215,37 @@ def test_dispatcher_runs_the_kernels_where_metal_would(monkeypatch):
         q = mx.array(rng.standard_normal((B, Hq, L, D)).astype(np.float16))
         k = mx.array(rng.standard_normal((B, Hkv, N, D)).astype(np.float16))
         v = mx.array(rng.standard_normal((B, Hkv, N, D)).astype(np.float16))
-        launched.clear()
+        simulated_metal.clear()
         got = attention.block_attention(q, k, v, scale=0.1, qk=N - L, window=9)
-        assert launched == [] and got.dtype == mx.float16
+        assert simulated_metal == [] and got.dtype == mx.float16
         stock = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.1,
                                                      mask=attention.block_mask(L, N, N - L, 9))
         np.testing.assert_array_equal(np.array(got), np.array(stock))
+
+
+@needs_cxx
+def test_a_variant_that_is_wrong_at_first_use_is_demoted_to_sdpa(simulated_metal, monkeypatch):
+    """The self-test passes, but the L = 5 variant returns garbage on this 'GPU': its first call is checked, the
+    kernel is demoted with one warning, the answer is SDPA's, and later calls launch nothing."""
+    assert _core.kernel_enabled("block_attention")
+    through_harness = _core.KernelCall.run_metal
+
+    def wrong_for_l5(call):
+        out = through_harness(call)
+        if call.spec is attention.COMBINE and ("L", 5) in call.template:
+            return [mx.full(out[0].shape, 7.0, dtype=out[0].dtype)]
+        return out
+
+    monkeypatch.setattr(_core.KernelCall, "run_metal", wrong_for_l5)
+    q, k, v = qkv(8, 4, 2, 5, 50, 64, mx.float32)
+    with pytest.warns(RuntimeWarning, match="block_attention disabled"):
+        got = attention.block_attention(q, k, v, scale=0.125, qk=45)
+    np.testing.assert_array_equal(np.array(got), np.array(attention.builtin_attention(q, k, v, scale=0.125,
+                                                                                        qk=45)))
+    assert _core.kernel_stats()["block_attention"]["status"] == "failed"
+    simulated_metal.clear()
+    attention.block_attention(*qkv(9, 4, 2, 3, 50, 64, mx.float32), scale=0.125, qk=47)
+    assert simulated_metal == []
 
 
 def test_model_convention_matches_the_cache_mask_after_the_window_wrapped():

@@ -8,6 +8,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from glimmer_mlx.kernels import _core
 from glimmer_mlx.kernels import quantized as qm
 from glimmer_mlx.kernels._core import metal_available
 from msl_harness import harness
@@ -15,6 +16,26 @@ from msl_harness import harness
 needs_cxx = pytest.mark.skipif(harness.find_compiler() is None,
                                reason="MSL-on-CPU harness needs a C++20 compiler (g++ or clang++); none found")
 needs_metal = pytest.mark.skipif(not metal_available(), reason="needs Metal (Apple GPU); this MLX build has none")
+
+
+@pytest.fixture
+def simulated_metal(monkeypatch, tmp_path):
+    """Metal 'available', every launch through the MSL-on-CPU harness, a private self-test cache, fresh verdicts;
+    yields the list of launched kernel names."""
+    launched = []
+
+    def through_harness(call):
+        launched.append(call.spec.name)
+        return harness.run(call)
+
+    monkeypatch.delenv(_core.ENV, raising=False)
+    monkeypatch.setattr(_core, "metal_available", lambda: True)
+    monkeypatch.setattr(_core.KernelCall, "run_metal", through_harness)
+    monkeypatch.setattr(_core, "selftest_cache_path", lambda: tmp_path / "kernel-selftest.json")
+    monkeypatch.setattr(qm, "checked_variants", set())
+    _core.reset_selftests()
+    yield launched
+    _core.reset_selftests()
 
 
 def make(seed, M, K, N, bits, gs, dtype):
@@ -99,21 +120,19 @@ def test_kernel_sweep(case):
 
 
 @needs_cxx
-def test_dispatcher_and_linear_take_the_kernel_where_the_table_says(monkeypatch):
+def test_dispatcher_and_linear_take_the_kernel_where_the_table_says(simulated_metal, monkeypatch):
     """Metal simulated (launches through the harness) on an M2-class GPU: 2..16-row calls of a big matrix take the
-    kernel, M = 1 and an M3-class GPU at M <= 5 take mx.quantized_matmul, as does everything without Metal."""
-    launched = []
-
-    def through_harness(call):
-        launched.append(call.spec.name)
-        return harness.run(call)
-
+    kernel (after its self-test passed), M = 1 and an M3-class GPU at M <= 5 take mx.quantized_matmul, as does
+    everything without Metal."""
+    launched = simulated_metal
+    monkeypatch.setattr(qm, "gpu_architecture", lambda: (14, "g"))
+    assert _core.kernel_enabled("qmm") and len(launched) == len(qm.selftest_inputs())
+    launched.clear()
+    monkeypatch.setattr(_core, "metal_available", lambda: False)
     x, w, s, b = make(4, 6, 256, 24, 4, 64, mx.float16)
     stock = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4)
-    assert not launched and np.array_equal(np.array(qm.qmm(x, w, s, b, group_size=64, bits=4)), np.array(stock))
-    monkeypatch.setattr(qm, "use_metal", lambda: True)
-    monkeypatch.setattr(qm.KernelCall, "run_metal", through_harness)
-    monkeypatch.setattr(qm, "gpu_architecture", lambda: (14, "g"))
+    assert np.array_equal(np.array(qm.qmm(x, w, s, b, group_size=64, bits=4)), np.array(stock)) and not launched
+    monkeypatch.setattr(_core, "metal_available", lambda: True)
     # K = 256 is below every size threshold: on gen 14 MLX would run qmv up to M = 13 -> the kernel
     got = qm.qmm(x, w, s, b, group_size=64, bits=4)
     assert launched == ["glimmer_qmm_small"]
@@ -135,6 +154,27 @@ def test_dispatcher_and_linear_take_the_kernel_where_the_table_says(monkeypatch)
     launched.clear()
     lin(xin[:, :1])  # decode: stock
     assert launched == []
+
+
+@needs_cxx
+def test_a_variant_that_is_wrong_at_first_use_is_demoted(simulated_metal, monkeypatch):
+    monkeypatch.setattr(qm, "gpu_architecture", lambda: (14, "g"))
+    assert _core.kernel_enabled("qmm")
+    through_harness = _core.KernelCall.run_metal
+
+    def wrong_for_m3(call):
+        out = through_harness(call)
+        return [out[0] * 1.5] if ("M", 3) in call.template else out
+
+    monkeypatch.setattr(_core.KernelCall, "run_metal", wrong_for_m3)
+    x, w, s, b = make(6, 3, 256, 16, 4, 64, mx.float32)
+    with pytest.warns(RuntimeWarning, match="qmm disabled"):
+        got = qm.qmm(x, w, s, b, group_size=64, bits=4)
+    np.testing.assert_array_equal(np.array(got), np.array(qm.builtin_qmm(x, w, s, b, group_size=64, bits=4)))
+    assert _core.kernel_stats()["qmm"]["status"] == "failed"
+    simulated_metal.clear()
+    qm.qmm(x[:2], w, s, b, group_size=64, bits=4)
+    assert simulated_metal == []
 
 
 def test_dispatch_table_follows_mlx_dispatch_and_measurements(monkeypatch):

@@ -18,8 +18,9 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+import numpy as np
 
-from ._core import FLOAT_DTYPES, KernelCall, KernelSpec, use_metal
+from ._core import FLOAT_DTYPES, KernelCall, KernelSpec, SelfTest, register_selftest, run_or_fallback, use_metal
 
 # strided inputs: the keys / values are views into the KV cache's buffer (no copy of the cache per call)
 PARTIAL = KernelSpec("glimmer_block_attn_partial", "block_attention_partial.metal",
@@ -141,11 +142,78 @@ def builtin_attention(q, k, v, *, scale: float, qk: int, window: int | None = No
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=block_mask(L, N, qk, window))
 
 
+def kernel_attention(q, k, v, *, scale: float, qk: int, window: int | None = None) -> mx.array:
+    """The two Metal passes (lazy), [1, Hq, L, D] in q's dtype."""
+    part, combine = block_attention_calls(q, k, v, scale=scale, qk=qk, window=window)
+    o_part, ml = part.run_metal()
+    return combine(o_part, ml).run_metal()[0][None]
+
+
+def variant(q, k) -> tuple:
+    """What one compiled variant of the kernels is specialised on (dtype, D, L, G)."""
+    return (str(q.dtype), q.shape[3], q.shape[2], q.shape[1] // k.shape[1])
+
+
+FIRST_USE_TOL = 0.05  # relative to max(1, max |out|): catches a broken variant (NaN, garbage), not rounding
+checked_variants: set = set()
+
+
+def _first_use_check(q, k, v, out, *, scale, qk, window) -> None:
+    """The first call of a variant in this process is evaluated at once and compared with `builtin_attention` on
+    the same inputs (the self-test compiles only its own variants); a failure raises, and `run_or_fallback` then
+    demotes the kernel for the rest of the process."""
+    key = variant(q, k)
+    if key in checked_variants:
+        return
+    want = builtin_attention(q, k, v, scale=scale, qk=qk, window=window)
+    mx.eval(out, want)
+    got_np, want_np = (np.array(a.astype(mx.float32)) for a in (out, want))
+    err = float(np.abs(got_np - want_np).max()) if got_np.size else 0.0
+    if not np.isfinite(got_np).all() or err > FIRST_USE_TOL * max(1.0, float(np.abs(want_np).max())):
+        raise RuntimeError(f"block-attention variant {key} differs from mx.fast.scaled_dot_product_attention at "
+                           f"first use (max abs error {err:.3g})")
+    checked_variants.add(key)
+
+
 def block_attention(q, k, v, *, scale: float, qk: int, window: int | None = None) -> mx.array:
-    """Dispatcher: the Metal kernels when enabled and the shapes are supported, else `builtin_attention`."""
+    """Dispatcher: the Metal kernels when enabled (self-tested; each variant checked at its first use) and the
+    shapes are supported, else `builtin_attention` (MLX's fused SDPA)."""
     _check(q, k, v, qk, window)
-    if use_metal() and supported(q, k, v):
-        part, combine = block_attention_calls(q, k, v, scale=scale, qk=qk, window=window)
-        o_part, ml = part.run_metal()
-        return combine(o_part, ml).run_metal()[0][None]
-    return builtin_attention(q, k, v, scale=scale, qk=qk, window=window)
+
+    def builtin():
+        return builtin_attention(q, k, v, scale=scale, qk=qk, window=window)
+
+    if not supported(q, k, v):
+        return builtin()
+
+    def kernel():
+        out = kernel_attention(q, k, v, scale=scale, qk=qk, window=window)
+        _first_use_check(q, k, v, out, scale=scale, qk=qk, window=window)
+        return out
+
+    return run_or_fallback("block_attention", kernel, builtin)
+
+
+# -- self-test (small deterministic inputs; see _core) ------------------------------------------------------------
+def selftest_inputs():
+    """Two variants: bf16 with G = 4, L = 4, D = 128, scores in the hundreds, a key count that is not a multiple
+    of the chunk; fp16 with G = 2, L = 3, D = 64 and a window cutting into the block."""
+    rng = np.random.default_rng(2024)
+    cases = []
+    for Hq, Hkv, L, N, D, window, dt, qscale in ((8, 2, 4, 203, 128, None, mx.bfloat16, 4.0),
+                                                (4, 2, 3, 77, 64, 5, mx.float16, 1.0)):
+        q = mx.array(rng.standard_normal((1, Hq, L, D)).astype(np.float32) * qscale).astype(dt)
+        k = mx.array(rng.standard_normal((1, Hkv, N, D)).astype(np.float32)).astype(dt)
+        v = mx.array(rng.standard_normal((1, Hkv, N, D)).astype(np.float32)).astype(dt)
+        cases.append((q, k, v, dict(scale=1.0 / math.sqrt(D), qk=N - L, window=window)))
+    return cases
+
+
+register_selftest(SelfTest(
+    "block_attention",
+    lambda cases: tuple(kernel_attention(q, k, v, **kw) for q, k, v, kw in cases),
+    lambda cases: tuple(block_attention_reference(q, k, v, **kw) for q, k, v, kw in cases),
+    selftest_inputs,
+    run_builtin=lambda cases: tuple(builtin_attention(q, k, v, **kw) for q, k, v, kw in cases),
+    builtin="mx.fast.scaled_dot_product_attention", sources=(PARTIAL.filename, COMBINE.filename),
+    rtol=2e-2, atol=2e-2))

@@ -31,8 +31,9 @@ import re
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
-from ._core import FLOAT_DTYPES, KernelCall, KernelSpec, use_metal
+from ._core import FLOAT_DTYPES, KernelCall, KernelSpec, SelfTest, register_selftest, run_or_fallback, use_metal
 
 QMM = KernelSpec("glimmer_qmm_small", "qmm_small.metal", ("x", "w", "scales", "biases", "meta"), ("y",))
 
@@ -157,14 +158,50 @@ def builtin_qmm(x, w, scales, biases, *, group_size: int = 64, bits: int = 4) ->
     return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
 
 
+FIRST_USE_TOL = 0.05  # relative to max(1, max |y|): catches a broken variant (NaN, garbage), not rounding
+checked_variants: set = set()
+
+
+def _first_use_check(x, w, scales, biases, y, *, group_size: int, bits: int) -> None:
+    """The first call of a variant (dtype, M, bits, group) in this process is evaluated at once and compared with
+    `mx.quantized_matmul` on the same inputs; a failure raises, and `run_or_fallback` demotes the kernel."""
+    key = (str(x.dtype), x.shape[0], bits, group_size)
+    if key in checked_variants:
+        return
+    want = builtin_qmm(x, w, scales, biases, group_size=group_size, bits=bits)
+    mx.eval(y, want)
+    got_np, want_np = (np.array(a.astype(mx.float32)) for a in (y, want))
+    err = float(np.abs(got_np - want_np).max()) if got_np.size else 0.0
+    if not np.isfinite(got_np).all() or err > FIRST_USE_TOL * max(1.0, float(np.abs(want_np).max())):
+        raise RuntimeError(f"qmm variant {key} differs from mx.quantized_matmul at first use (max abs error "
+                           f"{err:.3g})")
+    checked_variants.add(key)
+
+
+def kernel_wanted(x, w, scales, biases, group_size: int, bits: int) -> bool:
+    """Whether `qmm` would try the kernel for these arguments (Metal in use, supported, chosen for this GPU and M);
+    the self-test verdict is consulted after this, by `run_or_fallback`."""
+    return (use_metal() and supported(x, w, scales, biases, group_size, bits)
+            and choose(x.shape[0], x.shape[1], w.shape[0])[0] == "kernel")
+
+
 def qmm(x, w, scales, biases, *, group_size: int = 64, bits: int = 4) -> mx.array:
-    """Dispatcher: the Metal kernel when enabled, supported and chosen for this GPU and M, else
-    `mx.quantized_matmul` (never the float32 reference)."""
+    """Dispatcher: the Metal kernel when enabled (self-tested; each variant checked at its first use), supported
+    and chosen for this GPU and M, else `mx.quantized_matmul` (never the float32 reference)."""
     _check(x, w, scales, biases, group_size, bits)
-    if (use_metal() and supported(x, w, scales, biases, group_size, bits)
-            and choose(x.shape[0], x.shape[1], w.shape[0])[0] == "kernel"):
-        return qmm_call(x, w, scales, biases, group_size=group_size, bits=bits).run_metal()[0]
-    return builtin_qmm(x, w, scales, biases, group_size=group_size, bits=bits)
+
+    def builtin():
+        return builtin_qmm(x, w, scales, biases, group_size=group_size, bits=bits)
+
+    if not kernel_wanted(x, w, scales, biases, group_size, bits):
+        return builtin()
+
+    def kernel():
+        y = qmm_call(x, w, scales, biases, group_size=group_size, bits=bits).run_metal()[0]
+        _first_use_check(x, w, scales, biases, y, group_size=group_size, bits=bits)
+        return y
+
+    return run_or_fallback("qmm", kernel, builtin)
 
 
 class KernelQuantizedLinear(nn.QuantizedLinear):
@@ -173,18 +210,16 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
 
     def __call__(self, x):
         rows = x.size // x.shape[-1] if x.ndim else 0
-        if (2 <= rows <= MAX_ROWS and getattr(self, "mode", "affine") == "affine" and use_metal()
-                and supported(x.reshape(rows, x.shape[-1]), self["weight"], self["scales"], self.get("biases"),
-                              self.group_size, self.bits)
-                and choose(rows, x.shape[-1], self["weight"].shape[0])[0] == "kernel"):
-            y = qmm_call(x.reshape(rows, x.shape[-1]), self["weight"], self["scales"], self["biases"],
-                         group_size=self.group_size, bits=self.bits).run_metal()[0]
+        if (2 <= rows <= MAX_ROWS and getattr(self, "mode", "affine") == "affine"
+                and kernel_wanted(x.reshape(rows, x.shape[-1]), self["weight"], self["scales"], self.get("biases"),
+                                  self.group_size, self.bits)):
+            y = qmm(x.reshape(rows, x.shape[-1]), self["weight"], self["scales"], self["biases"],
+                    group_size=self.group_size, bits=self.bits)
             y = y.reshape(*x.shape[:-1], y.shape[-1])
             if "bias" in self:
                 y = y + self["bias"]
             return y
         return super().__call__(x)
-
 
 def install_block_kernels(model) -> int:
     """Route the block-verification matmuls of `model`'s affine 4/8-bit `QuantizedLinear` layers through the
@@ -198,3 +233,26 @@ def install_block_kernels(model) -> int:
             m.__class__ = KernelQuantizedLinear
             n += 1
     return n
+
+
+# -- self-test (small deterministic inputs; see _core) ------------------------------------------------------------
+def selftest_inputs():
+    """Two variants: bf16, M = 6, 4-bit, group 64 (one 8-row tile, N not a multiple of 8); fp16, M = 16, 8-bit,
+    group 32 (two tiles)."""
+    rng = np.random.default_rng(77)
+    cases = []
+    for M, K, N, bits, gs, dt in ((6, 512, 44, 4, 64, mx.bfloat16), (16, 256, 24, 8, 32, mx.float16)):
+        wf = mx.array(rng.standard_normal((N, K)).astype(np.float32) * 0.05).astype(dt)
+        w, s, b = mx.quantize(wf, group_size=gs, bits=bits)
+        x = mx.array(rng.standard_normal((M, K)).astype(np.float32)).astype(dt)
+        cases.append((x, w, s, b, dict(group_size=gs, bits=bits)))
+    return cases
+
+
+register_selftest(SelfTest(
+    "qmm",
+    lambda cases: tuple(qmm_call(x, w, s, b, **kw).run_metal()[0] for x, w, s, b, kw in cases),
+    lambda cases: tuple(qmm_reference(x, w, s, b, **kw) for x, w, s, b, kw in cases),
+    selftest_inputs,
+    run_builtin=lambda cases: tuple(builtin_qmm(x, w, s, b, **kw) for x, w, s, b, kw in cases),
+    builtin="mx.quantized_matmul", sources=(QMM.filename,), rtol=3e-2, atol=3e-2))

@@ -1,4 +1,5 @@
-"""A drafter checkpoint → the drafter it holds: a DFlash assistant or MTP layers, told apart by their config."""
+"""A drafter checkpoint → the drafter it holds: a DFlash assistant (v1 or DFlash 2) or MTP layers, told apart by their
+config."""
 
 from __future__ import annotations
 

@@ -19,6 +19,9 @@ import mlx.core as mx
 from .tree import TokenTree
 
 
+SCAN_PER_PATH = 4  # occurrences of an n-gram looked at per continuation wanted (a frequent one has thousands)
+
+
 class NGramIndex:
     """Latest and previous end position of every n-gram (n in [min_n, max_n]) of a growing token list.
 
@@ -78,7 +81,8 @@ class NGramIndex:
         if depth <= 0:
             return out
         for n in range(min(self.max_n, e), self.min_n - 1, -1):
-            for start in reversed(self.ends.get(tuple(toks[e - n:]), ())):
+            ends = self.ends.get(tuple(toks[e - n:]), ())
+            for start in reversed(ends[-(SCAN_PER_PATH * limit + 1):]):  # the latest ones: bounded work per round
                 if start >= e:
                     continue  # the suffix itself
                 c = tuple(toks[start:start + depth])

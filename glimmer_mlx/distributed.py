@@ -351,6 +351,29 @@ def agree_seed(seed: int | None, group) -> int:
     return broadcast_ints([seed] if group.rank() == 0 else None, group)[0]
 
 
+def start(strategy: str, backend: str = "any") -> mx.distributed.Group:
+    """The group for `--distributed STRATEGY` (DistributedError: unknown or unimplemented strategy, no backend, a
+    single process)."""
+    if strategy == "pp":
+        raise DistributedError("--distributed pp: pipeline parallelism is not implemented; use --distributed tp")
+    if strategy not in STRATEGIES:
+        raise DistributedError(f"--distributed: unknown strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
+    return init_group(backend)
+
+
+def load_agreed(path_or_repo, group, dtype=None, **options):
+    """`load_sharded` after checking that every rank names the same checkpoint (`checkpoint_fingerprint`) and passes
+    the same `options` (a rank that cannot read its checkpoint disagrees, so every rank fails with the same line)."""
+    try:
+        fp, problem = checkpoint_fingerprint(path_or_repo), None
+    except (CheckpointError, OSError) as e:
+        fp, problem = f"unreadable: {e}", e
+    check_same(group, model=fp, options=options)
+    if problem is not None:
+        raise CheckpointError(str(problem))
+    return load_sharded(path_or_repo, group, dtype)
+
+
 def check_mode(mode: str, width) -> None:
     """ValueError for decoding that is not lockstep-safe across ranks (wall-clock choices)."""
     if mode == "auto" or width == "auto":

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import List, Optional
 
 import typer
 from rich.markup import escape
 
+from .. import distributed as dist
 from ..generate import stream_generate
 from ..image_processing import IMAGE_TOKEN, ImageError, preprocess_image
 from ..loading import CheckpointError, load
@@ -50,9 +52,21 @@ def generate(
     mtp_depth: Optional[str] = typer.Option(None, "--mtp-depth", help="Alias of --block-size with --mode mtp."),
     image: Images = [],
     verbose: bool = typer.Option(True, "--verbose/--quiet", help="Print the stats line."),
+    distributed: Optional[str] = typer.Option(None, "--distributed", help="tp: tensor parallelism over the ranks of "
+                                              "`mlx.launch -n N --backend ring -- glimmer generate …` (only rank 0 "
+                                              "prints)."),
 ):
     """Generate text from a prompt (optionally with images). Default mode: plain decoding; with --draft-model or
     --mtp-model, auto over the drafters loaded; --mode picks another."""
+    group = None
+    if distributed is not None:
+        try:
+            group = dist.start(distributed)
+        except dist.DistributedError as e:
+            fail(str(e))
+        if group.rank() != 0:  # only rank 0 talks to the terminal
+            console.quiet = True
+            sys.stdout = open(os.devnull, "w")
     if prompt == "-":
         prompt = sys.stdin.read()
     mode, width = decode_spec(mode, block_size, dflash=dflash, mtp=mtp, auto=auto, mtp_depth=mtp_depth)
@@ -70,8 +84,15 @@ def generate(
             fail(str(e))
         if IMAGE_TOKEN not in prompt:  # images first in the user turn (inside the chat template)
             prompt = IMAGE_TOKEN * len(image) + prompt
+    if group is not None and images is not None:
+        fail("--distributed: images are not supported with --distributed yet")
     try:
-        m, tok = load(path, dtype=dtype)
+        if group is None:
+            m, tok = load(path, dtype=dtype)
+        else:
+            m, tok = dist.load_agreed(path, group, dtype, mode=mode, width=width, draft_model=draft_model,
+                                      mtp_model=mtp_model, max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k,
+                                      min_p=min_p, repetition_penalty=repetition_penalty, stop=stop, tree=tree)
         if tok is None:
             fail(f"{path}: no tokenizer.json in the checkpoint; use the Python API with token ids")
         given = draft_model is not None or mtp_model is not None
@@ -80,7 +101,14 @@ def generate(
                                  log=note)
     except (CheckpointError, ValueError) as e:
         fail(str(e))
+    except dist.DistributedError as e:
+        fail(str(e))
     spec = check_spec(drafters, mode or drafters.default_mode(), width)
+    if group is not None:
+        try:
+            dist.check_mode(spec.mode, spec.width)
+        except ValueError as e:
+            fail(str(e))
     drafter, bs = drafters.select(spec)
     if chat and tok.chat_template:
         msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
@@ -88,16 +116,19 @@ def generate(
         ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
     else:
         ids = tok.encode(prompt)
+    if group is not None:  # rank 0's prompt and seed (stdin and a random seed are per rank)
+        ids, seed = dist.broadcast_ints(ids, group), dist.agree_seed(seed, group)
     stats = GenerationStats()
     # chat-templated output goes through the template's response parser: headers (` to=user<|message|>`) hidden,
     # tool calls summarised after the answer; --raw prints the model's text as generated
     parser = get_parser(tok.chat_template) if chat and tok.chat_template else None
     text, shown = "", 0
     try:
-        for chunk in stream_generate(m, ids, tokenizer=tok, max_tokens=max_tokens, temperature=temp, top_p=top_p,
-                                     top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
-                                     stop=stop, drafter=drafter, block_size=bs, prefill_step_size=prefill_step_size,
-                                     stats=stats, images=images, tree=tree):
+        chunks = stream_generate(m, ids, tokenizer=tok, max_tokens=max_tokens, temperature=temp, top_p=top_p,
+                                 top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
+                                 stop=stop, drafter=drafter, block_size=bs, prefill_step_size=prefill_step_size,
+                                 stats=stats, images=images, tree=tree)
+        for chunk in chunks if group is None else dist.lockstep(chunks, group):
             # model text is data: written verbatim (rich would expand :emoji: codes and drop control characters)
             text += chunk.text
             out = chunk.text
@@ -106,7 +137,7 @@ def generate(
                 out, shown = visible[shown:], max(shown, len(visible))
             sys.stdout.write(out)
             sys.stdout.flush()
-    except ValueError as e:
+    except (ValueError, dist.DistributedError) as e:
         fail(str(e))
     sys.stdout.write("\n")
     sys.stdout.flush()

@@ -204,3 +204,22 @@ def test_auto_is_refused():
     with pytest.raises(ValueError, match="wall-clock"):
         check_mode("dflash", "auto")
     check_mode("dflash", 4)
+
+
+def test_cli_two_ranks_print_once_what_one_process_prints():
+    """`mlx.launch -n 2 -- glimmer generate --distributed tp`: rank 0 alone writes the text, and it is the
+    single-process text (greedy, MTP speculation); a single process asking for --distributed fails in one line."""
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+    args = ["generate", "-p", "Once upon a time", "-m", "16", "--mode", "mtp", "--quiet"]
+    glimmer = [sys.executable, "-m", "glimmer_mlx.cli"]
+    one = subprocess.run(glimmer + args, capture_output=True, text=True, timeout=120, env=env)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run([LAUNCH, "-n", "2", "--backend", "ring", "--"] + glimmer + args + ["--distributed", "tp"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert two.returncode == 0 and "error" not in two.stderr, two.stderr[-2000:]
+    assert one.stdout.strip() and two.stdout == one.stdout
+    alone = subprocess.run(glimmer + args + ["--distributed", "tp"], capture_output=True, text=True, timeout=120,
+                           env=env)
+    assert alone.returncode == 1
+    assert "error: --distributed: no distributed backend could be initialised" in alone.stderr
+    assert "mlx.launch -n 2 --backend ring" in alone.stderr

@@ -364,6 +364,58 @@ def test_tree_sampling_broken_residual_fails_markov(monkeypatch):
     assert _worst(_markov_rounds(P, start, n, 0), joint, n) > 1.0
 
 
+def _markov_sampled_rounds(P: np.ndarray, Q: np.ndarray, start: int, n: int, seed: int):
+    """As `_markov_rounds`, with an MTP-like drafter: a chain of 2 drafts each sampled from Q[parent token], plus up
+    to 2 alternatives per depth (the likeliest other tokens of that Q row: point masses)."""
+    rng = np.random.default_rng(seed)
+    logP = mx.array(np.log(P).astype(np.float32))
+    logQ = np.log(Q).astype(np.float32)
+    sampler = Sampler(SamplingParams(temperature=1.0), seed)
+    counts = np.zeros((MARKOV_V,) * 3)
+    for _ in range(n):
+        out = [start]
+        while len(out) < 4:
+            tokens, parents, qrows = [out[-1]], [-1], [None]
+            chain = [0]
+            for _d in range(2):
+                a = tokens[chain[-1]]
+                x = int(rng.choice(MARKOV_V, p=Q[a]))
+                tokens.append(x)
+                parents.append(chain[-1])
+                qrows.append(mx.array(logQ[a]))
+                chain.append(len(tokens) - 1)
+            for d in range(2):
+                a, x = tokens[chain[d]], tokens[chain[d + 1]]
+                for y in [t for t in np.argsort(-Q[a]).tolist() if t != x][:int(rng.integers(0, 3))]:
+                    tokens.append(y)
+                    parents.append(chain[d])
+                    qrows.append(None)
+            tree = TokenTree(tokens, parents)
+            p = logP[mx.array(tree.tokens, dtype=mx.int32)]
+            path, nxt = verify.verify_tree_sampling(p, tree, qrows, sampler)
+            out += [tree.tokens[i] for i in path] + [nxt]
+        counts[tuple(out[1:4])] += 1
+    return counts
+
+
+@pytest.mark.parametrize("bug", [None, pytest.param("no residual", marks=pytest.mark.slow),
+                                 "sampled node as a point mass"])
+def test_tree_sampling_sampled_chain_with_point_mass_alternatives(bug, monkeypatch):
+    """Mixed q: sampled chain nodes (their q rows) and deterministic alternatives (point masses) — lossless; a
+    residual left unchanged after a rejection, or one that removes only the rejected token of a *sampled* node
+    (max(0, p − onehot) instead of max(0, p − q)), must fail."""
+    right = verify.sibling_residual
+    if bug == "no residual":
+        monkeypatch.setattr(verify, "sibling_residual", broken_residual)
+    elif bug is not None:
+        monkeypatch.setattr(verify, "sibling_residual", lambda p, q, x: right(p, None, x))
+    P, start, joint = _markov_target()
+    Q = np.random.default_rng(12).dirichlet(np.ones(MARKOV_V), size=MARKOV_V)
+    n = 3000
+    worst = _worst(_markov_sampled_rounds(P, Q, start, n, 1), joint, n)
+    assert (worst > 1.0) if bug else (worst < 1.0)
+
+
 V_SMALL = 12
 
 

@@ -540,3 +540,34 @@ def test_bench_label(target, tmp_path):
     modes = expand_modes(["dflash", "auto"], [16, "auto"], [1])
     assert [variant_label(m, d.variant) for m in modes] == ["ar", "dflash2-b16", "dflash2-auto", "auto"]
     assert [variant_label(m, "dflash") for m in modes] == modes
+
+
+def test_session_reuse_continues_the_drafter(target, tmp_path):
+    """Prompt-cache reuse (v1's rewind_context / extend, inherited): over growing turns the session's output equals
+    plain decoding and the resumed DFlash 2 drafter proposes exactly the drafts a freshly started copy does."""
+    import copy
+
+    from glimmer_mlx.session import Session
+
+    d = load_drafter(write_checkpoint(tmp_path / "d", tiny_config(), code_scale=1.0), target)
+    ref = copy.copy(d)
+    logs = {id(d): [], id(ref): []}
+    for obj in (d, ref):
+        real = obj.propose
+
+        def spy(*a, real=real, log=logs[id(obj)]):
+            out = real(*a)
+            log.append(out[0])
+            return out
+
+        obj.propose = spy
+    session = Session(target, drafters={"dflash": d})
+    ids = _prompt(21, 9)
+    for turn in range(3):
+        toks, _, _, st = session.generate(ids, mode="dflash", max_tokens=16)
+        assert toks == glimmer_mlx.generate(target, ids, max_tokens=16).tokens
+        assert glimmer_mlx.generate(target, ids, max_tokens=16, drafter=ref).tokens == toks
+        assert logs[id(d)] == logs[id(ref)] and logs[id(d)], f"turn {turn}"
+        logs[id(d)].clear(), logs[id(ref)].clear()
+        assert st.extra["cache"] == ("reused" if turn else st.extra["cache"])
+        ids = ids + toks + _prompt(30 + turn, 5)

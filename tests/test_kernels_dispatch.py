@@ -236,3 +236,27 @@ def test_time_calls_evaluates_once_per_window(monkeypatch):
     x = mx.ones((10,))
     us = _core.time_calls(lambda: x * 2, calls=7, windows=3, warmup=1)
     assert us > 0 and evals == [1, 7, 7, 7]  # the warm-up, then one eval of 7 outputs per window
+
+
+@pytest.mark.skipif(_core.metal_available(), reason="checks the behaviour without Metal")
+def test_kernel_bench_without_metal_times_builtin_and_reference(monkeypatch):
+    """`glimmer bench kernels` on a tiny vocabulary: the kernel column is "no Metal", the built-in and reference
+    columns are measured, one row per (kernel, k+1); the greedy paths it times agree with a numpy argmax."""
+    from glimmer_mlx.bench import kernels as kb
+
+    evals = []
+    real_eval = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: (evals.append(1), real_eval(*a)))
+    res = kb.run_kernel_bench(rows=(1, 3), kernels=("accept_greedy", "accept_sampling"), vocab=300, calls=4,
+                              windows=2, warmup=0)
+    assert res["kernel_status"] == {"accept_greedy": "no Metal", "accept_sampling": "no Metal"}
+    assert [(r["kernel"], r["rows"]) for r in res["results"]] == [
+        ("accept_greedy", 1), ("accept_sampling", 1), ("accept_greedy", 3), ("accept_sampling", 3)]
+    assert all(r["kernel_us"] is None and r["builtin_us"] > 0 and r["reference_us"] > 0 for r in res["results"])
+    # 4 paths x 2 timed paths x 2 windows = one eval per window (plus the few set-up evals of the inputs)
+    assert len(evals) <= 2 * 2 * 2 * 2 + 2 * 3
+    x = np.random.default_rng(1).standard_normal((3, 300)).astype(np.float32)
+    d = x.argmax(-1)[:2].tolist()
+    assert accept.greedy_accept_reference_arrays(mx.array(x), d).tolist() == [2, int(x[2].argmax())]
+    text = kb.render_kernel_table(res)
+    assert [c.header for c in text.columns][3:6] == ["Metal kernel", "built-in MLX", "reference"]

@@ -23,6 +23,14 @@ tokens and issue the same collectives in the same order: lockstep without a per-
 `LockstepGuard` still checks it (a tiny `all_gather` of the committed tokens' hash every few chunks). `auto` chooses
 rounds by wall-clock timings measured per rank, so it is refused (`check_mode`).
 
+Pipeline parallelism (`pipeline_model`, `--distributed pp`): rank r keeps only a contiguous stage of layers
+(`stage_of`), the others are weightless `RemoteLayer`s whose caches only count positions; after each stage's last
+layer and after every layer a drafter taps (`expose_taps`), a `StageBoundary` hands the owner's residual stream to
+every rank (an all_sum of the owner's value and zeros: exact; N = 2 moves the same bytes as a send/recv pair, and the
+last stage's output must reach every rank anyway). The vocabulary is split as above. Stages run one after another
+(no micro-batching of the verify block). Every collective stays on one dependency chain on every rank, so all ranks
+run them in the same order.
+
 Loading (`load_sharded`): the model is built lazily (`loading.load_model(lazy=True)`: every check, no data read), then
 each sharded parameter is read from its safetensors shard as only this rank's slice (a memory-mapped file, the slice
 copied out), so a rank's peak memory is about its share of the weights plus the replicated norms.
@@ -52,7 +60,7 @@ from .loading import CheckpointError, load_model, parse_dtype, read_safetensors_
 from .models.glimmer import Model
 from .tokenizer import TokenizerError, load_tokenizer
 
-STRATEGIES = ("tp",)  # pipeline parallelism ("pp") is not implemented
+STRATEGIES = ("tp", "pp")
 LOCKSTEP_EVERY = 16  # chunks between two lockstep checks (and one at the end)
 DEFAULT_TIMEOUT = 600.0  # seconds without progress before a rank gives up (a peer hung): loading + a long prefill
 
@@ -286,13 +294,102 @@ def shard_model(model: Model, group, src=None) -> Model:
     return model
 
 
-def load_sharded(path_or_repo, group, dtype=None):
-    """(model, tokenizer) with this rank's slices of the target only: lazy build and checks, slices read from the
-    shards, the replicated rest evaluated. The MTP weights stay lazy (the drafter loads them whole)."""
+# -- pipeline parallelism ------------------------------------------------------------------------------------------
+
+class RemoteLayer(nn.Module):
+    """A decoder layer another stage computes: no weights; its cache only counts positions (so `cache[0].offset`, the
+    engine's position, stays right on every rank, and rewinds work unchanged)."""
+
+    def __call__(self, x, rope, cache=None, tree=None):
+        if cache is not None:
+            cache.offset += x.shape[1]
+        return x
+
+
+class StageBoundary(nn.Module):
+    """After `layer` (this rank's, or a `RemoteLayer`), the owner's output on every rank: an `all_sum` of the owner's
+    value and zeros elsewhere (exact). Placed after each stage's last layer and after every tapped layer."""
+
+    def __init__(self, layer: nn.Module, owner: int, group):
+        super().__init__()
+        self.layer, self.owner, self.group = layer, owner, group
+
+    def __call__(self, x, rope, cache=None, tree=None):
+        y = self.layer(x, rope, cache) if tree is None else self.layer(x, rope, cache, tree)
+        if self.group.rank() != self.owner:
+            # zeros that still depend on y: every collective stays on one dependency chain, so all ranks run them in
+            # the same order (zeros_like would cut the earlier collectives off this rank's graph)
+            y = mx.where(mx.array(False), y, mx.zeros((), y.dtype))
+        return mx.distributed.all_sum(y, group=self.group)
+
+
+def stage_of(layer: int, n_layers: int, n: int) -> int:
+    """The stage (rank) computing `layer`: contiguous, as even as possible (the first stages take the remainder)."""
+    bounds = [round(i * n_layers / n) for i in range(n + 1)]
+    return next(s for s in range(n) if bounds[s] <= layer < bounds[s + 1])
+
+
+def pipeline_model(model: Model, group, src=None, taps=()) -> Model:
+    """Pipeline-parallel `model` in place: rank r keeps only its stage's layers (`stage_of`); the others become
+    `RemoteLayer`s; the residual stream passes stage to stage through a `StageBoundary` after each stage's last layer
+    and after every layer in `taps` (a drafter's taps must be the full hidden state on every rank: `expose_taps`).
+    The embedding table and lm_head are vocab-split across the ranks as in `shard_model`, logits gathered."""
+    n, r = group.size(), group.rank()
+    L = len(model.model.layers)
+    if L < n:
+        raise ValueError(f"pipeline parallelism over {n} ranks: the model has only {L} layers")
+    if model.args.vocab_size % n:
+        raise ValueError(f"pipeline parallelism over {n} ranks: vocab_size {model.args.vocab_size} is not divisible "
+                         f"by {n}")
+    src = src if src is not None else InMemorySlices(model)
+    layers = []
+    for i, layer in enumerate(model.model.layers):
+        if stage_of(i, L, n) == r:
+            p = f"model.layers.{i}"
+            names = [k for k, _ in tree_flatten(layer.parameters())]
+            layer.update(_unflatten({k: src.take(f"{p}.{k}", 0, 0, 1) for k in names}))
+            layers.append(layer)
+        else:
+            layers.append(RemoteLayer())
+    model.model.layers = layers
+    model.pp_group = group
+    expose_taps(model, taps)
+    model.model.embed_tokens = shard_embedding(model.model.embed_tokens, src, group, model.args.vocab_size)
+    if not model.args.tie_word_embeddings:
+        model.lm_head = VocabShardedHead(shard_linear(model.lm_head, "lm_head", "all-to-sharded", src, group), group)
+    return model
+
+
+def _unflatten(flat: dict) -> dict:
+    from mlx.utils import tree_unflatten
+    return tree_unflatten(list(flat.items()))
+
+
+def expose_taps(model: Model, taps=()) -> None:
+    """Make the layers in `taps` (and every stage's last layer) stage boundaries of a pipelined `model` (a no-op for
+    a tensor-parallel one: its residual stream is full on every rank after each layer)."""
+    group = getattr(model, "pp_group", None)
+    if group is None:
+        return
+    L = len(model.model.layers)
+    want = {i for i in range(L) if i == L - 1 or stage_of(i, L, group.size()) != stage_of(i + 1, L, group.size())}
+    want |= {int(t) for t in taps}
+    for i, layer in enumerate(model.model.layers):
+        inner = layer.layer if isinstance(layer, StageBoundary) else layer
+        model.model.layers[i] = StageBoundary(inner, stage_of(i, L, group.size()), group) if i in want else inner
+
+
+def load_sharded(path_or_repo, group, dtype=None, strategy: str = "tp"):
+    """(model, tokenizer) with this rank's part of the target only — its slices ("tp") or its stage's layers ("pp") —:
+    lazy build and checks, the part read from the shards, the replicated rest evaluated. The MTP weights stay lazy
+    (the drafter loads them whole)."""
     path = resolve_path(path_or_repo)
     model = load_model(path, dtype, lazy=True)
-    check_shardable(model, group.size())
-    shard_model(model, group, FileSlices(path, dtype))
+    if strategy == "pp":
+        pipeline_model(model, group, FileSlices(path, dtype))
+    else:
+        check_shardable(model, group.size())
+        shard_model(model, group, FileSlices(path, dtype))
     mx.eval(model.parameters())
     try:
         tokenizer = load_tokenizer(path, model.config)
@@ -354,24 +451,22 @@ def agree_seed(seed: int | None, group) -> int:
 def start(strategy: str, backend: str = "any") -> mx.distributed.Group:
     """The group for `--distributed STRATEGY` (DistributedError: unknown or unimplemented strategy, no backend, a
     single process)."""
-    if strategy == "pp":
-        raise DistributedError("--distributed pp: pipeline parallelism is not implemented; use --distributed tp")
     if strategy not in STRATEGIES:
         raise DistributedError(f"--distributed: unknown strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
     return init_group(backend)
 
 
-def load_agreed(path_or_repo, group, dtype=None, **options):
+def load_agreed(path_or_repo, group, dtype=None, strategy: str = "tp", **options):
     """`load_sharded` after checking that every rank names the same checkpoint (`checkpoint_fingerprint`) and passes
     the same `options` (a rank that cannot read its checkpoint disagrees, so every rank fails with the same line)."""
     try:
         fp, problem = checkpoint_fingerprint(path_or_repo), None
     except (CheckpointError, OSError) as e:
         fp, problem = f"unreadable: {e}", e
-    check_same(group, model=fp, options=options)
+    check_same(group, model=fp, options=dict(options, strategy=strategy))
     if problem is not None:
         raise CheckpointError(str(problem))
-    return load_sharded(path_or_repo, group, dtype)
+    return load_sharded(path_or_repo, group, dtype, strategy)
 
 
 def check_mode(mode: str, width) -> None:

@@ -23,7 +23,7 @@ N_TOKENS = 12
 
 def scenarios(m, d, random_model, quantized_model) -> dict:
     """What both sides decode: the embedded (trained, fp32) target plainly and with its DFlash and MTP drafters, greedy
-    and seeded T = 1; the random fp32 checkpoint greedy (two prompts) and T = 1; the 4-bit one greedy."""
+    and seeded T = 1; the random fp32 checkpoint greedy (two prompts) and T = 1; the 4-bit one greedy (tp only: a pipeline stage holds whole layers, quantized or not)."""
     from glimmer_mlx.generate import generate
 
     runs = {}
@@ -33,7 +33,8 @@ def scenarios(m, d, random_model, quantized_model) -> dict:
                                               seed=7).tokens
     runs["random"] = [generate(random_model, ids, max_tokens=N_TOKENS).tokens for ids in PROMPTS]
     runs["random/1.0"] = generate(random_model, PROMPTS[0], max_tokens=N_TOKENS, temperature=1.0, seed=3).tokens
-    runs["quantized"] = generate(quantized_model, PROMPTS[1], max_tokens=N_TOKENS).tokens
+    if quantized_model is not None:
+        runs["quantized"] = generate(quantized_model, PROMPTS[1], max_tokens=N_TOKENS).tokens
     return runs
 
 
@@ -41,8 +42,8 @@ def run_scenarios(spec: dict, out: Path) -> None:
     """The worker: every rank loads its slices and decodes each scenario; rank r writes out/rank{r}.json."""
     import mlx.core as mx
 
-    from glimmer_mlx.distributed import (DistributedError, check_same, init_group, load_sharded, local_weight_bytes,
-                                         lockstep)
+    from glimmer_mlx.distributed import (DistributedError, check_same, expose_taps, init_group, load_sharded,
+                                         local_weight_bytes, lockstep)
     from glimmer_mlx.generate import stream_generate
     from glimmer_mlx.strategy import load_drafters
 
@@ -67,6 +68,13 @@ def run_scenarios(spec: dict, out: Path) -> None:
     res["load_peak"], res["weights"] = mx.get_peak_memory(), local_weight_bytes(m)
     d = load_drafters(m, embedded=True)
     res["runs"] = scenarios(m, d, load_sharded(spec["random"], g)[0], load_sharded(spec["quantized"], g)[0])
+    del m, d
+    mx.reset_peak_memory()
+    pm, _ = load_sharded(spec["target"], g, strategy="pp")
+    res["pp_load_peak"], res["pp_weights"] = mx.get_peak_memory(), local_weight_bytes(pm)
+    pd = load_drafters(pm, embedded=True)
+    expose_taps(pm, pd.dflash.taps + pd.mtp.taps)
+    res["pp_runs"] = scenarios(pm, pd, load_sharded(spec["random"], g, strategy="pp")[0], None)
     try:  # a rank that was given another model is named
         check_same(g, model=spec["target"] if g.rank() == 0 else spec["random"])
     except DistributedError as e:
@@ -126,14 +134,21 @@ def single_process(spec):
     return scenarios(m, load_drafters(m, embedded=True), load(spec["random"])[0], load(spec["quantized"])[0])
 
 
-def test_two_ranks_decode_exactly_as_one_process(two_ranks):
+@pytest.fixture(scope="module")
+def one_process(two_ranks):
+    return single_process(two_ranks[0])
+
+
+@pytest.mark.parametrize("strategy", ["tp", "pp"])
+def test_two_ranks_decode_exactly_as_one_process(two_ranks, one_process, strategy):
     spec, ranks = two_ranks
-    want = single_process(spec)
+    want = one_process
     assert [r["size"] for r in ranks] == [2, 2]
     for r in ranks:
-        assert set(r["runs"]) == set(want)
-        for k in want:
-            assert r["runs"][k] == want[k], (r["rank"], k)
+        got = r["runs" if strategy == "tp" else "pp_runs"]
+        assert set(got) == set(want) - ({"quantized"} if strategy == "pp" else set())
+        for k in got:
+            assert got[k] == want[k], (r["rank"], strategy, k)
     # the scenarios are not degenerate: sampling differs from greedy, and the runs produce tokens
     assert want["ar/1.0"] != want["ar/0.0"] and all(len(v) for v in want.values())
 
@@ -152,6 +167,24 @@ def test_each_rank_holds_and_peaks_at_about_half_the_weights(two_ranks):
         assert r["weights"] == (full - replicated) // 2 + replicated, (r["weights"], full)
         # the load's peak: the rank's own weights plus at most one tensor slice being cast/copied
         assert r["load_peak"] <= r["weights"] + c.vocab_size * c.hidden_size * 4 // 2 + 1024, (r["load_peak"], full)
+
+
+def test_pipeline_ranks_hold_their_stage_and_half_the_vocabulary(two_ranks):
+    from mlx.utils import tree_flatten
+
+    from glimmer_mlx import load
+
+    spec, ranks = two_ranks
+    m, _ = load(spec["target"])
+    sizes = dict((k, v.nbytes) for k, v in tree_flatten(m.parameters()))
+    L = m.args.num_hidden_layers
+    for r in ranks:  # 6 layers: rank 0 computes layers 0-2, rank 1 layers 3-5
+        mine = range(r["rank"] * L // 2, (r["rank"] + 1) * L // 2)
+        want = sum(b for k, b in sizes.items() if k.startswith("model.layers.") and int(k.split(".")[2]) in mine)
+        want += sum(b for k, b in sizes.items() if k.startswith(("model.embed_tokens.", "lm_head."))) // 2
+        want += sum(b for k, b in sizes.items() if k.startswith("model.norm."))
+        assert r["pp_weights"] == want, (r["rank"], r["pp_weights"], want)
+        assert r["pp_load_peak"] <= want + 1024
 
 
 def test_ranks_that_disagree_on_the_model_get_one_clear_line(two_ranks):

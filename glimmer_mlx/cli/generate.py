@@ -52,9 +52,9 @@ def generate(
     mtp_depth: Optional[str] = typer.Option(None, "--mtp-depth", help="Alias of --block-size with --mode mtp."),
     image: Images = [],
     verbose: bool = typer.Option(True, "--verbose/--quiet", help="Print the stats line."),
-    distributed: Optional[str] = typer.Option(None, "--distributed", help="tp: tensor parallelism over the ranks of "
-                                              "`mlx.launch -n N --backend ring -- glimmer generate …` (only rank 0 "
-                                              "prints)."),
+    distributed: Optional[str] = typer.Option(None, "--distributed", help="tp (tensor parallelism) | pp (pipeline "
+                                              "parallelism) over the ranks of `mlx.launch -n N --backend ring -- "
+                                              "glimmer generate …` (only rank 0 prints)."),
 ):
     """Generate text from a prompt (optionally with images). Default mode: plain decoding; with --draft-model or
     --mtp-model, auto over the drafters loaded; --mode picks another."""
@@ -90,9 +90,10 @@ def generate(
         if group is None:
             m, tok = load(path, dtype=dtype)
         else:
-            m, tok = dist.load_agreed(path, group, dtype, mode=mode, width=width, draft_model=draft_model,
-                                      mtp_model=mtp_model, max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k,
-                                      min_p=min_p, repetition_penalty=repetition_penalty, stop=stop, tree=tree)
+            m, tok = dist.load_agreed(path, group, dtype, distributed, mode=mode, width=width,
+                                      draft_model=draft_model, mtp_model=mtp_model, max_tokens=max_tokens, temp=temp,
+                                      top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
+                                      stop=stop, tree=tree)
         if tok is None:
             fail(f"{path}: no tokenizer.json in the checkpoint; use the Python API with token ids")
         given = draft_model is not None or mtp_model is not None
@@ -109,6 +110,7 @@ def generate(
             dist.check_mode(spec.mode, spec.width)
         except ValueError as e:
             fail(str(e))
+        dist.expose_taps(m, [t for d in (drafters.dflash, drafters.mtp) if d is not None for t in d.taps])
     drafter, bs = drafters.select(spec)
     if chat and tok.chat_template:
         msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else [])

@@ -571,3 +571,21 @@ def test_session_reuse_continues_the_drafter(target, tmp_path):
         logs[id(d)].clear(), logs[id(ref)].clear()
         assert st.extra["cache"] == ("reused" if turn else st.extra["cache"])
         ids = ids + toks + _prompt(30 + turn, 5)
+
+
+def test_start_from_a_v1_drafter(target, tmp_path):
+    """`train dflash2 --init V1_DRAFTER`: DFlash 2 starts as exactly that v1 drafter (same block hidden states
+    through the caches, context past the window)."""
+    from hf_fixtures import build_hf_drafter
+    from glimmer_mlx.train.recipes import dflash2_from_v1
+
+    build_hf_drafter({}).save_pretrained(tmp_path / "v1")
+    v1 = load_drafter(tmp_path / "v1", target)
+    v2 = DFlash2Drafter(dflash2_from_v1(v1.assistant, target), target)
+    assert v2.config.sliding_window == v1.config.sliding_window + 1
+    ctx = mx.array(np.random.RandomState(5).randn(1, 20, 128).astype(np.float32))
+    c1, c2 = v1.make_cache(), v2.make_cache()
+    for a, b in ((0, 11), (11, 20)):
+        h1 = v1.draft_hidden(77, ctx[:, a:b], b, c1)
+        h2 = v2.draft_hidden(77, ctx[:, a:b], b, c2)
+    np.testing.assert_allclose(np.array(h2), np.array(h1), atol=1e-4)

@@ -278,7 +278,8 @@ def train_dflash2_cmd(
                                     "(resumable, cached in OUT/regenerated.jsonl)."),
     regen_max_tokens: _RegenMaxTokens = 256,
     regen_temp: _RegenTemp = 0.0,
-    init: Optional[str] = typer.Option(None, "--init", help="Fine-tune this DFlash 2 drafter instead of a new one."),
+    init: Optional[str] = typer.Option(None, "--init", help="Fine-tune this DFlash 2 drafter, or start from this "
+                                       "DFlash v1 drafter (its weights, identity convolutions)."),
     layers: int = typer.Option(1, "--layers", help="New drafter: decoder layers."),
     block_size: int = typer.Option(16, "--block-size", help="New drafter: block size B."),
     target_layer_ids: Optional[str] = typer.Option(None, "--target-layer-ids", help="e.g. 1,13,25,37,49 "

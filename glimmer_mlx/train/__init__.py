@@ -16,8 +16,8 @@ from ..speculative import DFlashDrafter, MTPDrafter, load_drafter
 from ..speculative.dflash2 import DFlash2Drafter
 from .data import DataError, build_sequences, split
 from .loop import TrainConfig
-from .recipes import (SELECTOR_WEIGHT, acceptance, estimate, eval_prompts, new_assistant_config, new_dflash2,
-                      new_dflash2_config, new_mtp_head, param_count, train_dflash, train_mtp)
+from .recipes import (SELECTOR_WEIGHT, acceptance, dflash2_from_v1, estimate, eval_prompts, new_assistant_config,
+                      new_dflash2, new_dflash2_config, new_mtp_head, param_count, train_dflash, train_mtp)
 
 __all__ = ["train", "TrainConfig", "DataError", "SELECTOR_WEIGHT"]
 
@@ -53,8 +53,10 @@ def train(kind: str, target_path, out, *, chats=None, texts=(), regenerate: bool
     if kind == "dflash2":
         if init is not None:
             module_drafter = load_drafter(init, target, dtype="fp32")
-            if not isinstance(module_drafter, DFlash2Drafter):
-                raise ValueError(f"{init}: --init must be a DFlash 2 drafter for `train dflash2`")
+            if not isinstance(module_drafter, DFlashDrafter):
+                raise ValueError(f"{init}: --init must be a DFlash 2 or DFlash v1 drafter for `train dflash2`")
+            if not isinstance(module_drafter, DFlash2Drafter):  # v1: DFlash 2 starting as exactly that drafter
+                module_drafter = DFlash2Drafter(dflash2_from_v1(module_drafter.assistant, target, cfg.seed), target)
         else:
             module_drafter = DFlash2Drafter(new_dflash2(new_dflash2_config(
                 target, tok, layers=layers, block_size=block_size, target_layer_ids=target_layer_ids,

@@ -90,10 +90,16 @@ def new_dflash2_config(target, tokenizer, *, layers: int, block_size: int, targe
     logit multiplier and softcap as the draft logits'."""
     base = new_assistant_config(target, tokenizer, layers=layers, block_size=block_size,
                                 target_layer_ids=target_layer_ids, mask_token_id=mask_token_id, window=window)
+    return dflash2_config_for(base, target)
+
+
+def dflash2_config_for(base: AssistantConfig, target) -> DFlash2Config:
+    """v1 fields `base` + the published convolution and selector sizes (scaled down to a smaller target) + the
+    target's logit multiplier and softcap."""
     t = target.args
     D = t.hidden_size
-    group = next(g for g in (16, 8, 4, 2, 1) if D % g == 0)
-    return DFlash2Config(**asdict(base), vocab_size=t.vocab_size, conv_group_size=group, conv_kernel_size=2,
+    return DFlash2Config(**asdict(base), vocab_size=t.vocab_size,
+                         conv_group_size=next(g for g in (16, 8, 4, 2, 1) if D % g == 0), conv_kernel_size=2,
                          selector_rank=min(256, D), selector_top_k=min(16, t.vocab_size),
                          output_multiplier=float(t.output_multiplier),
                          final_logit_softcapping=t.final_logit_softcapping or None,
@@ -113,6 +119,23 @@ def new_dflash2(cfg: DFlash2Config, seed: int = 0) -> DFlash2:
     sel = m.candidate_selector
     sel.predecessor_codebook = 0.02 * mx.random.normal(sel.predecessor_codebook.shape)
     sel.successor_codebook = 0.02 * mx.random.normal(sel.successor_codebook.shape)
+    mx.eval(m.parameters())
+    return m
+
+
+def dflash2_from_v1(assistant: Assistant, target, seed: int = 0) -> DFlash2:
+    """A DFlash 2 drafter that starts as a trained v1 one: v1's weights (`encoder.fc` → `fc`,
+    `encoder.output_norm_enc` → `hidden_norm`, the layers as they are), identity convolutions, small random
+    codebooks, and a sliding window one wider (DFlash 2 sees q − k < W, v1 q − k <= W): its hidden states are
+    exactly v1's."""
+    c = assistant.config
+    fields = {k: getattr(c, k) for k in AssistantConfig.__dataclass_fields__}
+    if fields["sliding_window"] is not None:
+        fields["sliding_window"] += 1
+    m = new_dflash2(dflash2_config_for(AssistantConfig(**fields), target), seed)
+    rename = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": "hidden_norm.weight"}
+    m.load_weights([(rename.get(k, k), v.astype(mx.float32)) for k, v in tree_flatten(assistant.parameters())],
+                   strict=False)
     mx.eval(m.parameters())
     return m
 

@@ -38,6 +38,7 @@ MAX_SIMDGROUPS = 8     # simdgroups (8-row tiles) per threadgroup: 256 threads. 
 TARGET_THREADGROUPS = 128  # key chunks are sized so that about this many threadgroups run per call
 LOG2E = 1.4426950408889634
 
+
 def _check(q: mx.array, k: mx.array, v: mx.array, qk: int, window: int | None):
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be [B, H, L, D]; got {q.shape}, {k.shape}, {v.shape}")
@@ -100,7 +101,7 @@ def split_size(N: int, Hkv: int, row_groups: int = 1, bk: int = 16) -> int:
 
 def block_attention_calls(q, k, v, *, scale: float, qk: int, window: int | None = None, split: int | None = None):
     """The two launches (batch 1). Returns (partial_call, make_combine_call(o_part, ml))."""
-    B, Hq, L, D, Hkv, N = _check(q, k, v, qk, window)
+    _, Hq, L, D, Hkv, N = _check(q, k, v, qk, window)
     if not supported(q, k, v):
         raise ValueError(f"block-attention kernel: unsupported q {q.dtype} {tuple(q.shape)}, k {k.dtype} "
                          f"{tuple(k.shape)} (needs batch 1, L <= {MAX_ROWS}, head dim a multiple of 32 <= "
@@ -138,7 +139,7 @@ def enabled() -> bool:
 
 def builtin_attention(q, k, v, *, scale: float, qk: int, window: int | None = None) -> mx.array:
     """MLX's own fused attention with the block mask (in q's dtype, reading the cache as it is)."""
-    B, Hq, L, D, Hkv, N = _check(q, k, v, qk, window)
+    _, _, L, _, _, N = _check(q, k, v, qk, window)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=block_mask(L, N, qk, window))
 
 

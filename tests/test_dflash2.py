@@ -333,7 +333,8 @@ def test_greedy_identity_past_window(target, tmp_path, block_size):
         spec = glimmer_mlx.generate(target, ids, max_tokens=60, drafter=d, block_size=block_size)
         assert spec.tokens == plain.tokens and len(spec.tokens) == 60  # past the target's window 8, the drafter's 6
     pen = dict(max_tokens=30, repetition_penalty=1.3)
-    assert (glimmer_mlx.generate(target, ids, drafter=d, **pen).tokens == glimmer_mlx.generate(target, ids, **pen).tokens)
+    assert (glimmer_mlx.generate(target, ids, drafter=d, **pen).tokens
+            == glimmer_mlx.generate(target, ids, **pen).tokens)
 
 
 V_SMALL = 12

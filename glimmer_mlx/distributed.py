@@ -183,7 +183,7 @@ def shard_linear(m: nn.Module, path: str, how: str, src, group) -> nn.Module:
         cls = nn.QuantizedAllToShardedLinear if quant else nn.AllToShardedLinear
     else:
         cls = nn.QuantizedShardedToAllLinear if quant else nn.ShardedToAllLinear
-    kw = dict(group_size=m.group_size, bits=m.bits, mode=getattr(m, "mode", "affine")) if quant else {}
+    kw = {"group_size": m.group_size, "bits": m.bits, "mode": getattr(m, "mode", "affine")} if quant else {}
     sl = cls(in_dims, out_dims, bias, group=group, **kw)
     new = {}
     for k in _linear_params(m):
@@ -265,8 +265,9 @@ def shard_embedding(m: nn.Module, src, group, vocab: int) -> VocabShardedEmbeddi
     if not _is_quantized(m):
         return VocabShardedEmbedding(w, r * (vocab // n), vocab, group)
     biases = src.take("model.embed_tokens.biases", 0, r, n) if "biases" in m else None
-    return VocabShardedEmbedding(w, r * (vocab // n), vocab, group, scales=src.take("model.embed_tokens.scales", 0, r, n),
-                                 biases=biases, group_size=m.group_size, bits=m.bits, mode=getattr(m, "mode", "affine"))
+    scales = src.take("model.embed_tokens.scales", 0, r, n)
+    return VocabShardedEmbedding(w, r * (vocab // n), vocab, group, scales=scales, biases=biases,
+                                 group_size=m.group_size, bits=m.bits, mode=getattr(m, "mode", "affine"))
 
 
 def shard_model(model: Model, group, src=None) -> Model:
@@ -372,15 +373,16 @@ def expose_taps(model: Model, taps=()) -> None:
     if group is None:
         return
     L = len(model.model.layers)
-    want = {i for i in range(L) if i == L - 1 or stage_of(i, L, group.size()) != stage_of(i + 1, L, group.size())}
+    n = group.size()
+    want = {i for i in range(L) if i == L - 1 or stage_of(i, L, n) != stage_of(i + 1, L, n)}
     want |= {int(t) for t in taps}
     for i, layer in enumerate(model.model.layers):
         inner = layer.layer if isinstance(layer, StageBoundary) else layer
-        model.model.layers[i] = StageBoundary(inner, stage_of(i, L, group.size()), group) if i in want else inner
+        model.model.layers[i] = StageBoundary(inner, stage_of(i, L, n), group) if i in want else inner
 
 
 def load_sharded(path_or_repo, group, dtype=None, strategy: str = "tp"):
-    """(model, tokenizer) with this rank's part of the target only — its slices ("tp") or its stage's layers ("pp") —:
+    """(model, tokenizer) with this rank's part of the target only (its slices for "tp", its stage's layers for "pp"):
     lazy build and checks, the part read from the shards, the replicated rest evaluated. The MTP weights stay lazy
     (the drafter loads them whole)."""
     path = resolve_path(path_or_repo)

@@ -23,7 +23,8 @@ N_TOKENS = 12
 
 def scenarios(m, d, random_model, quantized_model) -> dict:
     """What both sides decode: the embedded (trained, fp32) target plainly and with its DFlash and MTP drafters, greedy
-    and seeded T = 1; the random fp32 checkpoint greedy (two prompts) and T = 1; the 4-bit one greedy (tp only: a pipeline stage holds whole layers, quantized or not)."""
+    and seeded T = 1; the random fp32 checkpoint greedy (two prompts) and T = 1; the 4-bit one greedy (tp only: a
+    pipeline stage holds whole layers, quantized or not)."""
     from glimmer_mlx.generate import generate
 
     runs = {}
@@ -178,7 +179,7 @@ def test_pipeline_ranks_hold_their_stage_and_half_the_vocabulary(two_ranks):
 
     spec, ranks = two_ranks
     m, _ = load(spec["target"])
-    sizes = dict((k, v.nbytes) for k, v in tree_flatten(m.parameters()))
+    sizes = {k: v.nbytes for k, v in tree_flatten(m.parameters())}
     L = m.args.num_hidden_layers
     for r in ranks:  # 6 layers: rank 0 computes layers 0-2, rank 1 layers 3-5
         mine = range(r["rank"] * L // 2, (r["rank"] + 1) * L // 2)

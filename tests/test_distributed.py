@@ -82,6 +82,13 @@ def run_scenarios(spec: dict, out: Path) -> None:
         check_same(g, model=spec["target"] if g.rank() == 0 else spec["random"])
     except DistributedError as e:
         res["disagree"] = str(e)
+    from types import SimpleNamespace as Chunk  # two ranks whose second chunks differ: the lockstep check stops them
+
+    try:
+        res["lockstep_seen"] = [c.tokens for c in lockstep(iter([Chunk(tokens=[5, 6]), Chunk(tokens=[7 + g.rank()]),
+                                                                 Chunk(tokens=[8])]), g, every=1)]
+    except DistributedError as e:
+        res["diverged"] = str(e)
     (out / f"rank{g.rank()}.json").write_text(json.dumps(res))
 
 
@@ -196,7 +203,14 @@ def test_ranks_that_disagree_on_the_model_get_one_clear_line(two_ranks):
         assert "ranks disagree on the model: rank(s) [1] differ from rank 0" in r["disagree"]
 
 
-@pytest.mark.slow  # ~20 s each: two more launches
+def test_ranks_whose_tokens_diverge_are_stopped_by_the_lockstep_check(two_ranks):
+    _, ranks = two_ranks
+    for r in ranks:
+        assert "lockstep_seen" not in r
+        assert f"rank {r['rank']}: ranks diverged (committed tokens per rank: [3, 3], hashes differ)" in r["diverged"]
+
+
+@pytest.mark.slow  # ~6-20 s each: two more launches
 @pytest.mark.parametrize("how", ["exit", "hang"])
 def test_a_rank_that_dies_or_hangs_mid_generation_ends_the_other_with_a_clear_error(how, tmp_path):
     from glimmer_mlx.embedded import embedded_path

@@ -69,11 +69,24 @@ class DistributedError(RuntimeError):
     """A distributed run that cannot start or continue; the message is one line naming the rank and the cause."""
 
 
+def _empty_hostfile(value: str | None) -> bool:
+    """Whether MLX_HOSTFILE (a path, as `mlx.launch` writes it, or the JSON itself) lists no hosts: what
+    `mlx.launch -n 1` / a single host sets up."""
+    if value is None:
+        return False
+    if value.strip() and Path(value).is_file():
+        value = Path(value).read_text()
+    return not value.strip()
+
+
 def init_group(backend: str = "any") -> mx.distributed.Group:
     """The world group; DistributedError without a backend or with a single process."""
     if not mx.distributed.is_available():
         raise DistributedError("--distributed: this MLX build has no distributed backend (mx.distributed is "
                                "unavailable)")
+    if os.environ.get("MLX_RANK") is not None and _empty_hostfile(os.environ.get("MLX_HOSTFILE")):
+        raise DistributedError("--distributed: world size 1 (mlx.launch started a single process); launch with "
+                               "`mlx.launch -n 2 --backend ring -- glimmer …` (or --hosts h1,h2)")
     try:
         group = mx.distributed.init(strict=True, backend=backend)
     except RuntimeError as e:

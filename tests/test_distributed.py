@@ -233,6 +233,12 @@ def test_without_a_launcher_or_with_one_rank_the_error_says_how_to_launch():
 
     with pytest.raises(DistributedError, match="mlx.launch -n 2 --backend ring"):
         init_group()
+    os.environ.update(MLX_RANK="0", MLX_HOSTFILE="")  # as `mlx.launch -n 1` sets them
+    try:
+        with pytest.raises(DistributedError, match=r"world size 1 \(mlx.launch started a single process\)"):
+            init_group()
+    finally:
+        del os.environ["MLX_RANK"], os.environ["MLX_HOSTFILE"]
 
 
 def test_dimensions_that_do_not_split_evenly_are_named(tiny_checkpoint):

@@ -24,7 +24,7 @@ const int NONE = 0x7fffffff;
 threadgroup uint tg_key[32];
 threadgroup int tg_idx[32];
 
-const device T* x = logits + (ulong)row * (ulong)V;
+auto x = logits + (ulong)row * (ulong)V;  // `auto`: a logits buffer of < 8 elements is in constant space
 uint bk = 0u;  // below every real key (the smallest, -inf, is 0x007fffff)
 int bi = NONE;
 for (int i = int(tid); i < V; i += int(nt)) {

@@ -339,3 +339,15 @@ def test_attention_relying_on_a_barrier_without_mem_threadgroup_is_caught():
                      "threadgroup_barrier(mem_flags::mem_none);")
     with pytest.raises(harness.HarnessError, match="mem_threadgroup published"):
         run_attention(q, k, v, partial=broken)
+
+
+def test_a_constant_input_assigned_to_a_device_pointer_is_refused():
+    """MLX passes inputs of fewer than 8 elements as `constant T*`; `const device T* x = that` does not compile on
+    Metal (the harness's address-space macros are empty, so it is checked on the text). The rejection kernel's
+    k = 0 dummy q is such an input."""
+    call_ = accept.rejection_accept_logprobs_call(mx.zeros((1, 300)), None, [], mx.array([0.5]))
+    assert "const constant float* q" in harness.generated_source(call_)
+    harness.run(call_)
+    call_.spec = mutated(call_.spec, "auto qr = q +", "const device TQ* qr = q +")
+    with pytest.raises(harness.HarnessError, match="'q' is in the constant address space"):
+        harness.run(call_)

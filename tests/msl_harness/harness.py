@@ -146,6 +146,13 @@ def translate(src: str):
         params.append(("buffer" if attr == "buffer" else "attr", name, ctype))
     head = src[: sig.start()]
     body = src[sig.end(): inst.start() if inst else len(src)]
+    for kind, name, ctype in params:  # the address spaces are empty macros in C++: check this one mismatch here
+        if kind == "buffer" and re.search(r"\bconstant\b", ctype):
+            bad = re.search(r"\bdevice\b[^;=(){}]*\*\s*\w+\s*=\s*\(?\s*" + name + r"\b", body)
+            if bad:
+                raise HarnessError(f"{name!r} is in the constant address space here (MLX passes inputs of fewer "
+                                   f"than 8 elements so) but is assigned to a device pointer: {bad.group(0)!r} "
+                                   f"(the Metal compiler refuses it; use `auto` or `constant`)")
     counter = iter(range(10**6))
 
     def tg(m):

@@ -20,8 +20,8 @@ LAYERS = [
     ("runtime",),
     ("speculative",),
     ("strategy",),
-    ("generate", "session"),
-    ("", "chat", "agent", "serve", "convert", "info", "train", "bench"),  # "": the package's public API
+    ("generate", "session", "distributed"),
+    ("", "chat", "agent", "serve", "convert", "info", "doctor", "train", "bench"),  # "": the package's public API
     ("cli",),
 ]
 

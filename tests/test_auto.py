@@ -316,6 +316,45 @@ def test_what_is_learned_serves_later_requests_of_the_same_chooser():
     assert not ch.pick({"dflash": 7}, remaining=1)[2]  # the last token: nothing left to draft
 
 
+def test_a_sporadic_options_switch_is_spread_over_its_measured_stretches():
+    """n-gram lookup drafts only where a match exists: its stretches (measured per regime) last a round or two, so
+    the switch into one is spread over those tokens, not the horizon; a drafter that can always draft keeps the
+    horizon whatever its stretches measured (they end when the chooser leaves them)."""
+    ch = chooser(flat(), {"ngram@2": (8, "free", 0.0, [0.9]), "dflash": (7, "block", 2 * MS, [0.9])})
+    ch.options["ngram@2"].sporadic = True
+    ch.switch_cost = 20 * MS
+    ch.rescore()
+    ng0, df0 = ch.rate("ngram@2", 8), ch.rate("dflash", 7)
+    for name in ("ngram@2", "dflash"):
+        for _ in range(6):  # stretches of one round, 2 tokens each
+            assert ch.choose({name: 8 if name == "ngram@2" else 7}, remaining=500)[0] == name
+            ch.update(name, 8 if name == "ngram@2" else 7, 1)
+            ch.count_plain()
+    assert ch.options["ngram@2"].stretch["greedy"] == pytest.approx(2.0, rel=0.05)
+    assert "greedy" not in ch.options["dflash"].stretch
+    e = ch.options["ngram@2"].acceptance("greedy").expected_tokens(8)
+    assert ch.rate("ngram@2", 8) < ng0  # the whole switch on ~2 tokens
+    assert ch.rate("ngram@2", 8) == pytest.approx(e / (ch.costs[9] + ch.round_overhead + 20 * MS * min(1, e / 2)),
+                                                  rel=0.02)
+    assert ch.rate("dflash", 7) == pytest.approx(df0, rel=0.02)
+    assert "sampling" not in ch.options["ngram@2"].stretch  # per regime: sampled text repeats far less
+
+
+def test_verify_factor_is_per_option_once_measured():
+    """A drafter whose verify rounds cost more than others' (DFlash's sampled q at T = 1 is evaluated there) is
+    charged its own factor; an option without verify rounds of its own uses the shared one."""
+    ch = chooser(flat(), {"dflash": (7, "block", 1 * MS, [0.5]), "mtp": (2, "block", 1 * MS, [0.5])})
+    for _ in range(60):
+        ch.update("dflash", 7, 3, verify_time=20 * MS)  # 2x the calibrated forward
+    assert ch.options["dflash"].verify_factor["greedy"] == pytest.approx(2.0, rel=0.01)
+    e = ch.options["dflash"].acceptance("greedy").expected_tokens(7)
+    assert ch.rate("dflash", 7) == pytest.approx(e / (ch.options["dflash"].cost(7) + 20 * MS), rel=0.02)
+    for _ in range(60):
+        ch.update("mtp", 2, 1, verify_time=10 * MS)
+    assert ch.options["mtp"].verify_factor["greedy"] == pytest.approx(1.0, rel=0.05)
+    assert ch.options["dflash"].verify_factor["greedy"] == pytest.approx(2.0, rel=0.01)  # not moved by MTP's
+
+
 def test_exploration_stops_once_the_estimate_settles_and_comes_back_when_it_fades():
     """An optimistic prior that turns out wrong (α 0.05 in fact): a few exploration rounds, then none while the
     evidence is fresh; left idle, its counts fade toward the prior and the question comes back (once in a while)."""

@@ -210,6 +210,15 @@ class Option:
     # calibrated seconds per target position of backlog a round of it processes beyond a steady round's (`steady`):
     # a drafter that sat out rounds of another one catches up on their tokens while it drafts (EMA, from 0)
     catch_up: float = 0.0
+    # only available in some rounds (n-gram lookup: where the context's suffix occurred before): a stretch of it
+    # lasts as long as its matches do, and `stretch` measures that; a drafter that can always draft (DFlash, MTP) can
+    # run to the horizon (its stretches end when the chooser leaves them: their length says nothing of the next)
+    sporadic: bool = False
+    # regime -> tokens a speculative stretch it started has committed, EMA (absent: none seen yet, the horizon)
+    stretch: dict = field(default_factory=dict)
+    # regime -> its verify rounds' measured time over the calibrated forward, EMA (absent: the chooser's shared one):
+    # what a verify does beyond the forward depends on the drafter (n-gram's one-hot q at T > 0, taps or none)
+    verify_factor: dict = field(default_factory=dict)
 
     @property
     def steady(self) -> int:
@@ -236,7 +245,8 @@ class AutoChooser:
     calibration, measured by every plain token) converts each measurement when it comes in. A slowdown seen while
     decoding plainly (another process, a longer context) then raises the drafters' costs too, and every comparison
     stays between figures measured at the same speed. A verify round does more than the calibrated forward
-    (sampling the target's distributions, the acceptance test, rewinding): `verify_factor` (per regime) is its
+    (sampling the target's distributions, the acceptance test, rewinding): `verify_factor` (per regime, and per option
+    once it has verify rounds of its own: `Option.verify_factor`) is its
     measured time over the calibrated forward's.
 
     Exploration (`explore`): an option's first-draft acceptance is uncertain (its decayed counts, the drafter's
@@ -272,6 +282,8 @@ class AutoChooser:
         self.switch_cost = 0.0
         self.round = 0  # rounds chosen so far
         self.decoded = 0  # tokens committed under this chooser so far (`FUTURE_TOKENS`)
+        self._stretch_from: tuple | None = None  # (option, regime) that started the running speculative stretch
+        self._stretch_tokens = 0  # tokens that stretch has committed so far
         self.horizon = SWITCH_HORIZON  # see `set_horizon`
         self.age_every, self.age = age_every, age  # idle evidence fades by age ** age_every every age_every rounds
         # per (regime, after a drafter?, option) its best width for each cap (`_leaders`), its exploration terms
@@ -290,10 +302,11 @@ class AutoChooser:
         self.explored: Counter = Counter()  # name -> rounds chosen to explore it
 
     def add(self, name: str, max_k: int, shape: str, draft_prior=None, decay: float = 0.97,
-            measured_tau: dict | None = None, then_alpha: dict | None = None) -> Option:
+            measured_tau: dict | None = None, then_alpha: dict | None = None, sporadic: bool = False) -> Option:
         """measured_tau: {"width", "greedy", "sampling"} τ measured for this drafter (`read_measured_tau`): the
         acceptance estimates start from it instead of α = 0.5, so a weak drafter is not tried blindly first.
-        then_alpha: {regime: α} of the drafts after an accepted one (`AcceptanceStats` then)."""
+        then_alpha: {regime: α} of the drafts after an accepted one (`AcceptanceStats` then). sporadic: available
+        in some rounds only (`Option.sporadic`)."""
         max_k = min(max_k, max(self.costs) - 1)
         if max_k < 1:
             raise ValueError(f"option {name!r}: the verify cost curve must cover at least L = 2")
@@ -305,7 +318,7 @@ class AutoChooser:
             regime: alpha_from_tau(measured_tau[regime], int(measured_tau["width"]))
             for regime in ("greedy", "sampling") if measured_tau.get(regime) is not None}
         opt = Option(name, max_k, DraftCost(shape, prior), decay=decay, prior_alpha=alphas,
-                     then_alpha=dict(then_alpha or {}))
+                     then_alpha=dict(then_alpha or {}), sporadic=sporadic)
         self.options[name] = opt
         self._memo.clear()
         return opt
@@ -378,18 +391,22 @@ class AutoChooser:
     def rates(self, name: str, cap: int, regime: str = "greedy", shift: float = 0.0) -> list[float]:
         """[rate(name, k) for k = 1..min(cap, max_k)] in one pass; shift: every position's acceptance moved by it
         (a scenario of `explore`). After a plain round a drafter's round also carries the cost of switching to it,
-        spread over the tokens the stretch can run (`horizon`)."""
+        spread over the tokens the stretch can run: the horizon, or as many as its stretches measurably last
+        (`Option.stretch`), if fewer."""
         opt = self.options[name]
         stats = opt.acceptance(regime)
         fixed = max(0.0, self.round_overhead)
         switch = self._switch(name)
-        vf = self.verify_factor.get(regime, 1.0)
+        span = self.horizon
+        if regime in opt.stretch and not self._spec_last:
+            span = max(1.0, min(span, opt.stretch[regime]))
+        vf = opt.verify_factor.get(regime, self.verify_factor.get(regime, 1.0))
         out, e, p = [], 1.0, 1.0
         alphas = stats.alphas()
         for k in range(1, min(cap, opt.max_k) + 1):
             p *= min(1.0, max(0.0, alphas[k - 1] + shift))
             e += p
-            cost = opt.cost(k) + vf * self.costs[k + 1] + fixed + switch * min(1.0, e / self.horizon)
+            cost = opt.cost(k) + vf * self.costs[k + 1] + fixed + switch * min(1.0, e / span)
             out.append(e / (self.scale * cost))
         return out
 
@@ -438,9 +455,8 @@ class AutoChooser:
                 best_name, best_k, best_rate = name, k, r
         return best_name, best_k, best_rate / self.scale
 
-    def _explore_terms(self, name: str, cap: int, regime: str,
-                       incumbent: tuple) -> tuple[float, float, float, float, int]:
-        """(EI, n, n_new, loss, k) of exploring option `name` (at most `cap` drafts) against `incumbent` = (name or
+    def _explore_terms(self, name: str, cap: int, regime: str, incumbent: tuple) -> tuple[float, float, int]:
+        """(EI × share, loss, k) of exploring option `name` (at most `cap` drafts) against `incumbent` = (name or
         None, its rate × scale): see the class docstring. Scale-free, kept until an estimate changes."""
         key = ("explore", name, regime, self._spec_last, self.horizon, self._lag_key(name), cap, incumbent)
         out = self._memo.get(key)
@@ -460,23 +476,22 @@ class AutoChooser:
             e_mean = stats.expected_tokens(k_e)
             loss = max(0.0, e_mean * (1.0 / mean - t_inc))  # calibrated seconds this round loses on the incumbent
             n_new = min(e_mean, k_e)  # positions one round tries, about
-            out = self._memo[key] = (ei, max(stats.tried[0], 0.0), n_new, loss, k_e)
+            share = n_new / (max(stats.tried[0], 0.0) + n_new)
+            out = self._memo[key] = (ei * share, loss, k_e)
         return out
 
     def explore(self, available: dict[str, int], regime: str, incumbent: tuple, remaining: int):
         """(name, k) of the option worth exploring now, or None: remaining · EI · share must exceed the round's loss
-        against the incumbent ((name or None, rate × scale)), share = n_new / (n + n_new); the largest surplus wins.
-        (Looking m rounds ahead changes nothing: share(m)/m falls with m, so one round is the most favourable case.)"""
+        against the incumbent ((name or None, rate × scale)); the largest surplus wins."""
         best, surplus = None, 0.0
         # the incumbent's rate to 1 % (its estimate moves a little every round: the tables need not)
         incumbent = (incumbent[0], math.exp(round(100 * math.log(incumbent[1])) / 100))
         for name, cap in available.items():
             if cap < 1 or name == incumbent[0]:
                 continue
-            ei, n, n_new, loss, k = self._explore_terms(name, min(cap, self.options[name].max_k), regime, incumbent)
-            gain = remaining * ei * n_new / (n + n_new) - loss
-            if gain > surplus:
-                best, surplus = (name, k), gain
+            value, loss, k = self._explore_terms(name, min(cap, self.options[name].max_k), regime, incumbent)
+            if remaining * value - loss > surplus:
+                best, surplus = (name, k), remaining * value - loss
         return best
 
     def pick(self, available: dict[str, int], regime: str = "greedy",
@@ -500,6 +515,10 @@ class AutoChooser:
         if explores:
             self.explored[name] += 1
         self.chosen[(name or "plain", k)] += 1
+        if name is None:
+            self.end_stretch()
+        elif not self._spec_last and self.options[name].sporadic:
+            self._stretch_from, self._stretch_tokens = (name, regime), 0
         self._spec_last = name is not None
         return name, k
 
@@ -546,7 +565,19 @@ class AutoChooser:
         `choose` counts it."""
         self._tick()
         self.chosen[("plain", 0)] += 1
+        self.end_stretch()
         self._spec_last = False
+
+    def end_stretch(self, ema: float = 0.25) -> None:
+        """The running speculative stretch (if any) ended (a plain round, or a new context): the tokens it committed
+        go to the `Option.stretch` of the option that started it."""
+        started, self._stretch_from = self._stretch_from, None
+        if started is None or started[0] not in self.options:
+            return
+        name, regime = started
+        opt, x = self.options[name], float(self._stretch_tokens)
+        opt.stretch[regime] = x if regime not in opt.stretch else (1 - ema) * opt.stretch[regime] + ema * x
+        self._rescore(name)
 
     def _tick(self) -> None:
         """A round is chosen; every `age_every` rounds the evidence of the options idle since the last time fades."""
@@ -567,6 +598,8 @@ class AutoChooser:
         self._rescore(name if name is not None and k > 0 else None)
         if name is not None and k > 0:
             self.decoded += n_accepted
+            if self._stretch_from is not None:
+                self._stretch_tokens += n_accepted + 1
             opt = self.options[name]
             opt.acceptance(regime).update(k, n_accepted)
             opt.touched[regime] = self.round
@@ -578,7 +611,11 @@ class AutoChooser:
             self.scale = robust_ema(self.scale, verify_time / self.costs[1], self.scale_ema)
         elif k + 1 in self.costs and self.costs[k + 1] > 0:
             x = verify_time / (self.scale * self.costs[k + 1])
-            self.verify_factor[regime] = robust_ema(self.verify_factor.get(regime, 1.0), x, self.scale_ema)
+            shared = self.verify_factor.get(regime, 1.0)
+            self.verify_factor[regime] = robust_ema(shared, x, self.scale_ema)
+            if name is not None and name in self.options:
+                own = self.options[name].verify_factor
+                own[regime] = robust_ema(own.get(regime, shared), x, self.scale_ema)
 
     def observe_round_overhead(self, seconds: float) -> None:
         """Measured wall time of a speculative round (from the previous round's commit to its own) minus its
@@ -626,6 +663,10 @@ class AutoChooser:
             "switch_cost_ms": round(1000 * self.scale * self.switch_cost, 3),
             "chosen": {f"{n}:{k}": c for (n, k), c in sorted(self.chosen.items(), key=lambda x: (x[0][0], x[0][1]))},
             "explored": dict(sorted(self.explored.items())),
+            "stretch_tokens": {n: {r: round(v, 1) for r, v in sorted(o.stretch.items())}
+                               for n, o in self.options.items() if o.stretch},
+            "verify_factor_by_option": {n: {r: round(v, 3) for r, v in sorted(o.verify_factor.items())}
+                                        for n, o in self.options.items() if o.verify_factor},
             "acceptance": {n: {reg: [round(a, 3) for a in s.alphas()] for reg, s in o.stats.items()}
                            for n, o in self.options.items()},
             "draft_cost_ms": {n: {f"k={k}": round(1000 * self.scale * o.cost(k), 3) for k in sorted({1, o.max_k})}

@@ -82,7 +82,7 @@ class AutoDrafter:
             if n == "ngram":
                 for m in range(d.index.min_n, d.index.max_n + 1):
                     self.chooser.add(f"ngram@{m}", d.max_drafts, "free", measured_tau=ngram_prior(m),
-                                     then_alpha=NGRAM_THEN)
+                                     then_alpha=NGRAM_THEN, sporadic=True)
                     self._kind_of[f"ngram@{m}"] = n
             else:
                 self.chooser.add(n, d.max_drafts, "affine", draft_prior=self.draft_costs.get(n),
@@ -114,6 +114,7 @@ class AutoDrafter:
 
     def _reset(self, ids: list[int], taps, first: int = 0) -> None:
         """A new context `ids`; `taps` (or None) cover target positions [first, len(ids) − 1)."""
+        self.chooser.end_stretch()  # a stretch the last request ended in is over
         self._tokens = list(ids)
         self._chunks: list[tuple[int, list]] = []  # (first position, taps) not yet handed to every model drafter
         self._hole = first if taps else max(0, len(ids) - 1)  # positions below it may lack taps

@@ -480,6 +480,17 @@ class AutoChooser:
             out = self._memo[key] = (ei * share, loss, k_e)
         return out
 
+    def _optimistic(self, name: str, cap: int, regime: str) -> float:
+        """Option `name`'s best rate × scale (at most `cap` drafts) in its optimistic scenario (`SCENARIOS[-1]`):
+        the bound that decides whether exploring it can gain at all, kept until an estimate changes (unlike the
+        exploration terms it does not depend on the incumbent, whose rate moves every round of a stretch)."""
+        key = ("optimistic", name, regime, self._spec_last, self.horizon, self._lag_key(name), cap)
+        out = self._memo.get(key)
+        if out is None:
+            sd = self.options[name].acceptance(regime).spread()
+            out = self._memo[key] = max(self.rates(name, cap, regime, shift=SCENARIOS[-1] * sd)) * self.scale
+        return out
+
     def explore(self, available: dict[str, int], regime: str, incumbent: tuple, remaining: int):
         """(name, k) of the option worth exploring now, or None: remaining · EI · share must exceed the round's loss
         against the incumbent ((name or None, rate × scale)); the largest surplus wins."""
@@ -489,7 +500,10 @@ class AutoChooser:
         for name, cap in available.items():
             if cap < 1 or name == incumbent[0]:
                 continue
-            value, loss, k = self._explore_terms(name, min(cap, self.options[name].max_k), regime, incumbent)
+            cap = min(cap, self.options[name].max_k)
+            if self._optimistic(name, cap, regime) <= incumbent[1] * (1 + MIN_GAIN):
+                continue  # not even its optimistic scenario beats the incumbent: EI = 0 (and no scoring pass)
+            value, loss, k = self._explore_terms(name, cap, regime, incumbent)
             if remaining * value - loss > surplus:
                 best, surplus = (name, k), remaining * value - loss
         return best

@@ -42,7 +42,8 @@ def greedy_rows(rng):
             sel = x.argmax(-1)
             d = [int(sel[j]) if j < n_match else int((sel[j] + 1) % V) for j in range(k)]
             xm = mx.array(x).astype(dt)
-            got = tuple(harness.run(accept.greedy_accept_call(xm, d))[0].tolist())
+            sel = harness.run(accept.greedy_argmax_call(xm))[0]
+            got = tuple(int(v) for v in accept.accept_from_argmax(sel, d).tolist())
             out.append(got == accept.greedy_accept_reference(xm, d))
     return out
 
@@ -58,10 +59,13 @@ def rejection_rows(rng):
                     q = p[:max(k, 1)].copy()
                 d = [int(rng.choice(V, p=q[j] / q[j].sum())) for j in range(k)]
                 u = rng.random(k + 1).astype(np.float32)
-                args = (mx.array(p), mx.array(q) if k else None, d, mx.array(u))
-                ref = accept.rejection_accept_reference(*args)
+                with np.errstate(divide="ignore"):  # the kernel takes log-probs (zeros → -inf)
+                    lp, lq = np.log(p), np.log(q)
+                args = (mx.array(lp), mx.array(lq) if k else None, d, mx.array(u))
+                ref = accept.rejection_accept_reference_logprobs(*args)
                 paths.add(ref[0] == k)
-                out.append(tuple(harness.run(accept.rejection_accept_call(*args))[0].tolist()) == ref)
+                got = harness.run(accept.rejection_accept_logprobs_call(*args))[0]
+                out.append(tuple(int(v) for v in got.tolist()) == ref)
     return out, paths
 
 

@@ -180,7 +180,8 @@ def _load_parts(model, draft_model, mtp_model, mlx_lm_draft_model, settings: Ben
     parts = {"target": str(path), "embedded": embedded,
              "dflash": drafters.dflash.source if drafters.dflash is not None else None,
              "mtp": drafters.mtp.source if drafters.mtp is not None else None,
-             "mtp_layers": drafters.mtp.head.num_layers if drafters.mtp is not None else None}
+             "mtp_layers": drafters.mtp.head.num_layers if drafters.mtp is not None else None,
+             "dflash_variant": getattr(drafters.dflash, "variant", None)}
 
     lm = lm_draft = None
     modes = settings.expanded_modes()

@@ -21,7 +21,7 @@ from collections import Counter
 import mlx.core as mx
 
 from ..cache import CacheRewindError, keep_path, rewind_cache
-from ..kernels import install_block_kernels
+from ..kernels import install_block_kernels, kernel_stats
 from ..runtime.plain import PlainDecoder
 from ..runtime.prefill import DEFAULT_PREFILL_STEP
 from ..sampling import Sampler
@@ -158,6 +158,9 @@ class SpeculativeDecoder:
         elif self.mode == "mtp":
             d["depth"] = self.max_k
         d.update(self.drafter.stats())
+        kernels = kernel_stats()  # which Metal kernels ran and why any did not (their self-test, `glimmer doctor`)
+        if kernels:
+            d["kernels"] = kernels
         return d
 
 

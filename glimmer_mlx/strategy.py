@@ -32,7 +32,10 @@ from .speculative.protocol import Drafter
 MODES = ("ar", "dflash", "mtp", "ngram", "auto")
 NGRAM_DRAFTS = 8  # n-gram lookup's most drafts per round by default
 MAX_NGRAM_DRAFTS = 64
-MIN_AUTO_MTP_DEPTH = 2  # auto limits the drafts per round itself: its MTP option chains at least this deep
+# auto's MTP option chains as deep as the trained layers (at least this): every depth's layer runs every round
+# whatever the round drafts (each keeps its cache in step), so a deeper chain costs every round more — at depth 2
+# the embedded model's one-layer MTP, which pays at depth 1 with OpenBLAS, never did inside auto
+MIN_AUTO_MTP_DEPTH = 1
 
 
 class ModeError(ValueError):

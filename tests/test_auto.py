@@ -479,6 +479,25 @@ def test_calibration_is_cached_per_machine_and_model(tiny, tmp_path, monkeypatch
     assert not info4["cached"] and len(list(tmp_path.glob("costs-*.json"))) == 2
 
 
+def test_a_stale_cached_calibration_is_measured_again(tiny, tmp_path, monkeypatch):
+    """A cached curve whose plain token is far from one measured now (calibrated while the machine was busy: 2.5x
+    once made auto draft every round, never measuring plain again) is measured again; a close one is used."""
+    import importlib
+
+    cal = importlib.import_module("glimmer_mlx.speculative.auto.calibrate")
+    model, _, _ = tiny
+    monkeypatch.setenv("GLIMMER_MLX_CACHE_DIR", str(tmp_path))
+    _, info = load_or_calibrate(model, (1,), 4)
+    plain = info["plain_token_s"]
+    monkeypatch.setattr(cal, "check_plain_token", lambda m: 1.2 * plain)
+    assert load_or_calibrate(model, (1,), 4)[1]["cached"]
+    calls, real = [], cal.calibrate
+    monkeypatch.setattr(cal, "calibrate", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    monkeypatch.setattr(cal, "check_plain_token", lambda m: plain / 2.5)
+    _, info2 = load_or_calibrate(model, (1,), 4)
+    assert not info2["cached"] and calls == [1]
+
+
 # -- the drafter and decoder ---------------------------------------------------------------------------------------
 
 

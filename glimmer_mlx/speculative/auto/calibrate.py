@@ -77,6 +77,23 @@ def calibrate(model, taps, max_len: int, context: int = CALIBRATION_CONTEXT,
     return costs, min(plain, costs[1])
 
 
+# a cached curve is used while a plain token measured now is within these bounds of the cached one (x now / cached);
+# outside them (calibrated while another process loaded the machine, a changed power mode) it is measured again: the
+# speed scale corrects drift only from plain tokens, and a plain cost calibrated 2.5x too high once made auto draft
+# every round with nothing it ever measured saying otherwise
+STALE = (0.5, 2.0)
+
+
+def check_plain_token(model, context: int = CALIBRATION_CONTEXT) -> float:
+    """Seconds per pipelined plain token now, measured as the calibration measures it (a scratch context)."""
+    cache = model.make_cache()
+    ids = [2 + i % max(1, model.args.vocab_size - 2) for i in range(context)]
+    logits = prefill(model, cache, ids)
+    mx.eval(logits)
+    plain_token_seconds(model, cache, n=8)  # warm-up
+    return min(plain_token_seconds(model, cache, n=16) for _ in range(2))
+
+
 def load_or_calibrate(model, taps, max_len: int, *, directory=None, recalibrate: bool = False,
                       log=None) -> tuple[dict[int, float], dict]:
     """The verify cost curve for this machine and model, from the cache file or measured now (then cached).
@@ -94,7 +111,15 @@ def load_or_calibrate(model, taps, max_len: int, *, directory=None, recalibrate:
             costs = {int(L): float(c) for L, c in raw["costs_s"].items()}
             # (files from before the plain token was timed without taps are measured again)
             if all(L in costs for L in range(1, max_len + 1)) and raw.get("plain_taps") is False:
-                return costs, {**info, "cached": True, "plain_token_s": float(raw["plain_token_s"])}
+                plain = float(raw["plain_token_s"])
+                now = check_plain_token(model)
+                if STALE[0] <= now / plain <= STALE[1]:
+                    return costs, {**info, "cached": True, "plain_token_s": plain, "checked_plain_token_s": now}
+                if log:  # measured while the machine was busy (or on other hardware): the whole curve is suspect
+                    log(f"the cached calibration's plain token ({1000 * plain:.2f} ms) is off from one measured now "
+                        f"({1000 * now:.2f} ms): measuring it again")
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # unreadable or too short: measure again
         except (OSError, ValueError, KeyError, TypeError):
             pass  # unreadable or too short: measure again
     if log:

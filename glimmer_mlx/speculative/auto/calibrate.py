@@ -37,6 +37,11 @@ def model_fingerprint(model) -> str:
     return h.hexdigest()[:12]
 
 
+def scratch_ids(model, n: int) -> list[int]:
+    """n token ids for timing runs (2, 3, … wrapping below the vocabulary size)."""
+    return [2 + i % max(2, model.args.vocab_size - 2) for i in range(n)]
+
+
 def measure_verify_costs(model, cache, taps, max_k: int, repeats: int = 3) -> dict[int, float]:
     """Seconds for a target forward over L = 1..max_k+1 tokens at the cache's current length (rewound after)."""
     costs = {}
@@ -58,7 +63,7 @@ def calibrate(model, taps, max_len: int, context: int = CALIBRATION_CONTEXT,
     """({L: seconds of a target forward over L tokens (with `taps`)}, seconds per pipelined plain token without
     taps), both after `context` cached tokens."""
     cache = model.make_cache()
-    ids = [int(x) for x in (mx.arange(context) % max(2, model.args.vocab_size - 2) + 2).tolist()]
+    ids = scratch_ids(model, context)
     logits, tapped = prefill(model, cache, ids, taps=tuple(taps))
     mx.eval(logits, tapped)
     measure_verify_costs(model, cache, tuple(taps), max_len - 1, repeats=1)  # warm-up (first calls build kernels)
@@ -84,14 +89,12 @@ def calibrate(model, taps, max_len: int, context: int = CALIBRATION_CONTEXT,
 STALE = (0.5, 2.0)
 
 
-def check_plain_token(model, context: int = CALIBRATION_CONTEXT) -> float:
-    """Seconds per pipelined plain token now, measured as the calibration measures it (a scratch context)."""
+def check_plain_token(model, context: int = 32) -> float:
+    """Seconds per pipelined plain token now (the calibration's loop, on a short scratch context: a check against a
+    2x bound needs no more than 8 tokens, and it runs every time `auto` is built)."""
     cache = model.make_cache()
-    ids = [2 + i % max(1, model.args.vocab_size - 2) for i in range(context)]
-    logits = prefill(model, cache, ids)
-    mx.eval(logits)
-    plain_token_seconds(model, cache, n=8)  # warm-up
-    return min(plain_token_seconds(model, cache, n=16) for _ in range(2))
+    mx.eval(prefill(model, cache, scratch_ids(model, context)))
+    return plain_token_seconds(model, cache, n=8)
 
 
 def load_or_calibrate(model, taps, max_len: int, *, directory=None, recalibrate: bool = False,
@@ -118,10 +121,8 @@ def load_or_calibrate(model, taps, max_len: int, *, directory=None, recalibrate:
                 if log:  # measured while the machine was busy (or on other hardware): the whole curve is suspect
                     log(f"the cached calibration's plain token ({1000 * plain:.2f} ms) is off from one measured now "
                         f"({1000 * now:.2f} ms): measuring it again")
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # unreadable or too short: measure again
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # unreadable or too short: measure again
+        except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+            pass  # unreadable, too short or a zero plain token: measure again
     if log:
         log(f"calibrating the verify cost curve (L = 1..{max_len}) for this machine and model → {path}")
     costs, plain = calibrate(model, taps, max_len)
@@ -146,7 +147,7 @@ def measure_draft_costs(target, drafters: dict, taps: tuple, tap_idx: dict, cont
     model_drafters = {n: copy.copy(d) for n, d in drafters.items() if n != "ngram"}
     if not model_drafters:
         return {}
-    ids = [2 + i % max(1, target.args.vocab_size - 2) for i in range(context)]
+    ids = scratch_ids(target, context)
     _, tapped = prefill(target, target.make_cache(), ids, taps=taps)
     mx.eval(tapped)
     sampler = Sampler(SamplingParams())

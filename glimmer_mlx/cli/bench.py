@@ -203,3 +203,57 @@ def bench_kernels_cmd(
         console.print(f"[dim]results written to {out}[/]")
 
 
+@bench_app.command("serve")
+def bench_serve_cmd(
+    model: Model = None,
+    draft_model: DraftModel = None,
+    mtp_model: MtpModel = None,
+    modes: str = typer.Option("ar,dflash,auto,mlx-lm", "--modes", help="Comma-separated: ar, dflash, mtp, ngram, "
+                              "auto (glimmer serve, the mode sent per request) and mlx-lm (mlx_lm.server on the "
+                              "same weights)."),
+    clients: str = typer.Option("1,2,4,8,16", "--clients", help="Comma-separated concurrency levels N."),
+    requests: int = typer.Option(2, "--requests", help="Requests per client per level (N × this per level)."),
+    max_tokens: int = typer.Option(64, "--max-tokens", help="max_tokens of every request."),
+    temperature: float = typer.Option(0.0, "--temperature", help="Sampling temperature of every request (0: "
+                                      "greedy)."),
+    seed: int = typer.Option(0, "--seed", help="Request i's seed is seed + i."),
+    categories: Optional[str] = typer.Option(None, "--categories", help="Prompt categories (default: all shipped)."),
+    request_timeout: float = typer.Option(300.0, "--request-timeout", help="Seconds a request may take."),
+    startup_timeout: float = typer.Option(300.0, "--startup-timeout", help="Seconds a server may take to be ready."),
+    out: str = typer.Option("bench-serve", "--out", help="Folder for bench-serve.json, bench-serve.png and the "
+                            "servers' logs."),
+):
+    """The server under load: N concurrent streaming clients (closed loop) replay the shipped prompt sets against
+    `glimmer serve` (modes ar/dflash/auto per request) and mlx_lm.server on the same weights, each started here on a
+    free loopback port and stopped at the end. Per mode and N: aggregate tok/s, per-request tok/s, TTFT and latency
+    p50/p95, errors; writes bench-serve.json (with the machine fingerprint) and bench-serve.png."""
+    from ..bench.serve import (ServeBenchError, ServeBenchSettings, render_serve_table, run_serve_bench,
+                               select_prompts, write_json, write_serve_chart)
+
+    try:
+        settings = ServeBenchSettings.parse(
+            modes=modes, clients=clients, requests=requests, max_tokens=max_tokens, temperature=temperature,
+            seed=seed, request_timeout=request_timeout, startup_timeout=startup_timeout,
+            categories=[c.strip() for c in categories.split(",") if c.strip()] if categories else None)
+        select_prompts(settings.categories)
+    except ValueError as e:
+        fail(str(e))
+    out_dir = Path(out)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as prog:
+        task = prog.add_task("starting", total=None)
+
+        def progress(msg: str, done: int | None = None, total: int | None = None) -> None:
+            prog.update(task, description=escape(msg[-70:]), completed=done, total=total)
+
+        try:
+            res = run_serve_bench(settings, model=model, draft_model=draft_model, mtp_model=mtp_model,
+                                  out_dir=out_dir, progress=progress, log=note)
+        except (ServeBenchError, FileNotFoundError, ValueError) as e:
+            fail(str(e))
+    write_json(res, out_dir / "bench-serve.json")
+    write_serve_chart(res, out_dir / "bench-serve.png")
+    wide = Console(width=None if sys.stdout.isatty() else 200)
+    for part in render_serve_table(res):
+        wide.print(part)
+    console.print(f"[dim]results written to {out_dir / 'bench-serve.json'} and {out_dir / 'bench-serve.png'}[/]")

@@ -1,0 +1,775 @@
+"""`glimmer bench serve`: the server under concurrent load (issue 24).
+
+N streaming clients (a closed loop: each sends its next request when the last one finished) replay the shipped
+prompt sets against `glimmer serve` — the decoding mode sent per request in the `glimmer` field, so one server
+process serves ar, dflash and auto — and against `mlx_lm.server` on the same weights, both started here as
+subprocesses on free loopback ports and stopped at the end. Per request: time to the first content delta (TTFT),
+end-to-end latency, completion tokens (the usage chunk's, else the content deltas counted) and whether the stream
+was well formed. Per target/mode and N: aggregate tok/s, per-request tok/s, TTFT and latency p50/p95, errors.
+
+The load generator is standard library only (threads + http.client): it holds no MLX state and runs in any thread,
+so a test can drive an in-process `GlimmerServer` whose generations run in the main thread."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+SCHEMA = "glimmer-bench-serve/1"
+OUR_MODES = ("ar", "dflash", "mtp", "ngram", "auto")  # sent as {"glimmer": {"mode": ...}}
+MLX_LM = "mlx-lm"
+KNOWN_TARGETS = (*OUR_MODES, MLX_LM)
+DEFAULT_MODES = ("ar", "dflash", "auto", MLX_LM)
+DEFAULT_CLIENTS = (1, 2, 4, 8, 16)
+ERROR_SAMPLES = 5  # error messages kept per level (every request's record keeps its own)
+
+
+class ServeBenchError(RuntimeError):
+    """A benchmark that cannot run as asked (bad options, no target could start)."""
+
+
+# -- statistics ---------------------------------------------------------------------------------------------------------
+
+def percentile(xs: Iterable[float], p: float) -> float | None:
+    """The p-th percentile (0..100) with linear interpolation between closest ranks (numpy's default, "linear"):
+    rank p/100·(n−1) in the sorted values. None for no values."""
+    v = sorted(xs)
+    if not v:
+        return None
+    if not 0 <= p <= 100:
+        raise ValueError(f"percentile must be in [0, 100], got {p}")
+    r = p / 100 * (len(v) - 1)
+    lo = int(r)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (r - lo)
+
+
+def _stats_ms(xs: list[float]) -> dict:
+    """p50 / p95 / mean / min / max of seconds, in milliseconds (None when empty)."""
+    ms = [1000.0 * x for x in xs]
+    return {"p50": percentile(ms, 50), "p95": percentile(ms, 95),
+            "mean": statistics.fmean(ms) if ms else None, "min": min(ms, default=None), "max": max(ms, default=None)}
+
+
+# -- one streamed request -----------------------------------------------------------------------------------------------
+
+@dataclass
+class RequestRecord:
+    """What one streamed chat completion measured. Times are seconds: `sent` on the load generator's clock
+    (time.perf_counter), `ttft` and `latency` relative to `sent`."""
+    client: int = 0
+    index: int = 0  # the request's number in its level (prompt and seed follow from it)
+    category: str | None = None
+    prompt: int | None = None  # index in its category
+    seed: int | None = None
+    sent: float = 0.0
+    ttft: float | None = None  # first non-empty content delta
+    latency: float | None = None  # the stream's end ([DONE] or EOF)
+    completion_tokens: int | None = None
+    tokens_from: str | None = None  # "usage" (the usage chunk) | "deltas" (no usage sent: content deltas counted)
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    content_deltas: int = 0
+    chunks: int = 0
+    finish_reason: str | None = None
+    done: bool = False  # [DONE] seen
+    status: int | None = None  # HTTP status
+    error: str | None = None  # None: a complete, well-formed stream
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def tps(self) -> float | None:
+        """Per-request decode rate: (tokens − 1) / (latency − TTFT) — the tokens after the first over the time after
+        the first content arrived; None with fewer than 2 tokens."""
+        if not self.ok or not self.completion_tokens or self.completion_tokens < 2 or self.ttft is None:
+            return None
+        dt = self.latency - self.ttft
+        return (self.completion_tokens - 1) / dt if dt > 0 else None
+
+    def as_dict(self) -> dict:
+        return dict(asdict(self), ok=self.ok, tps=self.tps)
+
+
+def parse_sse(lines: Iterable[bytes], rec: RequestRecord, clock: Callable[[], float] = time.perf_counter) \
+        -> RequestRecord:
+    """Read an OpenAI chat-completions SSE stream (`data: {json}` events, then `data: [DONE]`) into `rec`: TTFT at
+    the first non-empty `delta.content`, latency at [DONE] (or wherever the stream ended), finish_reason, the usage
+    chunk's token counts. A malformed stream is recorded, never raised: a `data:` payload that is not JSON (or not an
+    object), an error object in the stream, a read that fails (timeout, reset, truncated chunk), no finish_reason,
+    no [DONE], data after [DONE] — each sets `rec.error` (the first problem found). SSE comments (`:`) and the
+    other SSE fields (event, id, retry) are skipped."""
+    def problem(msg: str) -> None:
+        if rec.error is None:
+            rec.error = msg
+
+    try:
+        for raw in lines:
+            line = raw.decode("utf-8", "replace").rstrip("\r\n")
+            if not line or line.startswith(":"):
+                continue
+            if not line.startswith("data:"):
+                if line.split(":", 1)[0] not in ("event", "id", "retry"):
+                    problem(f"not an SSE line: {line[:80]!r}")
+                continue
+            payload = line[5:].strip()
+            if rec.done:
+                problem("data after [DONE]")
+                continue
+            if payload == "[DONE]":
+                rec.done = True
+                rec.latency = clock() - rec.sent
+                continue
+            try:
+                chunk = json.loads(payload)
+            except ValueError:
+                problem(f"chunk {rec.chunks + 1} is not JSON: {payload[:80]!r}")
+                continue
+            rec.chunks += 1
+            if not isinstance(chunk, dict):
+                problem(f"chunk {rec.chunks} is not a JSON object")
+                continue
+            if chunk.get("error") is not None:
+                err = chunk["error"]
+                problem("error in the stream: " + str(err.get("message") if isinstance(err, dict) else err)[:200])
+                continue
+            for ch in chunk.get("choices") or []:
+                if not isinstance(ch, dict):
+                    problem(f"chunk {rec.chunks}: a choice is not an object")
+                    continue
+                delta = ch.get("delta") or {}
+                if isinstance(delta, dict) and delta.get("content"):
+                    if rec.ttft is None:
+                        rec.ttft = clock() - rec.sent
+                    rec.content_deltas += 1
+                if ch.get("finish_reason") is not None:
+                    rec.finish_reason = ch["finish_reason"]
+            u = chunk.get("usage")
+            if isinstance(u, dict) and u.get("completion_tokens") is not None:
+                rec.completion_tokens, rec.tokens_from = int(u["completion_tokens"]), "usage"
+                rec.prompt_tokens = u.get("prompt_tokens")
+                rec.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens")
+    except (OSError, http.client.HTTPException, ValueError) as e:  # timeout, reset, IncompleteRead
+        problem(f"reading the stream failed: {type(e).__name__}: {e}"[:240])
+    if rec.latency is None:
+        rec.latency = clock() - rec.sent
+    if rec.completion_tokens is None:  # the server sent no usage: count the content deltas (a delta may hold more
+        rec.completion_tokens, rec.tokens_from = rec.content_deltas, "deltas"  # than one token's text)
+    if not rec.done:
+        problem("the stream ended without [DONE]")
+    if rec.finish_reason is None:
+        problem("no finish_reason")
+    if rec.ttft is None and rec.error is None and rec.completion_tokens:
+        problem("tokens counted but no content delta")
+    return rec
+
+
+# -- the load generator -------------------------------------------------------------------------------------------------
+
+def prompt_for(index: int, prompts: dict[str, list[str]]) -> tuple[str, int, str]:
+    """(category, index in it, text) of a level's `index`-th request: round robin over the categories, then
+    through each category's prompts."""
+    cats = list(prompts)
+    cat = cats[index % len(cats)]
+    j = (index // len(cats)) % len(prompts[cat])
+    return cat, j, prompts[cat][j]
+
+
+def request_body(text: str, *, max_tokens: int, temperature: float, seed: int | None, mode: str | None) -> dict:
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": temperature,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if seed is not None:
+        body["seed"] = seed
+    if mode is not None:
+        body["glimmer"] = {"mode": mode}
+    return body
+
+
+def stream_request(host: str, port: int, body: dict, rec: RequestRecord, *, timeout: float = 300.0,
+                   headers: dict | None = None) -> RequestRecord:
+    """POST /v1/chat/completions and read its stream into `rec` (errors recorded, not raised)."""
+    data = json.dumps(body).encode()
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    rec.sent = time.perf_counter()
+    try:
+        conn.request("POST", "/v1/chat/completions", body=data,
+                     headers={"Content-Type": "application/json", "Accept": "text/event-stream", **(headers or {})})
+        resp = conn.getresponse()
+        rec.status = resp.status
+        if resp.status != 200:
+            text = resp.read(4096).decode("utf-8", "replace")
+            rec.latency = time.perf_counter() - rec.sent
+            try:
+                msg = json.loads(text)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                msg = " ".join(text.split())[:200]
+            rec.error = f"HTTP {resp.status}: {msg}"
+            return rec
+        parse_sse(iter(resp.readline, b""), rec)
+    except (OSError, http.client.HTTPException) as e:
+        rec.latency = time.perf_counter() - rec.sent
+        rec.error = f"request failed: {type(e).__name__}: {e}"[:240]
+    finally:
+        conn.close()
+    return rec
+
+
+def run_level(host: str, port: int, clients: int, requests_per_client: int, prompts: dict[str, list[str]], *,
+              max_tokens: int = 64, temperature: float = 0.0, seed: int | None = 0, mode: str | None = None,
+              timeout: float = 300.0, on_request: Callable[[RequestRecord], None] | None = None) -> dict:
+    """`clients` threads, each sending `requests_per_client` requests one after another; request k of client c is
+    the level's request r·clients + c (its prompt: `prompt_for`; its seed: seed + index, none if seed is None).
+    Returns the level's summary (`summarize`) with every request's record. Any thread may call it."""
+    records: list[RequestRecord] = []
+    lock = threading.Lock()
+    start = threading.Barrier(clients)
+
+    def client(c: int) -> None:
+        try:
+            start.wait(timeout=30)
+        except threading.BrokenBarrierError:
+            pass
+        for r in range(requests_per_client):
+            index = r * clients + c
+            cat, j, text = prompt_for(index, prompts)
+            s = None if seed is None else seed + index
+            rec = RequestRecord(client=c, index=index, category=cat, prompt=j, seed=s)
+            try:
+                stream_request(host, port, request_body(text, max_tokens=max_tokens, temperature=temperature,
+                                                        seed=s, mode=mode), rec, timeout=timeout)
+            except Exception as e:  # noqa: BLE001 - a client thread never dies silently: the request is an error
+                rec.error = rec.error or f"client failed: {type(e).__name__}: {e}"[:240]
+                rec.latency = rec.latency if rec.latency is not None else time.perf_counter() - rec.sent
+            with lock:
+                records.append(rec)
+            if on_request is not None:
+                on_request(rec)
+
+    threads = [threading.Thread(target=client, args=(c,), name=f"bench-client-{c}", daemon=True)
+               for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    records.sort(key=lambda r: r.index)
+    return summarize(records, clients)
+
+
+def summarize(records: list[RequestRecord], clients: int) -> dict:
+    """One level: aggregate tok/s = the completion tokens of every well-formed request / the wall time from the
+    first request sent to the last one finished; the median per-request tok/s; TTFT and latency p50/p95 (ms) over
+    the well-formed requests; errors (count and the first messages)."""
+    ok = [r for r in records if r.ok]
+    bad = [r for r in records if not r.ok]
+    t0 = min((r.sent for r in records), default=0.0)
+    t1 = max((r.sent + (r.latency or 0.0) for r in records), default=0.0)
+    wall = t1 - t0
+    tokens = sum(r.completion_tokens or 0 for r in ok)
+    tps = [r.tps for r in ok if r.tps is not None]
+    src = {}
+    for r in ok:
+        src[r.tokens_from] = src.get(r.tokens_from, 0) + 1
+    return {
+        "clients": clients,
+        "requests": len(records),
+        "ok": len(ok),
+        "errors": len(bad),
+        "error_messages": [f"request {r.index}: {r.error}" for r in bad[:ERROR_SAMPLES]],
+        "wall_s": wall,
+        "completion_tokens": tokens,
+        "aggregate_tps": tokens / wall if wall > 0 and ok else None,
+        "per_request_tps": {"median": statistics.median(tps) if tps else None, "min": min(tps, default=None),
+                            "max": max(tps, default=None)},
+        "ttft_ms": _stats_ms([r.ttft for r in ok if r.ttft is not None]),
+        "latency_ms": _stats_ms([r.latency for r in ok]),
+        "tokens_from": src,
+        "prompt_tokens": sum(r.prompt_tokens or 0 for r in ok),
+        "cached_prompt_tokens": sum(r.cached_tokens or 0 for r in ok),  # the servers' prompt caches (as reported)
+        "runs": [r.as_dict() for r in records],
+    }
+
+
+# -- the servers ----------------------------------------------------------------------------------------------------
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now on `host` (bound to port 0, read, released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def http_get(host: str, port: int, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(lines[-n:])
+
+
+class ServerProcess:
+    """A server started as a subprocess on a free loopback port (stdout + stderr to `log`), ready once GET
+    `ready_path` answers 200; `stop()` terminates it, then kills it. A context manager."""
+
+    def __init__(self, name: str, argv_for_port: Callable[[int], list[str]], log: Path, *, ready_path: str,
+                 host: str = "127.0.0.1"):
+        self.name, self.host, self.ready_path, self.log = name, host, ready_path, Path(log)
+        self.port = free_port(host)
+        self.argv = argv_for_port(self.port)
+        self.proc: subprocess.Popen | None = None
+        self.startup_s: float | None = None
+        self._log_file = None
+
+    def start(self, timeout: float = 300.0) -> None:
+        """Start and wait until ready; ServeBenchError (with the log's tail) if it exits or times out first."""
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log, "wb")
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(self.argv, stdout=self._log_file, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=dict(os.environ))  # LD_PRELOAD etc. inherited
+        deadline = t0 + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise ServeBenchError(f"{self.name} exited with code {self.proc.returncode} before it was ready; "
+                                      f"its output ends with:\n{_tail(self.log)}")
+            try:
+                status, _ = http_get(self.host, self.port, self.ready_path, timeout=2.0)
+                if status == 200:
+                    self.startup_s = time.perf_counter() - t0
+                    return
+            except (OSError, http.client.HTTPException):
+                pass
+            if time.perf_counter() > deadline:
+                raise ServeBenchError(f"{self.name} was not ready (GET {self.ready_path}) after {timeout:.0f} s; its "
+                                      f"output ends with:\n{_tail(self.log)}")
+            time.sleep(0.25)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def glimmer_argv(port: int, *, model: str | None = None, draft_model: str | None = None,
+                 mtp_model: str | None = None, host: str = "127.0.0.1") -> list[str]:
+    """`glimmer serve` as a subprocess; --mode ar (the default for requests without a `glimmer` field: every
+    request here names its mode, and auto is built on its first request, not at start-up)."""
+    argv = [sys.executable, "-m", "glimmer_mlx.cli", "serve", "--host", host, "--port", str(port), "--mode", "ar"]
+    for flag, v in (("--model", model), ("--draft-model", draft_model), ("--mtp-model", mtp_model)):
+        if v is not None:
+            argv += [flag, v]
+    return argv
+
+
+def mlx_lm_argv(port: int, model: str, host: str = "127.0.0.1") -> list[str]:
+    """mlx-lm's server (`python -m mlx_lm server`, the entry point its deprecation note for `-m mlx_lm.server`
+    names), its batching flags left at their defaults."""
+    return [sys.executable, "-m", "mlx_lm", "server", "--model", str(model), "--host", host, "--port", str(port)]
+
+
+def mlx_lm_server_facts() -> dict:
+    """mlx-lm's version and its server's batching defaults, read from its source (None where not found): requests
+    are decoded in one batch (up to --decode-concurrency) only without a draft model, without --kv-bits, when every
+    KV cache of the model can merge, and when the request sends no `seed`."""
+    facts = {"version": None, "defaults": {}}
+    try:
+        from importlib.metadata import version
+
+        facts["version"] = version("mlx-lm")
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("mlx_lm.server")
+        src = Path(spec.origin).read_text() if spec and spec.origin else ""
+    except Exception:  # noqa: BLE001
+        src = ""
+    for flag in ("decode-concurrency", "prompt-concurrency", "prefill-step-size", "prompt-cache-size", "max-tokens"):
+        m = re.search(r'"--' + flag + r'",\s*type=\w+,\s*default=([^,\s]+)', src)
+        facts["defaults"][flag] = int(m.group(1)) if m and m.group(1).isdigit() else (m.group(1) if m else None)
+    facts["batching"] = ("batched decoding (up to --decode-concurrency requests) when the model's caches can merge, "
+                         "no draft model, no --kv-bits, and the request has no seed; otherwise one at a time")
+    return facts
+
+
+# -- the sitting ------------------------------------------------------------------------------------------------------
+
+@dataclass
+class ServeBenchSettings:
+    modes: list[str] = field(default_factory=lambda: list(DEFAULT_MODES))
+    clients: list[int] = field(default_factory=lambda: list(DEFAULT_CLIENTS))
+    requests: int = 2  # per client per level
+    max_tokens: int = 64
+    temperature: float = 0.0
+    seed: int = 0
+    categories: list[str] | None = None
+    request_timeout: float = 300.0
+    startup_timeout: float = 300.0
+
+    @classmethod
+    def parse(cls, *, modes: str | None = None, clients: str | None = None, **kw) -> ServeBenchSettings:
+        """From the command line's strings; ValueError with one clear line for anything out of range."""
+        s = cls(**{k: v for k, v in kw.items() if v is not None})
+        if modes is not None:
+            s.modes = [m.strip() for m in modes.split(",") if m.strip()]
+        if clients is not None:
+            try:
+                s.clients = [int(x) for x in clients.split(",") if x.strip()]
+            except ValueError:
+                raise ValueError(f"--clients: expected comma-separated integers like 1,2,4, got {clients!r}") from None
+        s.check()
+        return s
+
+    def check(self) -> None:
+        if not self.modes:
+            raise ValueError("--modes: empty list")
+        bad = [m for m in self.modes if m not in KNOWN_TARGETS]
+        if bad:
+            raise ValueError(f"--modes: unknown {', '.join(bad)} (known: {', '.join(KNOWN_TARGETS)})")
+        if len(set(self.modes)) != len(self.modes):
+            raise ValueError("--modes: a mode is given twice")
+        if not self.clients or any(n < 1 for n in self.clients):
+            raise ValueError(f"--clients: every level must be >= 1, got {self.clients}")
+        if any(n > 256 for n in self.clients):
+            raise ValueError(f"--clients: at most 256 concurrent clients, got {max(self.clients)}")
+        if self.requests < 1:
+            raise ValueError(f"--requests must be >= 1, got {self.requests}")
+        if self.max_tokens < 1:
+            raise ValueError(f"--max-tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.request_timeout <= 0 or self.startup_timeout <= 0:
+            raise ValueError("timeouts must be > 0 seconds")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def select_prompts(categories: list[str] | None) -> dict[str, list[str]]:
+    from .settings import load_prompts
+
+    prompts = load_prompts()
+    if categories is None:
+        return prompts
+    bad = [c for c in categories if c not in prompts]
+    if bad:
+        raise ValueError(f"--categories: unknown {', '.join(bad)} (shipped: {', '.join(prompts)})")
+    return {c: prompts[c] for c in categories}
+
+
+WARMUP_PROMPT = "Say hello in one short sentence."  # not in the prompt sets: the timed prompts start uncached
+
+
+def _warmup(host: str, port: int, settings: ServeBenchSettings, mode: str | None) -> RequestRecord:
+    rec = RequestRecord(index=-1)
+    return stream_request(host, port, request_body(WARMUP_PROMPT, max_tokens=min(settings.max_tokens, 8),
+                                                   temperature=settings.temperature, seed=settings.seed, mode=mode),
+                          rec, timeout=settings.startup_timeout + settings.request_timeout)
+
+
+def run_serve_bench(settings: ServeBenchSettings, *, model: str | None = None, draft_model: str | None = None,
+                    mtp_model: str | None = None, out_dir=None, progress: Callable | None = None,
+                    log: Callable[[str], None] | None = None) -> dict:
+    """The sitting: `glimmer serve` started once for every mode of ours (the mode sent per request), levels by N
+    with the modes interleaved within each level; then `mlx_lm.server` on the same weights, every level. Each
+    server runs alone (the other is stopped), on a free loopback port, its output in `out_dir`/<name>.log; both are
+    stopped on the way out, on error and Ctrl-C too. A target or mode that cannot run is recorded with its reason
+    under `skipped` and the rest continue. progress(msg, done, total); log(msg)."""
+
+    if threading.current_thread() is threading.main_thread():  # SIGTERM too unwinds through the finally blocks
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        try:
+            return _run_serve_bench(settings, model=model, draft_model=draft_model, mtp_model=mtp_model,
+                                    out_dir=out_dir, progress=progress, log=log)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    return _run_serve_bench(settings, model=model, draft_model=draft_model, mtp_model=mtp_model, out_dir=out_dir,
+                            progress=progress, log=log)
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def _run_serve_bench(settings: ServeBenchSettings, *, model, draft_model, mtp_model, out_dir, progress, log) -> dict:
+    from ..embedded import resolve_model
+    from .runner import machine_fingerprint_info
+
+    say = log or (lambda m: None)
+    step = progress or (lambda msg, done=None, total=None: None)
+    prompts = select_prompts(settings.categories)
+    out_dir = Path(out_dir or "bench-serve")
+    host = "127.0.0.1"
+    ours = [m for m in settings.modes if m in OUR_MODES]
+    lm = MLX_LM in settings.modes
+    path = resolve_model(model, announce=say)
+    per_level = {n: n * settings.requests for n in settings.clients}
+    total = sum(per_level.values()) * len(settings.modes)
+    done = [0]
+    results: dict[str, dict[str, dict]] = {}
+    skipped: dict[str, str] = {}
+    targets: dict[str, dict] = {}
+    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
+
+    def level(mode_label: str, port: int, n: int, mode: str | None, seed: int | None) -> dict:
+        def on_request(rec):
+            done[0] += 1
+            step(f"{mode_label}, {n} client(s): request {rec.index + 1}/{per_level[n]}", done[0], total)
+
+        return run_level(host, port, n, settings.requests, prompts, max_tokens=settings.max_tokens,
+                         temperature=settings.temperature, seed=seed, mode=mode,
+                         timeout=settings.request_timeout, on_request=on_request)
+
+    def skip_all(label: str, why: str) -> None:
+        skipped[label] = why
+        done[0] += sum(per_level.values())
+        say(f"skipping {label}: {why.splitlines()[0]}")
+
+    if ours:
+        srv = ServerProcess("glimmer serve", lambda p: glimmer_argv(p, model=model, draft_model=draft_model,
+                                                                    mtp_model=mtp_model, host=host),
+                            out_dir / "glimmer-serve.log", ready_path="/health", host=host)
+        targets["glimmer"] = {"command": srv.argv, "port": srv.port, "model": str(path), "ready": "GET /health",
+                              "log": str(srv.log), "modes": ours, "mode_field": '{"glimmer": {"mode": ...}}'}
+        try:
+            step("starting glimmer serve", done[0], total)
+            try:
+                srv.start(settings.startup_timeout)
+                targets["glimmer"]["startup_s"] = srv.startup_s
+            except ServeBenchError as e:
+                targets["glimmer"]["error"] = str(e)
+                for m in ours:
+                    skip_all(m, f"glimmer serve did not start: {e}")
+                ours = []
+            runnable = []
+            for m in ours:
+                # untimed; a mode the server cannot run (no drafter) is found here, once
+                step(f"warming up {m}", done[0], total)
+                w = _warmup(host, srv.port, settings, m)
+                if not w.ok:
+                    skip_all(m, f"the warm-up request failed: {w.error}")
+                    continue
+                runnable.append(m)
+            for n in settings.clients:
+                for m in runnable:
+                    results.setdefault(m, {})[str(n)] = level(m, srv.port, n, m, settings.seed)
+        finally:
+            srv.stop()
+    if lm:
+        facts = mlx_lm_server_facts()
+        srv = ServerProcess("mlx_lm.server", lambda p: mlx_lm_argv(p, path, host=host), out_dir / "mlx-lm-server.log",
+                            ready_path="/v1/models", host=host)
+        # mlx-lm batches only requests without a seed; a seed changes nothing at temperature 0 (greedy), so none is
+        # sent then; at T > 0 each request's seed is sent (and mlx-lm then decodes one request at a time)
+        lm_seed = settings.seed if settings.temperature > 0 else None
+        targets[MLX_LM] = {"command": srv.argv, "port": srv.port, "model": str(path), "ready": "GET /v1/models",
+                           "log": str(srv.log), "version": facts["version"], "flags": "defaults (none given)",
+                           "defaults": facts["defaults"], "batching": facts["batching"],
+                           "seed_sent": lm_seed is not None,
+                           "note": ("no seed sent at temperature 0 (greedy: it changes nothing), so mlx-lm may batch"
+                                    if lm_seed is None else "seeds sent (T > 0): mlx-lm serves these one at a time")}
+        try:
+            step("starting mlx_lm.server", done[0], total)
+            try:
+                srv.start(settings.startup_timeout)
+                targets[MLX_LM]["startup_s"] = srv.startup_s
+                step("warming up mlx-lm (loads the model)", done[0], total)
+                w = _warmup(host, srv.port, settings, None)  # mlx-lm loads the model on the first request
+                if not w.ok:
+                    raise ServeBenchError(f"its first request failed ({w.error}); its output ends with:\n"
+                                          f"{_tail(srv.log)}")
+                targets[MLX_LM]["loaded"] = True
+            except ServeBenchError as e:
+                targets[MLX_LM].update(loaded=False, error=str(e))
+                skip_all(MLX_LM, f"mlx_lm.server cannot serve {path}: {e}")
+            else:
+                for n in settings.clients:
+                    results.setdefault(MLX_LM, {})[str(n)] = level(MLX_LM, srv.port, n, None, lm_seed)
+        finally:
+            srv.stop()
+    if not results:
+        raise ServeBenchError("nothing could be measured: " + "; ".join(f"{k}: {v.splitlines()[0]}"
+                                                                        for k, v in skipped.items()))
+    step("done", total, total)
+    return {
+        "schema": SCHEMA,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": " ".join(["glimmer"] + sys.argv[1:]) if Path(sys.argv[0]).name == "glimmer" else None,
+        "machine": machine_fingerprint_info(),
+        "model": {"target": str(path), "embedded": model is None, "draft_model": draft_model, "mtp_model": mtp_model},
+        "settings": {**settings.as_dict(), "categories": list(prompts),
+                     "protocol": "closed loop: each client sends its next request when its last one finished; "
+                                 "request r of client c is the level's request r*N + c, its prompt round robin over "
+                                 "the categories, its seed seed + index (glimmer: always; mlx-lm: only at T > 0); "
+                                 "one untimed warm-up request (at most 8 tokens) per target/mode first",
+                     "definitions": {
+                         "aggregate_tps": "completion tokens of the well-formed requests / (last finished - first sent)",
+                         "per_request_tps": "(completion tokens - 1) / (latency - TTFT), median over requests",
+                         "ttft": "request sent -> first non-empty content delta",
+                         "latency": "request sent -> [DONE] (end to end)",
+                         "percentiles": "linear interpolation between closest ranks (numpy's default)",
+                         "error": "HTTP status other than 200, failed read, a chunk that is not JSON, an error in "
+                                  "the stream, no finish_reason or no [DONE]"}},
+        "targets": targets,
+        "skipped": skipped,
+        "load_average": {"before": load_before, "after": os.getloadavg() if hasattr(os, "getloadavg") else None},
+        "results": results,
+    }
+
+
+# -- output -----------------------------------------------------------------------------------------------------------
+
+def write_json(res: dict, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=2))
+    return path
+
+
+def _f(x, spec=".1f"):
+    return "–" if x is None else format(x, spec)
+
+
+def table_rows(res: dict) -> list[list[str]]:
+    """target/mode, N, aggregate tok/s, per-request tok/s, TTFT p50/p95, latency p50/p95 (ms), errors."""
+    rows = []
+    for mode, levels in res["results"].items():
+        for n, d in levels.items():
+            rows.append([mode, n, _f(d["aggregate_tps"]), _f(d["per_request_tps"]["median"]),
+                         _f(d["ttft_ms"]["p50"], ".0f"), _f(d["ttft_ms"]["p95"], ".0f"),
+                         _f(d["latency_ms"]["p50"], ".0f"), _f(d["latency_ms"]["p95"], ".0f"),
+                         f"{d['errors']}/{d['requests']}"])
+    return rows
+
+
+TABLE_COLUMNS = ("target/mode", "N", "agg tok/s", "req tok/s", "TTFT p50 ms", "TTFT p95 ms", "lat p50 ms",
+                 "lat p95 ms", "errors")
+
+
+def render_serve_table(res: dict) -> list:
+    """A rich Table (target/mode × N) and a dim note on skipped targets and mlx-lm's server."""
+    from rich.table import Table
+    from rich.text import Text
+
+    m, s = res["machine"], res["settings"]
+    t = Table(title=f"{Path(res['model']['target']).name} served — {s['max_tokens']} tokens, {s['requests']} "
+                    f"request(s) per client, T={s['temperature']:g} — {m.get('chip')}, mlx {m.get('mlx')}")
+    for c in TABLE_COLUMNS:
+        t.add_column(c, justify="left" if c == "target/mode" else "right", no_wrap=True)
+    for row in table_rows(res):
+        t.add_row(*row)
+    out = [t]
+    notes = [f"skipped {k}: {v.splitlines()[0]}" for k, v in res.get("skipped", {}).items()]
+    lm = res.get("targets", {}).get(MLX_LM)
+    if lm and lm.get("loaded"):
+        notes.append(f"mlx-lm {lm.get('version')} server, flags {lm.get('flags')} (decode concurrency "
+                     f"{lm['defaults'].get('decode-concurrency')}); {lm.get('note')}")
+    errs = [(mode, n, d["error_messages"]) for mode, lv in res["results"].items() for n, d in lv.items()
+            if d["error_messages"]]
+    for mode, n, msgs in errs[:4]:
+        notes.append(f"{mode} N={n}: {msgs[0]}")
+    if notes:
+        out.append(Text("\n".join(notes), style="dim"))
+    return out
+
+
+COLORS = [(120, 120, 120), (40, 110, 190), (200, 80, 30), (60, 150, 60), (30, 160, 170), (150, 60, 160)]
+MLX_LM_COLOR = (190, 40, 140)
+CHART_SIZE = (760, 620)
+
+
+def write_serve_chart(res: dict, path) -> Path:
+    """Two panels, one line per target/mode over N (log2-spaced): aggregate tok/s, then p95 end-to-end latency.
+    Pillow's default font; no plotting library. CHART_SIZE pixels."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    W, H = CHART_SIZE
+    img = Image.new("RGB", (W, H), "white")
+    g = ImageDraw.Draw(img)
+    font = ImageFont.load_default()
+    series = list(res["results"].items())
+    ns = sorted({int(n) for _, lv in series for n in lv})
+    colors = {}
+    for i, (mode, _) in enumerate(series):
+        colors[mode] = MLX_LM_COLOR if mode == MLX_LM else COLORS[i % len(COLORS)]
+    left, right, top, pad = 70, 150, 16, 16
+    panel_h = (H - top - 2 * pad) // 2
+    title = f"glimmer bench serve: {Path(res['model']['target']).name}, {res['settings']['max_tokens']} tokens"
+    g.text((pad, 4), title, fill="black", font=font)
+    panels = [("aggregate tok/s", lambda d: d["aggregate_tps"]),
+              ("p95 end-to-end latency (ms)", lambda d: d["latency_ms"]["p95"])]
+    for k, (label, get) in enumerate(panels):
+        y0 = top + pad + k * panel_h
+        x0, x1 = left, W - right
+        y_top, y_bot = y0 + 18, y0 + panel_h - 36
+        g.text((x0, y0), label, fill="black", font=font)
+        vals = [get(d) for _, lv in series for d in lv.values() if get(d) is not None]
+        vmax = max(vals, default=1.0) * 1.1 or 1.0
+        g.rectangle([x0, y_top, x1, y_bot], outline=(180, 180, 180))
+        for frac in (0, 0.25, 0.5, 0.75, 1.0):  # y grid and labels
+            y = y_bot - int((y_bot - y_top) * frac)
+            g.line([x0, y, x1, y], fill=(230, 230, 230))
+            g.text((pad, y - 6), f"{vmax * frac:.0f}" if vmax >= 10 else f"{vmax * frac:.2f}", fill="black",
+                   font=font)
+
+        def x_of(n, x0=x0, x1=x1):
+            if len(ns) == 1:
+                return (x0 + x1) // 2
+            i = ns.index(n)
+            return x0 + 20 + int((x1 - x0 - 40) * i / (len(ns) - 1))
+
+        for n in ns:
+            g.text((x_of(n) - 4, y_bot + 4), str(n), fill="black", font=font)
+        g.text(((x0 + x1) // 2 - 40, y_bot + 18), "concurrent clients N", fill="black", font=font)
+        for mode, lv in series:
+            pts = [(x_of(int(n)), y_bot - int((y_bot - y_top) * get(d) / vmax))
+                   for n, d in sorted(lv.items(), key=lambda kv: int(kv[0])) if get(d) is not None]
+            if len(pts) > 1:
+                g.line(pts, fill=colors[mode], width=2)
+            for x, y in pts:
+                g.ellipse([x - 3, y - 3, x + 3, y + 3], fill=colors[mode])
+        for i, (mode, _) in enumerate(series):  # legend, right of the panel
+            ly = y_top + 4 + 16 * i
+            g.rectangle([x1 + 12, ly + 2, x1 + 24, ly + 10], fill=colors[mode])
+            g.text((x1 + 30, ly), mode, fill="black", font=font)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img.save(path)
+    return path

@@ -31,6 +31,7 @@ class CacheRewindError(RuntimeError):
 
 class KVCache:
     step = 256
+    batched = False  # `BatchKVCache`: several rows of different lengths
 
     def __init__(self, window: int | None = None, max_rewind: int = DEFAULT_MAX_REWIND, first_position: int = 0):
         self.window = window
@@ -201,3 +202,155 @@ def tree_mask(depths: mx.array, ancestors: mx.array, q0: int, k0: int, window: i
 
 def cache_offset(cache: list[KVCache]) -> int:
     return cache[0].offset if cache else 0
+
+
+# -- batches (runtime/batch.py): B rows of different lengths in one forward ------------------------------------------
+
+class BatchLayout:
+    """The lengths of a batch's rows, shared by every layer's `BatchKVCache`: row b holds positions
+    [0, lengths[b]). A forward over [B, L] writes row b's L new keys at positions lengths[b].. in every layer; the
+    caller then keeps n of them (`commit(b, n)`: the rows it accepted), so a row that fed a verify block of k + 1
+    tokens and accepted n drafts commits n + 1, and the rest is overwritten later (never attended: the masks are
+    built from the lengths). Buffer row = position: a row's rows never move."""
+
+    def __init__(self, lengths: list[int] | None = None):
+        self.lengths: list[int] = list(lengths or [])
+        self._memo: dict = {}
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def commit(self, b: int, n: int) -> None:
+        self.lengths[b] += n
+        self._memo.clear()
+
+    def rewind(self, b: int, n: int) -> None:
+        if not 0 <= n <= self.lengths[b]:
+            raise CacheRewindError(f"cannot rewind row {b} by {n} tokens: it holds {self.lengths[b]}")
+        self.lengths[b] -= n
+        self._memo.clear()
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only these rows (in this order); the others leave the batch."""
+        self.lengths = [self.lengths[b] for b in rows]
+        self._memo.clear()
+
+    def append(self, length: int) -> int:
+        """A new row holding positions [0, length); returns its index."""
+        self.lengths.append(length)
+        self._memo.clear()
+        return len(self.lengths) - 1
+
+    def offsets(self) -> mx.array:
+        """[B] int32: each row's next position (RoPE offsets)."""
+        if "offsets" not in self._memo:
+            self._memo["offsets"] = mx.array(self.lengths, dtype=mx.int32)
+        return self._memo["offsets"]
+
+    def mask(self, L: int, window: int | None) -> mx.array:
+        """[B, 1, L, N] bool (N = longest row + L): query j of row b (position lengths[b] + j) sees keys at
+        positions <= its own (and, with a window, fewer than `window` behind). Every query sees at least its own key,
+        so padded queries stay finite."""
+        key = (L, window)
+        m = self._memo.get(key)
+        if m is None:
+            N = max(self.lengths) + L
+            q = self.offsets()[:, None] + mx.arange(L, dtype=mx.int32)[None, :]
+            k = mx.arange(N, dtype=mx.int32)[None, None, :]
+            m = k <= q[:, :, None]
+            if window is not None:
+                m = m & (k > q[:, :, None] - window)
+            m = self._memo[key] = m[:, None]
+        return m
+
+
+class BatchKVCache:
+    """One layer's keys/values for the rows of a `BatchLayout` ([B, H, cap, D] buffers, buffer row = position).
+    `update(k, v)` writes each row's new keys at its own length (one scatter for all rows) and returns the keys, the
+    values and the mask for the new queries; `offset` is the [B] array of the rows' lengths. A sliding-window layer
+    masks by the window but keeps every row (a batch row's memory is its whole length; `KVCache` is the bounded
+    one). Rows join from a solo cache (`add_row`) and leave (`remove_rows`, `row_cache`)."""
+
+    step = 256
+    batched = True
+
+    def __init__(self, layout: BatchLayout, window: int | None = None):
+        self.layout, self.window = layout, window
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+
+    @property
+    def offset(self) -> mx.array:
+        return self.layout.offsets()
+
+    @property
+    def cap(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def _grow(self, need: int, B: int, H: int, Dk: int, Dv: int, dtype) -> None:
+        if need <= self.cap and self.keys is not None and self.keys.shape[0] == B:
+            return
+        cap = max(self.cap, ((need + self.step - 1) // self.step) * self.step)
+        nk, nv = mx.zeros((B, H, cap, Dk), dtype), mx.zeros((B, H, cap, Dv), dtype)
+        if self.keys is not None:
+            rows, old = min(B, self.keys.shape[0]), self.cap
+            nk[:rows, :, :old] = self.keys[:rows]
+            nv[:rows, :, :old] = self.values[:rows]
+        self.keys, self.values = nk, nv
+
+    def update(self, k: mx.array, v: mx.array, tree=None):
+        if tree is not None:
+            raise ValueError("token trees are not supported inside a batch")
+        B, H, L, Dk = k.shape
+        lengths = self.layout.lengths
+        if B != len(lengths):
+            raise ValueError(f"a batch of {B} rows against a layout of {len(lengths)}")
+        N = max(lengths) + L
+        self._grow(N, B, H, Dk, v.shape[3], k.dtype)
+        cap = self.cap
+        idx = (mx.arange(B * H, dtype=mx.int32).reshape(B, H, 1) * cap + self.layout.offsets().reshape(B, 1, 1)
+               + mx.arange(L, dtype=mx.int32).reshape(1, 1, L)).reshape(-1)
+        fk, fv = self.keys.reshape(-1, Dk), self.values.reshape(-1, v.shape[3])
+        fk[idx] = k.reshape(-1, Dk)
+        fv[idx] = v.reshape(-1, v.shape[3])
+        self.keys, self.values = fk.reshape(B, H, cap, Dk), fv.reshape(B, H, cap, v.shape[3])
+        return self.keys[:, :, :N], self.values[:, :, :N], self.layout.mask(L, self.window)
+
+    def put_row(self, b: int, cache: KVCache) -> None:
+        """Copy a solo cache's rows (batch 1) into row b (already counted in the layout, with length
+        cache.offset); a sliding-window solo cache may start after 0 (rows the window no longer sees: left zero)."""
+        if cache.keys is None:
+            return
+        keys, values, first = cache.view(0)
+        B = len(self.layout)
+        _, H, _, Dk = keys.shape
+        self._grow(cache.offset, B, H, Dk, values.shape[3], keys.dtype)
+        self.keys[b : b + 1, :, first : cache.offset] = keys
+        self.values[b : b + 1, :, first : cache.offset] = values
+
+    def remove_rows(self, keep: list[int]) -> None:
+        if self.keys is not None:
+            idx = mx.array(keep, dtype=mx.int32)
+            self.keys, self.values = mx.take(self.keys, idx, axis=0), mx.take(self.values, idx, axis=0)
+
+    def row_cache(self, b: int, max_rewind: int = DEFAULT_MAX_REWIND) -> KVCache:
+        """Row b as a solo `KVCache` (new arrays; a sliding-window layer keeps what a solo cache would retain)."""
+        n = self.layout.lengths[b]
+        c = KVCache(window=self.window, max_rewind=max_rewind)
+        lo = 0 if c.retained is None else max(0, n - c.retained)
+        if self.keys is not None and n > 0:
+            c.keys = mx.array(self.keys[b : b + 1, :, lo:n])
+            c.values = mx.array(self.values[b : b + 1, :, lo:n])
+            c.start, c.offset = lo, n
+        return c
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [] if self.keys is None else [self.keys, self.values]
+
+
+def make_batch_cache(cfg) -> tuple[BatchLayout, list[BatchKVCache]]:
+    """An empty batch (no rows) for a `TextConfig`: the shared layout and one cache per decoder layer."""
+    layout = BatchLayout()
+    return layout, [BatchKVCache(layout, window=cfg.sliding_window if cfg.is_sliding(i) else None)
+                    for i in range(cfg.num_hidden_layers)]

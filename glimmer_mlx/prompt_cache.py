@@ -217,8 +217,8 @@ class PromptCache:
         if len(keys) != c0.offset - c0.origin:
             raise ValueError(f"{len(keys)} keys for a cache holding {c0.offset - c0.origin} positions")
         self.stats.inserts += 1
-        for k, e in reversed(self._entries.items()):  # an existing entry covering this one
-            if len(k) > len(keys) and k[: len(keys)] == keys and e.min_keep <= len(keys):
+        for k, e in reversed(self._entries.items()):  # an existing entry covering this one (a state is never dropped)
+            if extra is None and len(k) > len(keys) and k[: len(keys)] == keys and e.min_keep <= len(keys):
                 self._entries.move_to_end(k)
                 return False
         _compact(cache)
@@ -227,7 +227,8 @@ class PromptCache:
             self.stats.rejected += 1
             return False
         keep = min_keep(cache)
-        for k in [k for k in self._entries if len(k) <= len(keys) and keys[: len(k)] == k and keep <= len(k)]:
+        for k in [k for k, e in self._entries.items() if len(k) <= len(keys) and keys[: len(k)] == k
+                  and keep <= len(k) and (e.extra is None or extra is not None or k == keys)]:
             self._drop(k)
             self.stats.replaced += 1
         self._entries[keys] = Entry(keys, cache, extra, nbytes, keep)
@@ -237,16 +238,17 @@ class PromptCache:
             self.stats.evictions += 1
         return True
 
-    def fetch(self, keys: Sequence[Hashable]) -> Hit:
+    def fetch(self, keys: Sequence[Hashable], usable: Callable[[Any], bool] | None = None) -> Hit:
         """The entry sharing the longest prefix with `keys` that it can be rewound to (at most len(keys) - 1
         positions: one is left to prefill for the logits), as a copy rewound to that prefix, and marks the entry
-        most recently used. A miss (nothing usable in common) is `Hit(None, 0, None, 0)`, falsy."""
+        most recently used. usable: only entries whose `extra` it accepts (e.g. those holding a drafter's state).
+        A miss (nothing usable in common) is `Hit(None, 0, None, 0)`, falsy."""
         keys = tuple(keys)
         cap = len(keys) - 1
         best, best_k, blocked = None, 0, False
         for k, e in reversed(self._entries.items()):  # most recently used first: it wins ties
             n = min(prefix_length(k, keys), cap)
-            if n <= best_k:
+            if n <= best_k or (usable is not None and not usable(e.extra)):
                 continue
             if n < e.min_keep:
                 blocked = True

@@ -51,6 +51,21 @@ def common_prefix(a: list, b: list) -> int:
 
 
 @dataclass
+class Prepared:
+    """A checked request (`Session.prepare`): what a decoder needs, before any cache is touched."""
+    ids: list[int]
+    keys: list  # one prompt-cache key per position (image rows: a key naming the image and the row)
+    input_embeddings: object  # mx.array [1, len(ids), D] with images in place, or None
+    sampler: Sampler
+    mode: str
+    drafter: object  # the session's drafter for `mode` (None: plain decoding)
+    drafts: int | None  # drafts per round
+    budget: int  # max_tokens, clamped to the context
+    stop: list[str] | None
+    stats: GenerationStats
+
+
+@dataclass
 class PlainRate:
     tokens_per_s: float = 0.0
     source: str = ""  # "latest ar turn" | "calibration (N greedy tokens)"
@@ -172,14 +187,13 @@ class Session:
         return ids, emb, keys
 
     # -- generation -----------------------------------------------------------------------------------------------------
-    def stream(self, prompt, *, mode: str = "ar", block_size=None, images=None, max_tokens: int = 256,
-               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
-               repetition_penalty: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
-               stats: GenerationStats | None = None) -> Iterator[GenerationChunk]:
-        """Generate on the session's cache: prompt = token ids (or text, with a tokenizer). The cache keeps the
-        prompt and the generated tokens for the next request. Closing the iterator early (a client gone, Ctrl-C
-        between chunks) keeps the cache valid; an exception in the middle of a step invalidates it. A max_tokens
-        beyond the context limit is clamped to it (`stats.extra["max_tokens_clamped"]`)."""
+    def prepare(self, prompt, *, mode: str = "ar", block_size=None, images=None, max_tokens: int = 256,
+                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+                repetition_penalty: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
+                stats: GenerationStats | None = None) -> Prepared:
+        """A request checked and made ready to decode, without touching the cache: its ids (images expanded), the
+        per-position keys the prompt cache matches on, the sampler, the drafter and drafts per round, and the token
+        budget (max_tokens clamped to the context: `stats.extra["max_tokens_clamped"]`)."""
         ids = encode_prompt(prompt, self.tokenizer)
         check_request(ids, self.model.args.vocab_size, max_tokens=max_tokens, stop=stop, tokenizer=self.tokenizer)
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
@@ -194,9 +208,20 @@ class Session:
         budget = fit_context(len(ids), max_tokens, self.max_context, clamp=True)
         if budget < max_tokens:
             stats.extra["max_tokens_clamped"] = budget
+        return Prepared(ids, keys, emb, Sampler(params, seed), mode, drafter, drafts, budget, stop, stats)
+
+    def stream(self, prompt, *, stats: GenerationStats | None = None, **kw) -> Iterator[GenerationChunk]:
+        """Generate on the session's cache: prompt = token ids (or text, with a tokenizer); the keyword arguments
+        are `prepare`'s. The cache keeps the prompt and the generated tokens for the next request. Closing the
+        iterator early (a client gone, Ctrl-C between chunks) keeps the cache valid; an exception in the middle of a
+        step invalidates it. A max_tokens beyond the context limit is clamped to it
+        (`stats.extra["max_tokens_clamped"]`)."""
+        r = self.prepare(prompt, stats=stats, **kw)
+        ids, keys, emb, drafter, drafts, budget, stop, stats = (r.ids, r.keys, r.input_embeddings, r.drafter,
+                                                                r.drafts, r.budget, r.stop, r.stats)
         reuse, reason = self._reuse(keys, drafter)
         stats.extra.update(cache=reason, cached_tokens=reuse, prefilled_tokens=len(ids) - reuse)
-        decoder = build_decoder(self.model, drafter, Sampler(params, seed), drafts=drafts,
+        decoder = build_decoder(self.model, drafter, r.sampler, drafts=drafts,
                                 prefill_step=self.prefill_step, cache=self.cache)
         gen = stream(decoder, ids, max_tokens=budget, eos=stop_ids(self.model, self.tokenizer),
                      tokenizer=self.tokenizer, stop=stop, stats=stats, input_embeddings=emb, reuse=reuse)

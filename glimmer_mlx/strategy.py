@@ -23,6 +23,7 @@ from .runtime.plain import PlainDecoder
 from .runtime.prefill import DEFAULT_PREFILL_STEP
 from .sampling import Sampler, is_int
 from .speculative.auto import AutoDrafter, make_auto
+from .speculative.auto.batch import BatchAuto
 from .speculative.engine import AutoDecoder, SpeculativeDecoder, TreeDecoder
 from .speculative.loader import load_drafter
 from .speculative.mtp import MAX_DEPTH, load_mtp
@@ -176,6 +177,7 @@ class Drafters:
         self.log = log  # where `auto` says that it calibrates (once per machine and model)
         self._ngram: dict[int, NGramDrafter] = {}  # most drafts per round -> its drafter
         self._auto: AutoDrafter | None = None
+        self._batch_auto: BatchAuto | None = None
 
     def available_modes(self) -> list[str]:
         return ["ar"] + [m for m in ("dflash", "mtp") if getattr(self, m) is not None] + ["ngram", "auto"]
@@ -202,6 +204,13 @@ class Drafters:
             self._auto = make_auto(self.target, dflash=dflash, mtp=mtp, ngram=NGRAM_DRAFTS,
                                    calibration_dir=calibration_dir, recalibrate=recalibrate, log=log or self.log)
         return self._auto
+
+    def batch_auto(self) -> BatchAuto:
+        """`auto` for batches (`speculative.auto.batch.BatchAuto`) over this process's `auto` (its options, their
+        acceptance and the cost curve are shared)."""
+        if self._batch_auto is None:
+            self._batch_auto = BatchAuto(self.auto())
+        return self._batch_auto
 
     def _model_drafter(self, mode: str) -> Drafter:
         d = getattr(self, mode)

@@ -13,7 +13,8 @@ PKG = Path(__file__).resolve().parent.parent / "glimmer_mlx"
 
 # README "Code map", bottom to top: a module may import its own layer (without a cycle) and the layers below
 LAYERS = [
-    ("config", "files", "machine", "quantization", "cache", "sampling", "kernels", "tokenizer", "image_processing",
+    ("config", "files", "machine", "quantization", "cache", "prompt_cache", "sampling", "kernels", "tokenizer",
+     "image_processing",
      "multimodal", "tool_calls", "sandbox", "tools", "embedded"),
     ("models",),
     ("loading",),

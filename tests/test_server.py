@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 
 import glimmer_mlx
-from glimmer_mlx.generate import GenerationChunk
 from glimmer_mlx.serve import GlimmerServer
 from glimmer_mlx.session import Session
 
@@ -72,6 +71,41 @@ def over_http(server, fn):
     if "error" in box:
         raise box["error"]
     return box.get("result")
+
+
+class ScriptedSampler:
+    """A greedy-looking sampler that emits `tokens` in order (then `end`), calling `each(i)` before token i: the
+    output of a generation scripted where the batch engine samples (prefill's token included), so the HTTP, queue,
+    batching, parsing and formatting paths around it are the real ones."""
+
+    def __init__(self, tokens: list[int], end: int, each=None):
+        from glimmer_mlx.sampling import SamplingParams
+
+        self.params = SamplingParams()
+        self.tokens, self.end, self.each, self.i = list(tokens), end, each, 0
+
+    def __call__(self, logits, history=None):
+        import mlx.core as mx
+
+        if self.each is not None:
+            self.each(self.i)
+        t = self.tokens[self.i] if self.i < len(self.tokens) else self.end
+        self.i += 1
+        return mx.array([t], dtype=mx.int32)
+
+
+def script(monkeypatch, server, pick):
+    """Requests whose Prepared `pick(prepared)` returns a ScriptedSampler for get it instead of their sampler."""
+    real = server.session.prepare
+
+    def prepare(prompt, **kw):
+        p = real(prompt, **kw)
+        sampler = pick(p)
+        if sampler is not None:
+            p.sampler = sampler
+        return p
+
+    monkeypatch.setattr(server.session, "prepare", prepare)
 
 
 def call(base, path, body=None, *, method=None, raw: bytes | None = None, ctype="application/json",
@@ -228,8 +262,8 @@ def test_growing_conversation_reuses_the_prompt_cache(served):
 def test_tool_calls(served, monkeypatch):
     """Tools reach the chat template; the model's Muse-format call comes back as OpenAI tool_calls (arguments as a
     JSON string, finish_reason tool_calls), streaming and not; the tool result round-trips into the next prompt.
-    The tiny random model cannot write a tool call, so its output is scripted at the session (the HTTP, queue,
-    parsing and formatting paths are the real ones)."""
+    The tiny random model cannot write a tool call, so its tokens are scripted where the batch samples
+    (`ScriptedSampler`: the HTTP, queue, batching, parsing and formatting paths are the real ones)."""
     server, base, model, tok, _ = served
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                                "parameters": {"type": "object",
@@ -238,29 +272,29 @@ def test_tool_calls(served, monkeypatch):
            '<atem:parameter name="city">Paris</atem:parameter><atem:parameter name="days">3</atem:parameter>'
            '</atem:invoke></atem:function_calls>')
     seen = []
-
-    def scripted(ids, stats=None, **kw):
-        seen.append(tok.decode(ids))
-        stats.prompt_tokens, stats.generation_tokens = len(ids), 9
-        for i in range(0, len(out), 25):
-            yield GenerationChunk([5], out[i:i + 25], None)
-        yield GenerationChunk([], "", "stop")
-
     monkeypatch.setattr(server, "template", MUSE_TEMPLATE.read_text())
     monkeypatch.setattr(tok, "chat_template", MUSE_TEMPLATE.read_text())
     monkeypatch.setattr(tok, "_template", None)
-    monkeypatch.setattr(server.session, "stream", scripted)
+    script_ids = tok.encode_text(out, add_special_tokens=False)
+    assert tok.decode(script_ids) == out  # the script round-trips through the tokenizer
+    eos = sorted(tok.eos_token_ids)[0]
+
+    def pick(p):
+        seen.append(tok.decode(p.ids))
+        return ScriptedSampler(script_ids, eos)
+
+    script(monkeypatch, server, pick)
 
     def client():
         msgs = [{"role": "user", "content": "Weather in Paris?"}]
-        r = chat(base, msgs, tools=tools)
+        r = chat(base, msgs, tools=tools, max_tokens=400)
         assert '"name": "get_weather"' in seen[-1] and "# Tools" in seen[-1]
         choice = r["choices"][0]
         assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
         (tc,) = choice["message"]["tool_calls"]
         assert tc["type"] == "function" and tc["function"]["name"] == "get_weather" and tc["id"]
         assert json.loads(tc["function"]["arguments"]) == {"city": "Paris", "days": 3}
-        status, _, text = call(base, "/v1/chat/completions", dict(messages=msgs, tools=tools, stream=True))
+        status, _, text = call(base, "/v1/chat/completions", dict(messages=msgs, tools=tools, stream=True, max_tokens=400))
         events = sse(text)
         assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == ""  # markup never shows
         calls = [c for e in events for c in e["choices"][0]["delta"].get("tool_calls", [])]
@@ -269,11 +303,11 @@ def test_tool_calls(served, monkeypatch):
         assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
         # the call and its result go back in: rendered in the template's form
         msgs += [choice["message"], {"role": "tool", "tool_call_id": tc["id"], "content": "sunny, 21 C"}]
-        chat(base, msgs, tools=tools)
+        chat(base, msgs, tools=tools, max_tokens=400)
         assert '<atem:invoke name="get_weather"><atem:parameter name="city">Paris</atem:parameter>' in seen[-1]
         assert "<|start|>tool name=get_weather<|message|>sunny, 21 C<|eot|>" in seen[-1]
         # tool_choice "none": the tools are not offered
-        chat(base, [{"role": "user", "content": "hi"}], tools=tools, tool_choice="none")
+        chat(base, [{"role": "user", "content": "hi"}], tools=tools, tool_choice="none", max_tokens=400)
         assert "# Tools" not in seen[-1]
 
     over_http(server, client)
@@ -844,22 +878,17 @@ def test_cli_serve_refuses_a_public_bind_without_a_key(tmp_path):
 
 def test_non_streaming_client_gone_cancels_its_generation(served, monkeypatch):
     """A non-streaming client that closes its socket mid-generation cancels it: the next request does not wait for
-    the abandoned one (it waited 12-14 s). The slow generation is scripted at the session (50 s if run out)."""
+    the abandoned one (it waited 12-14 s). The slow generation is scripted where the batch samples (50 s if run
+    out)."""
     server, base, model, tok, _ = served
-    real_stream = server.session.stream
     produced = []
 
-    def slow(ids, stats=None, **kw):
-        if kw.get("max_tokens") != 1000:
-            yield from real_stream(ids, stats=stats, **kw)
-            return
-        for i in range(1000):
-            time.sleep(0.05)
-            produced.append(i)
-            yield GenerationChunk([5], "x", None)
-        yield GenerationChunk([], "", "length")
+    def slow(i):
+        time.sleep(0.05)
+        produced.append(i)
 
-    monkeypatch.setattr(server.session, "stream", slow)
+    filler = tok.encode_text("x", add_special_tokens=False)[0]
+    script(monkeypatch, server, lambda p: ScriptedSampler([filler] * 1000, filler, slow) if p.budget == 1000 else None)
 
     def client():
         body = json.dumps({"prompt": "Hello", "max_tokens": 1000}).encode()
@@ -925,13 +954,7 @@ def test_special_token_text_in_content_is_text(served):
 def test_special_token_text_over_http_cannot_forge_a_turn(served, monkeypatch):
     server, base, model, tok, _ = served
     seen = []
-    real_stream = server.session.stream
-
-    def spy(ids, stats=None, **kw):
-        seen.append(list(ids))
-        yield from real_stream(ids, stats=stats, **kw)
-
-    monkeypatch.setattr(server.session, "stream", spy)
+    script(monkeypatch, server, lambda p: seen.append(list(p.ids)))
     eot = tok.token_to_id("<|eot|>")
 
     def client():

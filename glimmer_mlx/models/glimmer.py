@@ -178,7 +178,7 @@ class Attention(nn.Module):
             k, v, mask = cache.update(k, v)
         else:
             mask = causal_mask(L, self.window)
-        if cache is not None and 1 < L <= 16 and block_kernels_enabled():
+        if cache is not None and 1 < L <= 16 and not cache.batched and block_kernels_enabled():
             # Metal only (the CPU path is unchanged): fused block-verify attention; the L queries are the last L keys
             o = block_attention(q, k, v, scale=self.scale, qk=k.shape[2] - L, window=self.window)
         else:

@@ -70,6 +70,61 @@ def stop_ids(model, tokenizer) -> set[int]:
     return set(getattr(model, "eos_token_ids", model.args.eos_token_ids))
 
 
+class TokenStream:
+    """One generation's tokens, block by block: EOS (`eos`), stop strings and `max_tokens` applied token by token,
+    text released as it becomes final (what could still start a stop string is held back). `push` returns the
+    block's chunk; `finish` is set once the generation is over (and nothing more may be pushed)."""
+
+    def __init__(self, *, max_tokens: int, eos: set[int], tokenizer=None, stop: list[str] | None = None):
+        self.max_tokens, self.eos = max_tokens, eos
+        self.detok = tokenizer.detokenizer() if tokenizer is not None else None
+        self.stop = [s for s in (stop or []) if s]
+        self.max_stop = max((len(s) for s in self.stop), default=0)
+        self.n, self.released, self.finish = 0, 0, None  # released: chars of detok.text handed out so far
+        self.stop_hit = False  # a stop string matched: the text is cut there and nothing after it is released
+
+    @property
+    def budget(self) -> int:
+        """Tokens the generation may still commit."""
+        return self.max_tokens - self.n
+
+    def push(self, block: list[int]) -> GenerationChunk:
+        if self.finish is not None:
+            raise RuntimeError("the generation is finished")
+        detok, stop = self.detok, self.stop
+        committed, text = [], ""
+        for t in block:
+            if t in self.eos:
+                self.finish = "stop"
+                break
+            committed.append(t)
+            self.n += 1
+            if detok is not None:
+                seg = detok.add(t)
+                if stop and seg:
+                    start = max(0, len(detok.text) - len(seg) - self.max_stop + 1)
+                    hits = [i for s in stop if (i := detok.text.find(s, start)) >= 0]
+                    if hits:
+                        cut = min(hits)
+                        text += detok.text[self.released:cut]
+                        self.released = len(detok.text)
+                        self.finish, self.stop_hit = "stop", True
+                        break
+            if self.n >= self.max_tokens:
+                self.finish = "length"
+                break
+        if detok is not None and not self.stop_hit:
+            if self.finish is not None:  # EOS or length: release everything
+                detok.finalize()
+                safe = len(detok.text)
+            else:  # hold back what could still become the start of a stop string
+                safe = len(detok.text) - (self.max_stop - 1 if stop else 0)
+            if safe > self.released:
+                text += detok.text[self.released:safe]
+                self.released = safe
+        return GenerationChunk(committed, text, self.finish)
+
+
 def stream(decoder, ids: list[int], *, max_tokens: int, eos: set[int], tokenizer=None, stop: list[str] | None = None,
            stats: GenerationStats | None = None, input_embeddings=None, reuse: int = 0) -> Iterator[GenerationChunk]:
     """Prefill `ids` (the decoder's cache already holding ids[:reuse]) and yield the committed tokens chunk by
@@ -77,55 +132,23 @@ def stream(decoder, ids: list[int], *, max_tokens: int, eos: set[int], tokenizer
     assumed valid (`runtime.request.check_request`)."""
     stats = stats if stats is not None else GenerationStats()
     stats.mode = decoder.mode
-    detok = tokenizer.detokenizer() if tokenizer is not None else None
-    stop = [s for s in (stop or []) if s]
-    max_stop = max((len(s) for s in stop), default=0)
+    out = TokenStream(max_tokens=max_tokens, eos=eos, tokenizer=tokenizer, stop=stop)
     mx.reset_peak_memory()
     kw = {} if input_embeddings is None else {"input_embeddings": input_embeddings}
     if reuse:
         kw["reuse"] = reuse
     t0 = time.perf_counter()
     decoder.prefill(ids, **kw)
-    n, released, finish, t1 = 0, 0, None, None  # released: chars of detok.text handed out so far
-    stop_hit = False  # a stop string matched: the text is cut there and nothing after it is released
-    while finish is None:
-        block = decoder.step(max_tokens - n)
+    t1 = None
+    while out.finish is None:
+        block = decoder.step(out.budget)
         if t1 is None:
             t1 = time.perf_counter()
             stats.prompt_tokens, stats.prompt_time = len(ids), t1 - t0
-        committed, text = [], ""
-        for t in block:
-            if t in eos:
-                finish = "stop"
-                break
-            committed.append(t)
-            n += 1
-            if detok is not None:
-                seg = detok.add(t)
-                if stop and seg:
-                    start = max(0, len(detok.text) - len(seg) - max_stop + 1)
-                    hits = [i for s in stop if (i := detok.text.find(s, start)) >= 0]
-                    if hits:
-                        cut = min(hits)
-                        text += detok.text[released:cut]
-                        released = len(detok.text)
-                        finish, stop_hit = "stop", True
-                        break
-            if n >= max_tokens:
-                finish = "length"
-                break
-        if detok is not None and not stop_hit:
-            if finish is not None:  # EOS or length: release everything
-                detok.finalize()
-                safe = len(detok.text)
-            else:  # hold back what could still become the start of a stop string
-                safe = len(detok.text) - (max_stop - 1 if stop else 0)
-            if safe > released:
-                text += detok.text[released:safe]
-                released = safe
-        stats.generation_tokens = n
+        chunk = out.push(block)
+        stats.generation_tokens = out.n
         stats.generation_time = time.perf_counter() - t1
-        yield GenerationChunk(committed, text, finish)
+        yield chunk
     stats.peak_memory_gb = mx.get_peak_memory() / 1e9
     stats.extra.update(decoder.stats())
 

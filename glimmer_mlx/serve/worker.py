@@ -1,6 +1,9 @@
-"""The job queue and the model thread: HTTP threads `submit` validated requests as `Job`s; `Worker.run_jobs` runs
-their generations one at a time, in arrival order, in the thread that calls it, and hands each job's chunks back
-through the job's event queue.
+"""The job queue and the model thread: HTTP threads `submit` validated requests as `Job`s; `Worker.run_jobs` decodes
+them together, continuously batched (`speculative.batch.BatchGenerator`: up to `max_batch` requests share each target
+forward, each in its own decoding mode; new requests are prefilled chunk by chunk between the batch's steps and join
+it; finished ones leave), in the thread that calls it, and hands each job's chunks back through the job's event
+queue. A prompt cache across conversations (`prompt_cache.PromptCache`, an LRU bounded in bytes) gives every request
+the longest cached prefix of its prompt, so several agents' growing conversations each prefill only their new turn.
 
 The model runs in the thread that calls `run_jobs` (the main thread, for `glimmer serve`): MLX work done in other
 threads makes the process abort at exit ("terminate called without an active exception", MLX 0.32)."""
@@ -13,11 +16,14 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from ..runtime.loop import GenerationChunk, GenerationStats
+from ..cache import CacheRewindError, rewind_cache
+from ..prompt_cache import PromptCache
+from ..runtime.loop import GenerationChunk, GenerationStats, stop_ids
 from ..session import Session
+from ..speculative.batch import DEFAULT_MAX_BATCH, BatchGenerator, BatchRequest, Row
 from .api import APIError, Request, shutting_down
 
-
+DEFAULT_PROMPT_CACHE_BYTES = 4 << 30  # the prompt cache's memory budget (`glimmer serve --prompt-cache-gb`)
 POLL = 0.1  # seconds between checks that a waiting client is still connected
 
 
@@ -33,6 +39,8 @@ class Job:
     request: Request
     events: queue.Queue = field(default_factory=queue.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
+    row: Row | None = None  # its row in the batch, once admitted
+    keys: list | None = None  # its prompt's prompt-cache keys
 
     @property
     def ids(self) -> list[int]:
@@ -63,16 +71,26 @@ class Job:
                 return
 
 
-class Worker:
-    """Runs the jobs on one session. `submit` is for any thread; `run_jobs` for the model's thread."""
+def state_key(drafter) -> tuple:
+    """Which drafter a state kept with a prompt-cache entry belongs to: its kind and (MTP) depth."""
+    return (drafter.kind, getattr(drafter, "depth", None))
 
-    def __init__(self, session: Session, *, max_queue: int):
+
+class Worker:
+    """Runs the jobs on one session's model. `submit` is for any thread; `run_jobs` for the model's thread."""
+
+    def __init__(self, session: Session, *, max_queue: int, max_batch: int = DEFAULT_MAX_BATCH,
+                 prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES):
         self.session = session
         self.max_queue = max_queue
+        self.max_batch = max_batch
         self.jobs: queue.Queue[Job] = queue.Queue()
         self.stopped = threading.Event()
-        self.current: Job | None = None  # the job whose generation is running
+        self.batch = BatchGenerator(session.model, max_batch=max_batch, prefill_step=session.prefill_step)
+        self.prompts = PromptCache(prompt_cache_bytes)
+        self.running: list[Job] = []  # jobs in the batch (decoding or being prefilled)
         self._admit = threading.Lock()  # a job is either refused or queued before `stop` drains the queue
+        self._eos = stop_ids(session.model, session.tokenizer)
 
     def queued(self) -> int:
         return self.jobs.qsize()
@@ -89,54 +107,154 @@ class Worker:
         return job
 
     def run_jobs(self, until: threading.Event | None = None) -> None:
-        """Run queued generations in this thread, in arrival order, until `until` is set or the worker stops."""
-        while not self.stopped.is_set() and not (until is not None and until.is_set()):
+        """Decode the queued jobs in this thread, batched, until `until` is set or the worker stops."""
+        try:
+            while not self.stopped.is_set() and not (until is not None and until.is_set()):
+                self._take_jobs(wait=not self.running)
+                if self.running:
+                    self._step()
+        except BaseException:  # Ctrl-C mid-step: tell the waiting requests before leaving
+            self._fail_all(shutting_down())
+            raise
+        if self.stopped.is_set():
+            self._fail_all(shutting_down())
+
+    # -- admission ---------------------------------------------------------------------------------------------------
+    def _take_jobs(self, wait: bool) -> None:
+        """Move queued jobs into the batch while it has room (waiting up to 50 ms for one when `wait`)."""
+        while len(self.running) < self.max_batch:
             try:
-                job = self.jobs.get(timeout=0.05)
+                job = self.jobs.get(timeout=0.05) if wait else self.jobs.get_nowait()
             except queue.Empty:
-                continue
+                return
+            wait = False
             if job.cancel.is_set():
                 continue
-            self.current = job
             try:
-                self.run(job)
-            except BaseException:  # Ctrl-C mid-generation: tell the waiting request before leaving
-                job.events.put(("error", shutting_down()))
-                raise
-            finally:
-                self.current = None
+                job.row = self.batch.add(self._batch_request(job))
+            except ValueError as e:  # what the request checks could not see (ModeError, ContextLengthError among them)
+                job.events.put(("error", APIError(400, str(e))))
+                continue
+            except Exception as e:  # never let the loop die: report it to this request
+                job.events.put(("error", APIError(500, f"generation failed: {type(e).__name__}: {e}",
+                                                  type="server_error")))
+                continue
+            self.running.append(job)
 
-    def run(self, job: Job) -> None:
-        """One generation, its chunks and its end put on `job.events`; never raises for a failed generation."""
+    def _batch_request(self, job: Job) -> BatchRequest:
+        """The job as a batch row: checked (`Session.prepare`), its own drafter state, and the longest prefix of its
+        prompt the prompt cache holds. A model drafter (DFlash, MTP) continues on a cached prefix only with the state
+        it had there (kept with the cache entry and taken by the one row that continues it, as `Session` continues
+        a conversation's drafter); without one, a fixed-mode row prefills its whole prompt, an `auto` row leaves
+        that drafter out. n-gram lookup rebuilds its index from the ids."""
+        s = self.session
         stats = GenerationStats()
-        it = None
+        p = s.prepare(job.ids, stats=stats, **job.request.generation_kwargs())
+        auto = p.mode == "auto"
+        if auto and self.batch.auto is None:  # the batch's chooser drafts for it: its own forks of auto's drafters
+            self.batch.auto = s.drafters.batch_auto()
+
+        def fresh() -> dict:
+            if auto:
+                return self.batch.auto.options("greedy" if p.sampler.params.greedy else "sampling")
+            return {} if p.drafter is None else {p.drafter.kind: p.drafter.fork()}
+
+        drafters, cache, reuse, reason = fresh(), None, 0, "fresh: no cached prefix"
+        wanted = {state_key(d) for d in drafters.values() if d.taps}  # the states a prefix must come with
+        hit = self.prompts.fetch(p.keys, usable=lambda ex: isinstance(ex, dict) and wanted <= set(ex)) \
+            if wanted else self.prompts.fetch(p.keys)
+        if not hit and wanted and auto:  # auto can leave its model drafters out instead
+            hit = self.prompts.fetch(p.keys)
+        if hit:
+            drafters, cache, reuse, reason = self._continue(hit, drafters, auto)
+            if cache is None:
+                drafters = fresh()
+        stats.extra.update(cache=reason, cached_tokens=reuse, prefilled_tokens=len(p.ids) - reuse)
+        job.keys = p.keys
+        return BatchRequest(p.ids, p.sampler, p.budget, self._eos, s.tokenizer, p.stop,
+                            drafter=None if auto or not drafters else next(iter(drafters.values())),
+                            width=p.drafts, input_embeddings=p.input_embeddings, cache=cache, reuse=reuse,
+                            stats=stats, tag=job, auto=auto, options=drafters if auto else None)
+
+    @staticmethod
+    def _continue(hit, drafters: dict, auto: bool) -> tuple[dict, list | None, int, str]:
+        """Continue `hit` (a prompt-cache hit) with these drafters: each model drafter takes the state the entry kept
+        for it (`state_key`) and every state is cut back to a common position (`Drafter.rewind_context`), the
+        target's cache to the same. Returns (drafters, cache or None, positions reused, reason)."""
+        states = hit.extra if isinstance(hit.extra, dict) else {}
+        out = {}
+        for kind, d in drafters.items():
+            if not d.taps:  # n-gram lookup: no state a prefix could lack
+                out[kind] = d
+                continue
+            st = states.pop(state_key(d), None)  # taken: no other row may continue the same state
+            if st is not None:
+                out[kind] = st
+            elif not auto:
+                return drafters, None, 0, f"fresh: the {kind} drafter has no state for this conversation"
+        k = hit.reused
         try:
-            it = self.session.stream(job.ids, stats=stats, **job.request.generation_kwargs())
-            for chunk in it:
-                job.events.put(("chunk", chunk))
-                if job.cancel.is_set():
+            for d in out.values():
+                if d.taps:
+                    k = min(k, d.context_length())
+            while True:  # every drafter agrees on where the target's taps must start again
+                ks = [d.rewind_context(k) for d in out.values() if d.taps]
+                if not ks or min(ks) == k:
                     break
-        except ValueError as e:  # what the request checks could not see (ModeError, ContextLengthError among them)
-            job.events.put(("error", APIError(400, str(e))))
+                k = min(ks)
+            if k <= 0:
+                return drafters, None, 0, "fresh: nothing in common with a cached conversation"
+            rewind_cache(hit.cache, hit.cache[0].offset - k)
+        except CacheRewindError as e:
+            return drafters, None, 0, f"fresh: {e}"
+        return out, hit.cache, k, "reused"
+
+    # -- decoding ----------------------------------------------------------------------------------------------------
+    def _step(self) -> None:
+        for job in self.running:
+            if job.cancel.is_set():
+                self.batch.cancel(job.row)
+        try:
+            events = self.batch.step(keep_cache=True)
+        except Exception as e:  # a failed step leaves the batch's caches mid-step: every row in it fails
+            self._fail_all(APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error"))
             return
-        except Exception as e:  # never let the loop die: report it to this request
-            job.events.put(("error", APIError(500, f"generation failed: {type(e).__name__}: {e}",
-                                              type="server_error")))
-            return
-        finally:
-            if it is not None:
-                it.close()
-        if job.cancel.is_set() and self.stopped.is_set():  # Ctrl-C cut it short: an error, not a cut answer
+        for row, chunk in events:
+            row.req.tag.events.put(("chunk", chunk))
+        for job in list(self.running):
+            if job.row.finished:
+                self.running.remove(job)
+                self._done(job, job.row)
+
+    def _done(self, job: Job, row: Row) -> None:
+        if row.final_cache is not None:  # the conversation so far, for the next request that continues it
+            n = row.final_cache[0].offset
+            keys = (list(job.keys) + row.history[len(row.req.ids):])[:n]
+            states = {state_key(d): d for d in row.drafters if d.taps}  # what continues it with these drafters
+            self.prompts.insert(keys, row.final_cache, extra=states or None)
+            row.final_cache = None
+        s = self.session
+        s.totals["turns"] += 1
+        s.totals["prompt_tokens"] += len(row.req.ids)
+        s.totals["prefilled_tokens"] += len(row.req.ids) - row.req.reuse
+        s.totals["generated_tokens"] += row.out.n
+        if row.cancelled and self.stopped.is_set():  # Ctrl-C cut it short: an error, not a cut answer
             job.events.put(("error", shutting_down()))
-            return
-        job.events.put(("done", stats))
+        else:
+            job.events.put(("done", row.stats))
+
+    def _fail_all(self, error: APIError) -> None:
+        for job in self.running:
+            job.events.put(("error", error))
+        self.running = []
+        self.batch = BatchGenerator(self.session.model, max_batch=self.max_batch,
+                                    prefill_step=self.session.prefill_step, auto=self.batch.auto)
 
     def interrupt(self) -> None:
-        """Ctrl-C: stop the job loop and cancel the running generation at its next token. Only sets flags (it runs
-        in a signal handler)."""
+        """Ctrl-C: stop the job loop; the running generations are answered with a 503. Only sets flags (it runs in
+        a signal handler)."""
         self.stopped.set()
-        job = self.current
-        if job is not None:
+        for job in list(self.running):
             job.cancel.set()
 
     def stop(self) -> None:

@@ -3,6 +3,7 @@ loading it next to its target and checking that the two fit."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import mlx.core as mx
@@ -48,6 +49,12 @@ class DFlashDrafter:
 
     def make_cache(self):
         return self.assistant.make_cache()
+
+    def fork(self) -> "DFlashDrafter":
+        """The same drafter (shared weights) with its own, empty state (a batch row's)."""
+        d = copy.copy(self)
+        d.cache = d.ctx = None
+        return d
 
     # -- the drafter protocol (speculative.protocol.Drafter) -----------------------------------------------------
     def start(self, taps: list[mx.array], ids: list[int]) -> None:

@@ -16,6 +16,7 @@ it (the most likely others), so each alternative's q is a point mass (verify.ver
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import mlx.core as mx
@@ -62,6 +63,12 @@ class MTPDrafter:
         if self.draft_logits == "raw":
             return self.target.lm_head_raw(h).astype(mx.float32)
         return self.target.logits(h)
+
+    def fork(self) -> "MTPDrafter":
+        """The same drafter (shared weights, this depth) with its own, empty state (a batch row's)."""
+        d = copy.copy(self)
+        d.caches = d.main = None
+        return d
 
     # -- the drafter protocol (speculative.protocol.Drafter) -----------------------------------------------------
     def start(self, taps: list[mx.array], ids: list[int]) -> None:

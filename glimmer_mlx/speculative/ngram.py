@@ -110,6 +110,11 @@ class NGramDrafter:
         self.vocab_size, self.max_drafts = vocab_size, max_drafts
         self.index = NGramIndex(min_n, max_n, all_ends=trees)
 
+    def fork(self) -> "NGramDrafter":
+        """The same drafter with its own, empty index (a batch row's)."""
+        return NGramDrafter(self.vocab_size, self.max_drafts, self.index.min_n, self.index.max_n,
+                            trees=self.index.all_ends)
+
     def start(self, taps: list[mx.array], ids: list[int]) -> None:
         self.index.reset(ids)
 

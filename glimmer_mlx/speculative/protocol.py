@@ -6,6 +6,10 @@ positions with the committed tokens (`accept`). `start` follows a fresh prefill;
 `rewind_context` / `extend` continue a drafter's state on a new prompt that shares a prefix with the old one
 (`session.Session`), so that it drafts exactly what a freshly started drafter would.
 
+A drafter that can decode inside a batch (`batch.BatchGenerator`: each row needs its own state) also has `fork()`:
+the same drafter (shared weights, the same width) with its own, empty state. DFlash, DFlash 2, MTP and n-gram have
+it; `auto` does not (in a batch the choice is made for all rows together).
+
 Implemented by `dflash.DFlashDrafter`, `mtp.MTPDrafter`, `ngram.NGramDrafter` and `auto.multiplex.AutoDrafter`.
 """
 

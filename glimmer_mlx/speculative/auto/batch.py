@@ -1,0 +1,155 @@
+"""`auto` inside a batch (`speculative.batch.BatchGenerator`): each step one draft width for every auto row — 0, a
+plain step — and for each row the option it drafts with, chosen to maximise the batch's expected committed tokens
+per second:
+
+    rate(k) = Σ_rows E_r(k) / (T(n) + Σ_rows draft_r(k))
+
+- E_r(k): the row's expected tokens per round with its best option at width ≤ k (`AcceptanceStats` of the option,
+  learned across rows and requests, shared with the solo `auto` of the same process); a row whose option gives
+  fewer drafts (n-gram lookup: only where its context's suffix occurred before) counts what it gives; a row in a
+  fixed mode counts its own width's expectation; a plain row 1.
+- T(n): seconds of one batched step feeding n = B·L positions (B rows, padded to the widest block L), measured:
+  every step's time updates an EMA per n; an n not measured yet is the solo calibration's forward cost C(n) (the
+  cost curve `auto` measured for this machine and model) times the measured/calibrated ratio of the steps seen.
+  At a small batch verification is nearly free and drafting pays; as B·L grows the step becomes compute-bound, T
+  grows with n, and plain steps win — then `auto` chooses them.
+- draft_r(k): the option's measured seconds per round (`DraftCost`, calibrated units × the measured scale).
+
+To speculate, the best width must beat plain by `ENTER_GAIN`. Outputs are lossless whatever is chosen (every
+drafted row is verified by `verify`); the choice only changes speed.
+"""
+
+from __future__ import annotations
+
+from .chooser import ENTER_GAIN, AcceptanceStats
+from .multiplex import AutoDrafter
+
+EMA = 0.2  # weight of a new step time in its n's estimate
+
+
+class BatchAuto:
+    """The batch-level chooser over an `AutoDrafter`'s options and cost curve (the solo `auto` of the process)."""
+
+    def __init__(self, auto: AutoDrafter):
+        self.auto = auto
+        self.chooser = auto.chooser
+        self.curve = dict(sorted(auto.chooser.costs.items()))  # L -> calibrated seconds of a forward over L tokens
+        self.measured: dict[int, float] = {}  # n positions -> EMA seconds of a step
+        self.ratio: float | None = None  # measured / calibrated step time, EMA over every step
+        self.steps = {"plain": 0, "spec": 0}
+
+    def options(self, regime: str) -> dict:
+        """A new auto row's own drafters: forks of the auto's (shared weights, empty state) — n-gram lookup always
+        (it costs nothing to keep in step), a model drafter only if it could pay for this row (`could_pay`): every
+        drafter of a row follows each of its steps (the taps of every committed position, its own bookkeeping), so
+        one that cannot win would only slow the row down."""
+        return {kind: d.fork() for kind, d in self.auto.drafters.items()
+                if kind == "ngram" or self.could_pay(kind, regime)}
+
+    def could_pay(self, name: str, regime: str) -> bool:
+        """Whether `name` beats plain decoding at some width in a batch of one, with its acceptance at the
+        optimistic end of what is known (mean + 1.28 sd of the first draft's, every position moved alike)."""
+        acc = self.acceptance(name, regime)
+        lift = 1.28 * acc.spread()
+        plain = 1.0 / self.step_cost(1)
+        for k in range(1, self.chooser.options[name].max_k + 1):
+            e, p = 1.0, 1.0
+            for a in acc.alphas()[:k]:
+                p *= min(1.0, a + lift)
+                e += p
+            if e / (self.step_cost(k + 1) + self.draft_cost(name, k)) > plain:
+                return True
+        return False
+
+    @property
+    def taps(self) -> tuple:
+        return self.auto.taps
+
+    # -- the cost model ------------------------------------------------------------------------------------------
+    def calibrated(self, n: int) -> float:
+        """C(n): the calibration's forward cost over n positions, extended linearly past its longest block."""
+        c = self.curve
+        if n in c:
+            return c[n]
+        keys = list(c)
+        if n < keys[0]:
+            return c[keys[0]]
+        lo = max(k for k in keys if k <= n)
+        hi = min((k for k in keys if k > n), default=None)
+        if hi is None:  # beyond the calibrated widths: the slope of the last two points
+            a, b = keys[-2] if len(keys) > 1 else keys[-1], keys[-1]
+            slope = (c[b] - c[a]) / (b - a) if b > a else c[b] / b
+            return c[b] + max(slope, 0.0) * (n - b)
+        return c[lo] + (c[hi] - c[lo]) * (n - lo) / (hi - lo)
+
+    def step_cost(self, n: int) -> float:
+        if n in self.measured:
+            return self.measured[n]
+        return self.calibrated(n) * (self.ratio if self.ratio is not None else 1.0)
+
+    def observe(self, n: int, seconds: float, spec: bool) -> None:
+        """A step over n positions took `seconds` (its drafting excluded)."""
+        if seconds <= 0:
+            return
+        old = self.measured.get(n)
+        self.measured[n] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        r = seconds / self.calibrated(n)
+        self.ratio = r if self.ratio is None else (1 - EMA) * self.ratio + EMA * r
+        self.steps["spec" if spec else "plain"] += 1
+
+    def draft_cost(self, name: str, k: int) -> float:
+        return self.chooser.scale * self.chooser.options[name].cost(k)
+
+    def acceptance(self, name: str, regime: str) -> AcceptanceStats:
+        return self.chooser.options[name].acceptance(regime)
+
+    # -- the choice ----------------------------------------------------------------------------------------------
+    def choose(self, rows, fixed_rows: int, fixed_width: int, fixed_tokens: float, k_max: int) -> tuple[int, list]:
+        """rows: the auto rows, each as (regime, budget, {option: most drafts it gives now}); fixed_rows: the other
+        rows, fixed_width: the widest block they feed (1: none wider than a token), fixed_tokens: their expected
+        tokens this step. Returns (k, [(option or None, drafts) per auto row]) — k 0: every auto row steps plainly."""
+        B = len(rows) + fixed_rows
+        plain = [(None, 0)] * len(rows)
+        tables: dict = {}  # (option, regime) -> expected tokens at 0..max_k drafts, this step's estimates
+
+        def expected(name: str, regime: str, k: int) -> float:
+            t = tables.get((name, regime))
+            if t is None:
+                t, p = [1.0], 1.0
+                for a in self.acceptance(name, regime).alphas():
+                    p *= a
+                    t.append(t[-1] + p)
+                tables[(name, regime)] = t
+            return t[min(k, len(t) - 1)]
+
+        best_k, best_plan = 0, plain
+        best = (len(rows) + fixed_tokens) / self.step_cost(B * fixed_width)
+        for k in range(1, k_max + 1):
+            plan, tokens, drafting, L = [], fixed_tokens, 0.0, fixed_width
+            for regime, budget, avail in rows:
+                pick, e_pick = (None, 0), 1.0
+                for name, cap in avail.items():
+                    kk = min(k, cap, budget - 1)
+                    if kk < 1:
+                        continue
+                    e = expected(name, regime, kk)
+                    if e > e_pick:
+                        pick, e_pick = (name, kk), e
+                plan.append(pick)
+                tokens += e_pick
+                if pick[0] is not None:
+                    drafting += self.draft_cost(pick[0], pick[1])
+                    L = max(L, pick[1] + 1)
+            if L == fixed_width:
+                continue  # no row drafts at this width: the same as plain
+            rate = tokens / (self.step_cost(B * L) + drafting)
+            if rate > best * (1 + ENTER_GAIN if best_k == 0 else 1.0):
+                best, best_k, best_plan = rate, k, plan
+        return best_k, best_plan
+
+    def update(self, name: str, regime: str, k: int, accepted: int) -> None:
+        self.acceptance(name, regime).update(k, accepted)
+
+    def stats(self) -> dict:
+        return {"auto_steps": dict(self.steps), "step_seconds": {int(n): round(s, 6) for n, s in
+                                                                 sorted(self.measured.items())}}

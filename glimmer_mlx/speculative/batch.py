@@ -1,0 +1,364 @@
+"""Continuous batching, speculation inside the batch: many generations share one target forward per step.
+
+Each request is a *row*. A new row is prefilled alone on its own solo cache (`runtime.prefill`'s chunks, one
+chunk per step, interleaved with the running batch), samples its first token, and joins the batch: its cache rows
+are copied into the batch's caches (`cache.BatchKVCache`, buffer row = position, per-row lengths in a shared
+`cache.BatchLayout`). Every step then:
+
+1. each row plans what it feeds: a plain row its last token; a speculative row its anchor and the k drafts its own
+   drafter proposes (DFlash, DFlash 2, MTP, n-gram; each row has its own drafter state);
+2. one target forward over all rows, padded to the widest block (ragged widths: a row's padding is masked from
+   every other position and never committed), with the taps the rows' drafters need;
+3. each row accepts through `verify` exactly as `engine.SpeculativeDecoder` does alone — the same drafts, the same
+   sampler calls in the same order (a per-request RNG stream) — commits its tokens (`BatchLayout.commit`: the
+   anchor and the accepted drafts stay, the rest is overwritten later) and hands the taps of the committed positions
+   to its drafter.
+
+So a request's tokens do not depend on what else is in the batch: greedy output equals serving it alone, and a
+seeded sampled one does too (up to the last bits of fp32 matmuls, which differ between batch shapes). Rows leave when
+they finish or are cancelled (`cancel`); `finished_cache` hands a finished row's cache back as a solo cache (for a
+prompt cache across conversations).
+
+`BatchGenerator.step` returns each row's `GenerationChunk` of that step (EOS, stop strings, max_tokens through
+`runtime.loop.TokenStream`, the same rules as a solo generation).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from ..cache import KVCache, make_batch_cache
+from ..runtime.loop import GenerationChunk, GenerationStats, TokenStream
+from ..runtime.prefill import DEFAULT_PREFILL_STEP
+from ..sampling import Sampler, history_window
+from .protocol import Drafter
+from .verify import target_distribution, verify_greedy, verify_sampling
+
+DEFAULT_MAX_BATCH = 16
+
+
+@dataclass
+class BatchRequest:
+    """One generation for `BatchGenerator.add`. drafter: this row's own drafter (its own state; None: plain
+    decoding), width: drafts per round (None: the drafter's most). cache: a solo cache already holding ids[:reuse]
+    (a prompt-cache hit); with a drafter and reuse > 0 the drafter's state must cover exactly ids[:reuse]
+    (`Drafter.rewind_context`), and it is extended instead of started, as `SpeculativeDecoder.prefill` does."""
+    ids: list[int]
+    sampler: Sampler
+    max_tokens: int
+    eos: set[int]
+    tokenizer: object = None
+    stop: list[str] | None = None
+    drafter: Drafter | None = None
+    width: int | None = None
+    input_embeddings: mx.array | None = None
+    cache: list[KVCache] | None = None
+    reuse: int = 0
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    tag: object = None  # the caller's handle (a server job)
+    auto: bool = False  # `auto`: the batch's chooser picks this row's drafter and width each step (no `drafter`)
+    options: dict | None = None  # auto: its drafters by kind (default: `BatchAuto.options`)
+
+
+class Row:
+    """A request in the batch: its history, token stream, sampler, drafter and statistics."""
+
+    def __init__(self, req: BatchRequest, model, prefill_step: int, options: dict | None = None):
+        if req.drafter is not None:
+            trained = req.drafter.max_drafts
+            width = trained if req.width is None else req.width
+            if not isinstance(width, int) or isinstance(width, bool) or not 1 <= width <= trained:
+                raise ValueError(f"{req.drafter.width_name} must be an int in [1, {trained}], got {width!r}")
+            req.width = width
+        self.req, self.sampler, self.drafter = req, req.sampler, req.drafter
+        self.options = options  # auto: its own fork of every option's drafter, all kept in step ({kind: drafter})
+        self.choice: tuple | None = None  # auto: (option name, its drafter kind) drafting this step, or None
+        self.out = TokenStream(max_tokens=req.max_tokens, eos=req.eos, tokenizer=req.tokenizer, stop=req.stop)
+        self.history = list(req.ids)
+        self.cache = req.cache if req.cache is not None else model.make_cache()
+        self.done_prefill = req.reuse  # prompt positions in the solo cache
+        self.prefill_step = prefill_step
+        self.prefill_taps: list = []
+        self.stats = req.stats
+        self.stats.mode = "auto" if options is not None else "ar" if self.drafter is None else self.drafter.kind
+        self.t_added = time.perf_counter()
+        self.t_first = None
+        self.cancelled = False
+        self.rounds = self.plain_rounds = 0
+        self.hist = Counter()
+        self.batch_sizes = 0  # sum of the batch sizes of the steps this row was in
+        self.steps = 0  # decode steps it was in
+        self.feed: list[int] = []  # what this row fed the current step
+        self.drafts: list[int] = []
+        self.q = None
+        self.final_cache: list[KVCache] | None = None
+
+    @property
+    def regime(self) -> str:
+        return "greedy" if self.sampler.params.greedy else "sampling"
+
+    def tau(self) -> float:
+        """Tokens committed per round so far (1 before any round, and for plain rows)."""
+        return sum(n * c for n, c in self.hist.items()) / self.rounds if self.rounds else 1.0
+
+    @property
+    def finished(self) -> bool:
+        return self.out.finish is not None or self.cancelled
+
+    # -- one step --------------------------------------------------------------------------------------------------
+    @property
+    def drafters(self) -> list:
+        """Every drafter whose state follows this row's tokens."""
+        if self.options is not None:
+            return list(self.options.values())
+        return [] if self.drafter is None else [self.drafter]
+
+    def plan(self, choice: tuple | None = None) -> list[int]:
+        """What this row feeds the next forward: [last token] (a plain round) or [anchor, d1..dk]. choice: an auto
+        row's (option name, drafts) for this step (option None: plain)."""
+        anchor = self.history[-1]
+        drafter = self.drafter
+        if self.options is not None:
+            name, k = choice if choice is not None else (None, 0)
+            self.choice = None if name is None else (name, name.split("@")[0])
+            drafter = None if name is None else self.options[self.choice[1]]
+        else:
+            k = 0 if drafter is None else min(self.req.width, self.out.budget - 1)
+        if k == 0:
+            self.drafts, self.q, self.feed = None, None, [anchor]
+            return self.feed
+        pos = len(self.history) - 1  # the anchor's position: the cache holds every committed token but the anchor
+        self.drafts, self.q = drafter.propose(anchor, pos, k, self.sampler, self.history)
+        self.feed = [anchor] + self.drafts
+        return self.feed
+
+    def available(self, k_max: int) -> dict:
+        """An auto row's {option: most drafts it gives now} (n-gram lookup: as the option of the matched size,
+        only where the context's suffix occurred before)."""
+        out = {}
+        for kind, d in self.options.items():
+            if kind == "ngram":
+                drafts, m = d.peek(k_max)
+                if drafts:
+                    out[f"ngram@{m}"] = len(drafts)
+            else:
+                out[kind] = min(k_max, d.max_drafts)
+        return out
+
+    def accept(self, logits: mx.array, taps: dict | None, token: int | None = None) -> list[int]:
+        """logits [len(feed), V] of this row; taps: {target layer: its rows [1, len(feed), D]}; token: a plain
+        round's token when already picked (greedy rows batched). Returns the new committed tokens (the cache keeps
+        the anchor and the accepted drafts: len(new) rows)."""
+        p = self.sampler.params
+        if self.drafts is None:  # a plain round (PlainDecoder's sampler call)
+            if token is None:
+                token = int(self.sampler(logits[-1:], history_window(p, self.history)).item())
+            new = [token]
+            self.plain_rounds += int(bool(self.drafters))
+        else:
+            if p.greedy:
+                n, nxt = verify_greedy(logits, self.drafts, self.sampler, self.history)
+            else:
+                n, nxt = verify_sampling(target_distribution(logits, self.sampler, self.history, self.drafts),
+                                         self.q, self.drafts, self.sampler)
+            new = self.drafts[:n] + [nxt]
+        self.history.extend(new)
+        for d in self.drafters:
+            d.accept([taps[t][:, : len(new)] for t in d.taps], new)
+        if self.drafters:
+            self.rounds += 1
+            self.hist[len(new)] += 1
+        return new
+
+    def stats_extra(self) -> dict:
+        d = {"batch_size_mean": self.batch_sizes / max(1, self.steps)}
+        if self.drafters:
+            committed = sum(n * c for n, c in self.hist.items())
+            d.update(rounds=self.rounds, plain_rounds=self.plain_rounds,
+                     tau=committed / self.rounds if self.rounds else 0.0,
+                     acceptance_histogram={int(n): int(c) for n, c in sorted(self.hist.items())})
+            if self.options is None:
+                d["max_drafts"] = self.req.width
+        return d
+
+
+class BatchGenerator:
+    """Rows join (`add`) and leave at any step; `step()` runs at most one prefill chunk of the oldest waiting row
+    and one batched decode step of the rows in the batch, and returns [(row, chunk)] of this step. max_batch: rows
+    decoding together (more wait, prefilled one by one as rows leave). auto: the `auto.batch.BatchAuto` that
+    chooses for the rows added with `auto=True` (needed only for them)."""
+
+    def __init__(self, model, *, max_batch: int = DEFAULT_MAX_BATCH, prefill_step: int = DEFAULT_PREFILL_STEP,
+                 auto=None):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.model, self.max_batch, self.prefill_step = model, max_batch, prefill_step
+        self.auto = auto
+        self.layout, self.cache = make_batch_cache(model.args)
+        self.rows: list[Row] = []  # in the batch, in layout order
+        self.waiting: deque[Row] = deque()  # being prefilled, in arrival order
+        self.steps = 0
+        self.step_rows = Counter()  # batch size -> decode steps
+
+    def __len__(self) -> int:
+        return len(self.rows) + len(self.waiting)
+
+    def add(self, req: BatchRequest) -> Row:
+        if req.auto and (self.auto is None or req.drafter is not None):
+            raise ValueError("an auto row needs the batch's auto chooser and no drafter of its own")
+        regime = "greedy" if req.sampler.params.greedy else "sampling"
+        options = (req.options if req.options is not None else self.auto.options(regime)) if req.auto else None
+        row = Row(req, self.model, self.prefill_step, options=options)
+        self.waiting.append(row)
+        return row
+
+    def cancel(self, row: Row) -> None:
+        """Stop a row at the next step (its chunk of that step is not produced)."""
+        row.cancelled = True
+
+    # -- prefill ---------------------------------------------------------------------------------------------------
+    def _prefill_chunk(self, row: Row) -> GenerationChunk | None:
+        """One prefill chunk of `row`; after the last one its first token (the chunk returned) and it joins."""
+        ids, s = row.req.ids, row.done_prefill
+        e = min(len(ids), s + row.prefill_step)
+        want = tuple(sorted({t for d in row.drafters for t in d.taps}))
+        taps = want if row.drafters else None
+        kw = {} if row.req.input_embeddings is None else {"input_embeddings": row.req.input_embeddings[:, s:e]}
+        last = e >= len(ids)
+        out = self.model(mx.array([ids[s:e]], dtype=mx.int32), row.cache, taps=taps,
+                         last=1 if (last and taps is None) else None, **kw)
+        logits, tapped = out if taps is not None else (out, None)
+        if tapped is not None:
+            row.prefill_taps.append(tapped)
+        row.done_prefill = e
+        if not last:
+            mx.eval([c.state for c in row.cache] + (tapped or []))
+            return None
+        y = row.sampler(logits[:, -1], history_window(row.sampler.params, row.history))
+        t = int(y.item())
+        row.t_first = time.perf_counter()
+        row.stats.prompt_tokens, row.stats.prompt_time = len(ids), row.t_first - row.t_added
+        row.history.append(t)
+        if row.drafters:
+            parts = row.prefill_taps
+            joined = {layer: mx.concatenate([p[i] for p in parts], axis=1) if len(parts) > 1 else parts[0][i]
+                      for i, layer in enumerate(want)}
+            for d in row.drafters:
+                (d.extend if row.req.reuse else d.start)([joined[layer] for layer in d.taps], row.history)
+            row.prefill_taps = []
+        chunk = row.out.push([t])
+        if not row.finished:
+            self._join(row)
+        return chunk
+
+    def _join(self, row: Row) -> None:
+        b = self.layout.append(row.cache[0].offset)
+        self.rows.append(row)
+        for bc, c in zip(self.cache, row.cache):
+            bc.put_row(b, c)
+        row.cache = None  # its rows live in the batch now
+
+    def _leave(self, finished: list[int], keep_cache: bool) -> None:
+        for b in finished:
+            if keep_cache and not self.rows[b].cancelled:
+                self.rows[b].final_cache = [c.row_cache(b) for c in self.cache]
+        keep = [b for b in range(len(self.rows)) if b not in set(finished)]
+        if keep:
+            for c in self.cache:
+                c.remove_rows(keep)
+            self.layout.keep(keep)
+        else:  # an empty batch: its buffers go
+            self.layout, self.cache = make_batch_cache(self.model.args)
+        self.rows = [self.rows[b] for b in keep]
+
+    # -- a step ----------------------------------------------------------------------------------------------------
+    def step(self, keep_cache: bool = False) -> list[tuple[Row, GenerationChunk]]:
+        """keep_cache: a row that finishes keeps its cache as a solo cache (`Row.final_cache`)."""
+        events: list[tuple[Row, GenerationChunk]] = []
+        while self.waiting and self.waiting[0].cancelled:
+            self.waiting.popleft()
+        if self.waiting and len(self.rows) < self.max_batch:
+            row = self.waiting[0]
+            chunk = self._prefill_chunk(row)
+            if chunk is not None:
+                self.waiting.popleft()
+                events.append((row, chunk))
+                if row.finished:
+                    self._finish(row)
+        gone = [b for b, r in enumerate(self.rows) if r.cancelled]
+        if gone:
+            self._leave(gone, keep_cache=False)
+        if self.rows:
+            events += self._decode(keep_cache)
+        return events
+
+    def _choose(self, rows: list[Row]) -> dict[int, tuple]:
+        """The auto rows' choices for this step ({row index: (option, drafts)}), from the batch's chooser."""
+        autos = [b for b, r in enumerate(rows) if r.options is not None]
+        if not autos:
+            return {}
+        k_max = max(d.max_drafts for b in autos for d in rows[b].options.values())
+        fixed = [r for r in rows if r.options is None]
+        fixed_width = max((1 + min(r.req.width, r.out.budget - 1) if r.drafter is not None else 1 for r in fixed),
+                          default=1)
+        fixed_tokens = sum(r.tau() for r in fixed)
+        _, plan = self.auto.choose([(r.regime, r.out.budget, r.available(k_max)) for r in (rows[b] for b in autos)],
+                                   len(fixed), fixed_width, fixed_tokens, k_max)
+        return dict(zip(autos, plan))
+
+    def _decode(self, keep_cache: bool) -> list[tuple[Row, GenerationChunk]]:
+        rows = self.rows
+        choices = self._choose(rows)
+        feeds = [r.plan(choices.get(b)) for b, r in enumerate(rows)]
+        t1 = time.perf_counter()
+        L = max(len(f) for f in feeds)
+        want = tuple(sorted({t for r in rows for d in r.drafters for t in d.taps}))
+        x = mx.array([f + [f[-1]] * (L - len(f)) for f in feeds], dtype=mx.int32)
+        out = self.model(x, self.cache, taps=want or None)
+        logits, tapped = out if want else (out, None)
+        B = len(rows)
+        self.steps += 1
+        self.step_rows[B] += 1
+        # greedy plain rows without a penalty: one argmax for all of them (greedy_token's arithmetic)
+        fast = [b for b, r in enumerate(rows) if r.drafts is None and r.sampler.params.greedy
+                and r.sampler.params.repetition_penalty == 1.0]
+        picked = dict(zip(fast, mx.argmax(logits[mx.array(fast), 0].astype(mx.float32), axis=-1).tolist())) \
+            if len(fast) > 1 else {}
+        events, finished = [], []
+        for b, r in enumerate(rows):
+            n_fed = len(feeds[b])
+            r.batch_sizes += B
+            r.steps += 1
+            taps = {layer: tapped[i][b : b + 1, :n_fed] for i, layer in enumerate(want)} if want else {}
+            new = r.accept(logits[b, :n_fed], taps, token=picked.get(b))
+            if r.choice is not None:
+                self.auto.update(r.choice[0], r.regime, len(r.drafts), len(new) - 1)
+            self.layout.commit(b, len(new))
+            chunk = r.out.push(new)
+            r.stats.generation_tokens = r.out.n
+            r.stats.generation_time = time.perf_counter() - r.t_first
+            events.append((r, chunk))
+            if r.finished:
+                finished.append(b)
+        if self.auto is not None:
+            self.auto.observe(B * L, time.perf_counter() - t1, spec=L > 1)
+        if finished:
+            for b in finished:
+                self._finish(rows[b])
+            self._leave(finished, keep_cache)
+        return events
+
+    def _finish(self, row: Row) -> None:
+        row.stats.generation_tokens = row.out.n
+        if row.t_first is not None:
+            row.stats.generation_time = time.perf_counter() - row.t_first
+        row.stats.extra.update(row.stats_extra())
+        for d in row.drafters:
+            row.stats.extra.update(d.stats())
+
+    def stats(self) -> dict:
+        return {"steps": self.steps, "batch_sizes": {int(k): int(v) for k, v in sorted(self.step_rows.items())}}

@@ -89,6 +89,11 @@ def serve(
     port: int = typer.Option(8080, "--port", help="Port (0: any free port, printed at start)."),
     max_tokens: int = typer.Option(2048, "--max-tokens", help="Default max_tokens for requests without one."),
     max_context: MaxContext = None,
+    max_batch: int = typer.Option(16, "--max-batch", help="Requests decoded together (continuous batching; 1: one "
+                                  "at a time). More wait in the queue."),
+    prompt_cache_gb: float = typer.Option(4.0, "--prompt-cache-gb", help="Memory for the prompt cache across "
+                                          "conversations (KV caches of finished requests, least recently used "
+                                          "dropped first; 0: off)."),
     model_name: Optional[str] = typer.Option(None, "--served-model-name", help="Model id in /v1/models "
                                              "(default: the checkpoint folder's name)."),
     dtype: Dtype = None,
@@ -98,7 +103,8 @@ def serve(
                                           "for a --host other than loopback."),
 ):
     """A local OpenAI-compatible server: /v1/chat/completions (streaming, tools), /v1/completions, /v1/models,
-    /health. One model resident, requests queued, prompt cache reused across a growing conversation. --mode is the
+    /health. One model resident, requests continuously batched (speculative modes included), a prompt cache across
+    conversations. --mode is the
     default decoding mode (default: auto when a drafter is loaded, else ar); requests may override it with
     {"glimmer": {"mode": ..., "block_size": ...}}."""
     mode, width = decode_spec(mode, block_size, dflash=dflash, mtp=mtp, auto=auto)
@@ -108,8 +114,11 @@ def serve(
     session = open_session(model, draft_model, mtp_model, dtype, max_context)
     spec = check_spec(session.drafters, mode or session.default_mode(), width)
     try:
+        if not 0 <= prompt_cache_gb < 1e6:
+            raise ValueError(f"--prompt-cache-gb must be >= 0, got {prompt_cache_gb}")
         server = GlimmerServer(session, host=host, port=port, mode=spec.mode, block_size=spec.width,
-                               default_max_tokens=max_tokens, model_name=model_name, api_key=api_key)
+                               default_max_tokens=max_tokens, model_name=model_name, api_key=api_key,
+                               max_batch=max_batch, prompt_cache_bytes=int(prompt_cache_gb * 2**30))
     except (ModeError, ValueError, OSError) as e:
         fail(str(e))
     console.print(f"[bold]glimmer serve[/] {escape(server.model_name)} on http://{server.host}:{server.port} "

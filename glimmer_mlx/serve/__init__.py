@@ -1,9 +1,11 @@
 """`glimmer serve`: a local OpenAI-compatible HTTP server (standard library only).
 
 Endpoints: POST /v1/chat/completions (streaming and not, `tools` / `tool_calls`), POST /v1/completions,
-GET /v1/models, GET /health. One model is resident in a `session.Session`; every generation runs in the main thread,
-in arrival order (requests queue up; the HTTP threads only parse, validate, tokenize and write), and the session's
-prompt cache makes a conversation that grows turn by turn prefill only its new tokens.
+GET /v1/models, GET /health. One model is resident in a `session.Session`; generations run in the main thread,
+continuously batched (`worker`: up to `max_batch` requests share each target forward, each in its own decoding
+mode, speculative ones included; the HTTP threads only parse, validate, tokenize and write), and a prompt cache
+across conversations (an LRU under `prompt_cache_bytes`) makes every conversation that grows turn by turn prefill
+only its new tokens.
 
 Every request is validated before it reaches the model: bad JSON (too deep, lone surrogates), a wrong content type,
 unknown fields or roles, wrongly typed fields, malformed tool schemas, an unknown `model` (404 model_not_found),
@@ -32,7 +34,7 @@ from ..session import Session
 from ..strategy import DecodeSpec
 from .api import ChatRequest, CompletionRequest, Request
 from .http import APIServer, is_loopback
-from .worker import Job, Worker
+from .worker import DEFAULT_MAX_BATCH, DEFAULT_PROMPT_CACHE_BYTES, Job, Worker
 
 __all__ = ["GlimmerServer", "is_loopback"]
 
@@ -45,12 +47,17 @@ class GlimmerServer:
 
     def __init__(self, session: Session, *, host: str = "127.0.0.1", port: int = 8080, mode: str | None = None,
                  block_size=None, default_max_tokens: int = 2048, model_name: str | None = None,
-                 quiet: bool = False, max_queue: int = MAX_QUEUE, api_key: str | None = None):
+                 quiet: bool = False, max_queue: int = MAX_QUEUE, api_key: str | None = None,
+                 max_batch: int = DEFAULT_MAX_BATCH, prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES):
         if not is_loopback(host) and not api_key:
             raise ValueError(f"refusing to listen on {host or 'every interface'} without an API key: pass --api-key "
                              "(or set GLIMMER_API_KEY), or bind 127.0.0.1")
         if session.tokenizer is None:
             raise ValueError("the server needs a checkpoint with a tokenizer (tokenizer.json)")
+        if not 1 <= max_batch <= 256:
+            raise ValueError(f"max_batch must be in [1, 256], got {max_batch}")
+        if prompt_cache_bytes < 0:
+            raise ValueError(f"the prompt cache budget must be >= 0 bytes, got {prompt_cache_bytes}")
         if default_max_tokens < 1:
             raise ValueError(f"default max_tokens must be >= 1, got {default_max_tokens}")
         self.session = session
@@ -65,7 +72,7 @@ class GlimmerServer:
         self.created = int(time.time())
         self.quiet = quiet
         self.template = session.tokenizer.chat_template  # what the model's tool calls are parsed by
-        self.worker = Worker(session, max_queue=max_queue)
+        self.worker = Worker(session, max_queue=max_queue, max_batch=max_batch, prompt_cache_bytes=prompt_cache_bytes)
         self._http: threading.Thread | None = None
         self._closing, self._closed = threading.Lock(), False
         self.httpd = APIServer((host, port), self)
@@ -106,7 +113,7 @@ class GlimmerServer:
             self.shutdown()
 
     def run_jobs(self, until: threading.Event | None = None) -> None:
-        """Run queued generations in this thread, in arrival order, until `until` is set or `shutdown()`."""
+        """Run queued generations in this thread, batched, until `until` is set or `shutdown()`."""
         self.worker.run_jobs(until)
 
     def shutdown(self) -> None:

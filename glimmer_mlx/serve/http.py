@@ -272,7 +272,8 @@ class APIHandler(BaseHTTPRequestHandler):
         if path == "/health":
             self.send_json(200, {"status": "ok", "model": app.model_name, "default_mode": app.default_mode,
                                  "modes": app.session.available_modes(), "queued": app.worker.queued(),
-                                 "cached_tokens": app.session.cached_tokens,
+                                 "running": app.worker.active(), "max_batch": app.worker.max_batch,
+                                 "prompt_cache": app.worker.prompts.stats_dict(),
                                  "max_context": app.session.max_context})
         elif path == "/v1/models":
             self.send_json(200, {"object": "list", "data": [self.model_card()]})

@@ -93,7 +93,12 @@ class Worker:
         self._eos = stop_ids(session.model, session.tokenizer)
 
     def queued(self) -> int:
+        """Jobs waiting for a place in the batch."""
         return self.jobs.qsize()
+
+    def active(self) -> int:
+        """Jobs in the batch (decoding, or being prefilled)."""
+        return len(self.running)
 
     def submit(self, request: Request) -> Job:
         """Queue a generation; a 503 when shutting down or when `max_queue` jobs are waiting."""

@@ -5,7 +5,10 @@ Sharding (`shard_model`, Megatron-style, MLX's own sharded layers): per decoder 
 output gate are column-split by heads (`nn.AllToShardedLinear`), `o_proj` row-split (`nn.ShardedToAllLinear`, one
 `all_sum`); the MLP's gate/up column-split, `down_proj` row-split (one `all_sum`). Each rank keeps
 `num_attention_heads / N` query heads and `num_key_value_heads / N` KV heads — head h of rank r is global head
-r·H/N + h, so a GQA group never straddles ranks — and its KV caches hold only those heads. Everything that acts on
+r·H/N + h, so a GQA group never straddles ranks — and its KV caches hold only those heads. With more ranks than KV
+heads (N a multiple of Hkv, H divisible by N) the KV heads are replicated, as vLLM does: rank r holds the K/V
+projection rows of the one KV head its query heads use (global KV head r // (N/Hkv)), and its caches hold that head
+(`kv_heads_per_rank`). Everything that acts on
 the residual stream (the sandwich norms, the per-head weightless q/k norms, RoPE, the final norm) is replicated and
 runs on full hidden states, so every tap a drafter asks for is the full hidden state on every rank. Affine-quantized
 layers are sharded the same way (`nn.QuantizedAllToShardedLinear` / `nn.QuantizedShardedToAllLinear`).
@@ -100,22 +103,45 @@ def init_group(backend: str = "any") -> mx.distributed.Group:
 
 # -- sharding ------------------------------------------------------------------------------------------------------
 
-def check_shardable(model: Model, n: int) -> None:
-    """ValueError naming the dimension that cannot be split evenly over `n` ranks."""
-    c = model.args
-    quant = model.config.quantization
+def kv_heads_per_rank(num_attention_heads: int, num_key_value_heads: int, n: int) -> tuple[int, int]:
+    """(KV heads each rank holds, ranks sharing each KV head) for tensor parallelism over `n` ranks: split when
+    `num_key_value_heads` divides by `n`; replicated (one KV head per rank, each held by n / num_key_value_heads
+    ranks, vLLM's scheme) when `n` is a multiple of it and the query heads still split evenly. ValueError otherwise."""
+    if num_key_value_heads % n == 0:
+        return num_key_value_heads // n, 1
+    if n % num_key_value_heads == 0 and num_attention_heads % n == 0:
+        return 1, n // num_key_value_heads
+    raise ValueError(f"num_key_value_heads {num_key_value_heads} is not divisible by {n}, and {n} ranks cannot "
+                     f"replicate them (KV-head replication needs the ranks to be a multiple of num_key_value_heads "
+                     f"and num_attention_heads to divide by the ranks)")
+
+
+def shard_problems(c, n: int, quantization: dict | None = None) -> list[str]:
+    """What keeps a text config `c` (TextConfig or anything with its fields) from splitting over `n` ranks."""
     problems = []
-    for name, v in (("num_attention_heads", c.num_attention_heads), ("num_key_value_heads", c.num_key_value_heads),
-                    ("intermediate_size", c.intermediate_size), ("vocab_size", c.vocab_size)):
+    for name, v in (("num_attention_heads", c.num_attention_heads), ("intermediate_size", c.intermediate_size),
+                    ("vocab_size", c.vocab_size)):
         if v % n:
             problems.append(f"{name} {v} is not divisible by {n}")
-    if quant is not None:
-        gs = quant.get("group_size", 64)
+    if c.num_attention_heads % n == 0:  # (otherwise the query heads' line says it)
+        try:
+            kv_heads_per_rank(c.num_attention_heads, c.num_key_value_heads, n)
+        except ValueError as e:
+            problems.append(str(e))
+    if quantization is not None:
+        gs = quantization.get("group_size", 64)
         for name, v in (("num_attention_heads·head_dim", c.num_attention_heads * c.head_dim),
                         ("intermediate_size", c.intermediate_size)):
             if v % n == 0 and (v // n) % gs:
                 problems.append(f"{name} / {n} = {v // n} (a row-split layer's input) is not a multiple of the "
                                 f"quantization group size {gs}")
+    return problems
+
+
+def check_shardable(model: Model, n: int) -> None:
+    """ValueError naming the dimension that cannot be split evenly over `n` ranks (KV heads fewer than the ranks are
+    replicated when they can be: `kv_heads_per_rank`)."""
+    problems = shard_problems(model.args, n, model.config.quantization)
     if problems:
         raise ValueError(f"tensor parallelism over {n} ranks: " + "; ".join(problems))
 
@@ -184,10 +210,13 @@ def _linear_params(m) -> list[str]:
     return [k for k in ("weight", "scales", "biases", "bias") if k in m]
 
 
-def shard_linear(m: nn.Module, path: str, how: str, src, group) -> nn.Module:
+def shard_linear(m: nn.Module, path: str, how: str, src, group, part: tuple[int, int] | None = None) -> nn.Module:
     """`m` (Linear or QuantizedLinear at `path`) as MLX's sharded layer holding this rank's slice: `how` is
-    "all-to-sharded" (output rows split) or "sharded-to-all" (input columns split, an all_sum after)."""
+    "all-to-sharded" (output rows split) or "sharded-to-all" (input columns split, an all_sum after). `part`
+    (all-to-sharded only): (index, count) — hold output slice `index` of `count` instead of slice rank of N (a
+    replicated KV head: several ranks hold the same slice)."""
     r, n = group.rank(), group.size()
+    part = part or (r, n)
     quant = _is_quantized(m)
     out_dims = m.weight.shape[0]
     in_dims = m.weight.shape[1] * 32 // m.bits if quant else m.weight.shape[1]
@@ -197,11 +226,13 @@ def shard_linear(m: nn.Module, path: str, how: str, src, group) -> nn.Module:
     else:
         cls = nn.QuantizedShardedToAllLinear if quant else nn.ShardedToAllLinear
     kw = {"group_size": m.group_size, "bits": m.bits, "mode": getattr(m, "mode", "affine")} if quant else {}
+    if how == "all-to-sharded":
+        out_dims = out_dims // part[1] * n  # MLX's layer holds out_dims / N rows: make that the part's rows
     sl = cls(in_dims, out_dims, bias, group=group, **kw)
     new = {}
     for k in _linear_params(m):
         if how == "all-to-sharded":
-            new[k] = src.take(f"{path}.{k}", 0, r, n)
+            new[k] = src.take(f"{path}.{k}", 0, *part)
         elif k == "bias":
             new[k] = src.take(f"{path}.{k}", 0, 0, 1)  # added after the all_sum: the full bias on every rank
         else:
@@ -286,17 +317,23 @@ def shard_embedding(m: nn.Module, src, group, vocab: int) -> VocabShardedEmbeddi
 def shard_model(model: Model, group, src=None) -> Model:
     """Tensor-parallel `model` in place over `group` (see the module docstring); `src`: where the slices come from
     (`FileSlices` for a sharded load; default: the model's own parameters). Returns the model."""
-    n = group.size()
+    n, r = group.size(), group.rank()
     check_shardable(model, n)
+    c = model.args
+    kv_local, share = kv_heads_per_rank(c.num_attention_heads, c.num_key_value_heads, n)
+    # split: slice r of N; replicated: the one KV head rank r's query heads use (query heads [r·H/N, (r+1)·H/N) all
+    # belong to GQA group r // share, since H/N divides the group size H/Hkv)
+    kv_part = (r, n) if share == 1 else (r // share, c.num_key_value_heads)
     src = src if src is not None else InMemorySlices(model)
     for i, layer in enumerate(model.model.layers):
         p = f"model.layers.{i}"
         a = layer.self_attn
         for name in ("q_proj", "k_proj", "v_proj", "gate_proj"):
-            setattr(a, name, shard_linear(getattr(a, name), f"{p}.self_attn.{name}", "all-to-sharded", src, group))
+            setattr(a, name, shard_linear(getattr(a, name), f"{p}.self_attn.{name}", "all-to-sharded", src, group,
+                                          kv_part if name in ("k_proj", "v_proj") else None))
         a.o_proj = shard_linear(a.o_proj, f"{p}.self_attn.o_proj", "sharded-to-all", src, group)
         a.n_heads //= n
-        a.n_kv //= n
+        a.n_kv = kv_local
         mlp = layer.mlp
         mlp.gate_proj = shard_linear(mlp.gate_proj, f"{p}.mlp.gate_proj", "all-to-sharded", src, group)
         mlp.up_proj = shard_linear(mlp.up_proj, f"{p}.mlp.up_proj", "all-to-sharded", src, group)

@@ -3,8 +3,9 @@ over loopback runs this file as the worker (`python tests/test_distributed.py wo
 what it generated, the test compares it with single-process decoding in the test process (the oracle: the unsharded
 model through the same public `generate`).
 
-One launch runs every scenario (plain / DFlash / MTP greedy, seeded T = 1, a random fp32 checkpoint, a 4-bit one), so
-the start-up (two interpreters + MLX) is paid once."""
+One launch runs every scenario (plain / DFlash / MTP greedy, seeded T = 1, a random fp32 checkpoint, a 4-bit one, a
+1-KV-head one whose KV head both ranks replicate), so the start-up (two interpreters + MLX) is paid once. KV-head
+replication over 4 ranks is checked in process too (`FakeGroup`, the collectives patched)."""
 
 from __future__ import annotations
 
@@ -39,9 +40,17 @@ def scenarios(m, d, random_model, quantized_model) -> dict:
     return runs
 
 
+def kv_runs(m) -> list:
+    """Greedy decoding of both prompts (the KV-replicated checkpoint)."""
+    from glimmer_mlx.generate import generate
+
+    return [generate(m, ids, max_tokens=N_TOKENS).tokens for ids in PROMPTS]
+
+
 def run_scenarios(spec: dict, out: Path) -> None:
     """The worker: every rank loads its slices and decodes each scenario; rank r writes out/rank{r}.json."""
     import mlx.core as mx
+    import numpy as np
 
     from glimmer_mlx.distributed import (DistributedError, check_same, expose_taps, init_group, load_sharded,
                                          local_weight_bytes, lockstep)
@@ -72,6 +81,14 @@ def run_scenarios(spec: dict, out: Path) -> None:
     d = load_drafters(m, embedded=True)
     res["runs"] = scenarios(m, d, load_sharded(spec["random"], g)[0], load_sharded(spec["quantized"], g)[0])
     del m, d
+    km, _ = load_sharded(spec["kvrep"], g)  # 1 KV head over 2 ranks: replicated
+    res["kvrep_runs"] = kv_runs(km)
+    a = km.model.layers[0].self_attn
+    cache = km.make_cache()
+    km(mx.array([PROMPTS[0]]), cache)
+    res["kvrep"] = {"n_kv": a.n_kv, "n_heads": a.n_heads, "k": np.array(a.k_proj.weight).tolist(),
+                    "v": np.array(a.v_proj.weight).tolist(), "cache_heads": [c.keys.shape[1] for c in cache]}
+    del km, a, cache
     mx.reset_peak_memory()
     pm, _ = load_sharded(spec["target"], g, strategy="pp")
     res["pp_load_peak"], res["pp_weights"] = mx.get_peak_memory(), local_weight_bytes(pm)
@@ -127,7 +144,9 @@ def two_ranks(tiny_checkpoint, quantized_checkpoint, tmp_path_factory):
     from glimmer_mlx.embedded import embedded_path
 
     rnd, _ = tiny_checkpoint(seed=3)
-    spec = {"target": str(embedded_path("target")), "random": str(rnd), "quantized": str(quantized_checkpoint)}
+    kvrep, _ = tiny_checkpoint(seed=5, num_key_value_heads=1)  # 4 query heads, 1 KV head: 2 ranks replicate it
+    spec = {"target": str(embedded_path("target")), "random": str(rnd), "quantized": str(quantized_checkpoint),
+            "kvrep": str(kvrep)}
     out = tmp_path_factory.mktemp("tp")
     r = launch(spec, out)
     done = all((out / f"rank{i}.json").exists() for i in range(2))
@@ -161,6 +180,79 @@ def test_two_ranks_decode_exactly_as_one_process(two_ranks, one_process, strateg
             assert got[k] == want[k], (r["rank"], strategy, k)
     # the scenarios are not degenerate: sampling differs from greedy, and the runs produce tokens
     assert want["ar/1.0"] != want["ar/0.0"] and all(len(v) for v in want.values())
+
+
+def test_tp_replicates_a_kv_head_over_more_ranks_than_kv_heads(two_ranks):
+    """1 KV head, 4 query heads, 2 ranks: each rank holds query heads 2r, 2r+1 and the whole (one) KV head's K/V
+    rows, its caches hold that one head, and greedy decoding is the single process's (fp32)."""
+    import numpy as np
+
+    from glimmer_mlx import load
+
+    spec, ranks = two_ranks
+    m, _ = load(spec["kvrep"])
+    a = m.model.layers[0].self_attn
+    assert a.n_kv == 1 and a.n_heads == 4
+    want = kv_runs(m)
+    assert all(len(t) for t in want)
+    for r in ranks:
+        assert r["kvrep_runs"] == want, r["rank"]
+        k = r["kvrep"]
+        assert k["n_kv"] == 1 and k["n_heads"] == 2
+        assert np.array_equal(np.array(k["k"], dtype=np.float32), np.array(a.k_proj.weight))  # head_dim rows
+        assert np.array_equal(np.array(k["v"], dtype=np.float32), np.array(a.v_proj.weight))
+        assert np.array(k["k"]).shape == (a.head_dim, m.args.hidden_size)
+        assert set(k["cache_heads"]) == {1}
+
+
+class FakeGroup:
+    """rank/size only: enough to build one rank's sharded layers in process (the collectives are patched)."""
+
+    def __init__(self, rank, size):
+        self._rank, self._size = rank, size
+
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return self._size
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_kv_head_replication_in_process_over_4_fake_ranks(tiny_checkpoint, monkeypatch, kv_heads):
+    """4 ranks, 4 query heads, 2 (or 1) KV heads: rank r holds the K/V rows of KV head r // (4 / Hkv), the one its
+    query head uses, its cache holds 1 head, and the ranks' o_proj partial outputs (all_sum patched to the identity)
+    add up to the unsharded attention."""
+    import mlx.core as mx
+
+    from glimmer_mlx import load
+    from glimmer_mlx.cache import KVCache
+    from glimmer_mlx.distributed import kv_heads_per_rank, shard_model
+
+    path, _ = tiny_checkpoint(seed=3, **({} if kv_heads == 2 else {"num_key_value_heads": 1}))
+    full, _ = load(path)
+    hd = full.args.head_dim
+    share = 4 // kv_heads
+    assert kv_heads_per_rank(4, kv_heads, 4) == (1, share)
+    x = mx.random.normal((1, 5, full.args.hidden_size), key=mx.random.key(0))
+    want = {i: full.model.layers[i].self_attn(x, full.rope, KVCache(window=None)) for i in (0, 1)}
+    monkeypatch.setattr(mx.distributed, "all_sum", lambda v, group=None, stream=None: v)
+    parts = {0: [], 1: []}
+    for r in range(4):
+        m, _ = load(path)
+        shard_model(m, FakeGroup(r, 4))
+        for i in (0, 1):
+            a, fa = m.model.layers[i].self_attn, full.model.layers[i].self_attn
+            h = r // share
+            assert a.n_kv == 1 and a.n_heads == 1
+            assert mx.array_equal(a.k_proj.weight, fa.k_proj.weight[h * hd:(h + 1) * hd]).item()
+            assert mx.array_equal(a.v_proj.weight, fa.v_proj.weight[h * hd:(h + 1) * hd]).item()
+            assert mx.array_equal(a.q_proj.weight, fa.q_proj.weight[r * hd:(r + 1) * hd]).item()
+            c = KVCache(window=None)
+            parts[i].append(a(x, m.rope, c))
+            assert c.keys.shape[1] == 1
+    for i in (0, 1):
+        assert mx.abs(sum(parts[i]) - want[i]).max().item() < 1e-5
 
 
 def test_each_rank_holds_and_peaks_at_about_half_the_weights(two_ranks):
@@ -246,10 +338,22 @@ def test_dimensions_that_do_not_split_evenly_are_named(tiny_checkpoint):
     from glimmer_mlx.distributed import check_shardable
 
     path, _ = tiny_checkpoint(seed=3)
-    m, _ = load(path)
-    with pytest.raises(ValueError, match="num_key_value_heads 2 is not divisible by 4"):
-        check_shardable(m, 4)
+    m, _ = load(path)  # 4 query heads, 2 KV heads, MLP 128, vocab 512
+    with pytest.raises(ValueError, match="tensor parallelism over 3 ranks: num_attention_heads 4 is not divisible by "
+                       "3; intermediate_size 128 is not divisible by 3; vocab_size 512 is not divisible by 3"):
+        check_shardable(m, 3)
+    with pytest.raises(ValueError, match="num_attention_heads 4 is not divisible by 8"):
+        check_shardable(m, 8)
     check_shardable(m, 2)
+    check_shardable(m, 4)  # 4 ranks > 2 KV heads: replicated
+    from types import SimpleNamespace
+
+    from glimmer_mlx.distributed import shard_problems
+
+    c = SimpleNamespace(num_attention_heads=12, num_key_value_heads=4, intermediate_size=96, vocab_size=96, head_dim=8)
+    assert shard_problems(c, 6) == ["num_key_value_heads 4 is not divisible by 6, and 6 ranks cannot replicate them "
+                                    "(KV-head replication needs the ranks to be a multiple of num_key_value_heads and "
+                                    "num_attention_heads to divide by the ranks)"]
 
 
 def test_auto_is_refused():

@@ -74,14 +74,15 @@ def over_http(server, fn):
 
 
 class ScriptedSampler:
-    """A greedy-looking sampler that emits `tokens` in order (then `end`), calling `each(i)` before token i: the
-    output of a generation scripted where the batch engine samples (prefill's token included), so the HTTP, queue,
-    batching, parsing and formatting paths around it are the real ones."""
+    """A sampler (temperature 1, so the batch engine asks it for every token; greedy rows are argmaxed in bulk)
+    that emits `tokens` in order (then `end`), calling `each(i)` before token i: the output of a generation scripted
+    where the batch engine samples (prefill's token included), so the HTTP, queue, batching, parsing and formatting
+    paths around it are the real ones."""
 
     def __init__(self, tokens: list[int], end: int, each=None):
         from glimmer_mlx.sampling import SamplingParams
 
-        self.params = SamplingParams()
+        self.params = SamplingParams(temperature=1.0)
         self.tokens, self.end, self.each, self.i = list(tokens), end, each, 0
 
     def __call__(self, logits, history=None):

@@ -39,6 +39,20 @@ from .protocol import Drafter
 from .verify import target_distribution, verify_greedy, verify_sampling
 
 DEFAULT_MAX_BATCH = 16
+PRUNE_EVERY = 16  # steps between two checks that an auto row's model drafters could still pay
+
+
+@dataclass
+class Launched:
+    """A batched forward built (and queued) but not read back yet: the rows it fed (in its batch order), how many
+    positions each fed, its logits and taps, and the plain rows' sampled tokens as lazy arrays (by id(row))."""
+    rows: list
+    widths: list[int]
+    logits: mx.array
+    tapped: list | None
+    want: tuple
+    tokens: dict
+    t0: float
 
 
 @dataclass
@@ -96,6 +110,7 @@ class Row:
         self.drafts: list[int] = []
         self.q = None
         self.final_cache: list[KVCache] | None = None
+        self.ahead = False  # its length already counts the token of a step not read back yet
 
     @property
     def regime(self) -> str:
@@ -203,6 +218,7 @@ class BatchGenerator:
         self.waiting: deque[Row] = deque()  # being prefilled, in arrival order
         self.steps = 0
         self.step_rows = Counter()  # batch size -> decode steps
+        self.pending: Launched | None = None  # a queued step not read back yet (plain rows, pipelined)
 
     def __len__(self) -> int:
         return len(self.rows) + len(self.waiting)
@@ -211,7 +227,8 @@ class BatchGenerator:
         if req.auto and (self.auto is None or req.drafter is not None):
             raise ValueError("an auto row needs the batch's auto chooser and no drafter of its own")
         regime = "greedy" if req.sampler.params.greedy else "sampling"
-        options = (req.options if req.options is not None else self.auto.options(regime)) if req.auto else None
+        options = (req.options if req.options is not None else self.auto.options(regime, len(self.rows) + 1)) \
+            if req.auto else None
         row = Row(req, self.model, self.prefill_step, options=options)
         self.waiting.append(row)
         return row
@@ -277,8 +294,17 @@ class BatchGenerator:
 
     # -- a step ----------------------------------------------------------------------------------------------------
     def step(self, keep_cache: bool = False) -> list[tuple[Row, GenerationChunk]]:
-        """keep_cache: a row that finishes keeps its cache as a solo cache (`Row.final_cache`)."""
+        """keep_cache: a row that finishes keeps its cache as a solo cache (`Row.final_cache`).
+
+        Plain rows are pipelined as the solo plain loop is: when every row of the batch steps plainly (no drafter,
+        no repetition penalty), the next step's forward is queued on the sampled tokens before they are read back
+        (`mx.async_eval`), so the host's work — reading, stop strings, streaming — overlaps the model's. A row that
+        finishes meanwhile has fed one token too many: never committed, never seen."""
         events: list[tuple[Row, GenerationChunk]] = []
+        if self.pending is not None:
+            nxt = self._launch(self.pending) if self.rows and self._chainable() else None
+            events += self._land(self.pending, keep_cache)
+            self.pending = nxt
         while self.waiting and self.waiting[0].cancelled:
             self.waiting.popleft()
         if self.waiting and len(self.rows) < self.max_batch:
@@ -289,18 +315,35 @@ class BatchGenerator:
                 events.append((row, chunk))
                 if row.finished:
                     self._finish(row)
-        gone = [b for b, r in enumerate(self.rows) if r.cancelled]
-        if gone:
-            self._leave(gone, keep_cache=False)
-        if self.rows:
-            events += self._decode(keep_cache)
+        if self.pending is None:
+            gone = [b for b, r in enumerate(self.rows) if r.cancelled]
+            if gone:
+                self._leave(gone, keep_cache=False)
+            if self.rows:
+                launched = self._launch(None)
+                if self._chainable():
+                    self.pending = launched  # read back in the next step, after the one after it is queued
+                else:
+                    events += self._land(launched, keep_cache)
         return events
+
+    def _chainable(self) -> bool:
+        """Whether the next step can be queued before this one is read: every row plain, no penalty (its window
+        needs the token read back), none cancelled."""
+        return all(r.options is None and r.drafter is None and r.sampler.params.repetition_penalty == 1.0
+                   and not r.cancelled for r in self.rows)
 
     def _choose(self, rows: list[Row]) -> dict[int, tuple]:
         """The auto rows' choices for this step ({row index: (option, drafts)}), from the batch's chooser."""
         autos = [b for b, r in enumerate(rows) if r.options is not None]
         if not autos:
             return {}
+        if self.steps % PRUNE_EVERY == 0:  # a model drafter that cannot pay at this batch size is no longer carried
+            for b in autos:
+                r = rows[b]
+                for kind in [k for k, d in r.options.items() if d.taps]:
+                    if not self.auto.could_pay(kind, r.regime, len(rows)):
+                        del r.options[kind]
         k_max = max(d.max_drafts for b in autos for d in rows[b].options.values())
         fixed = [r for r in rows if r.options is None]
         fixed_width = max((1 + min(r.req.width, r.out.budget - 1) if r.drafter is not None else 1 for r in fixed),
@@ -310,45 +353,85 @@ class BatchGenerator:
                                    len(fixed), fixed_width, fixed_tokens, k_max)
         return dict(zip(autos, plan))
 
-    def _decode(self, keep_cache: bool) -> list[tuple[Row, GenerationChunk]]:
-        rows = self.rows
-        choices = self._choose(rows)
-        feeds = [r.plan(choices.get(b)) for b, r in enumerate(rows)]
-        t1 = time.perf_counter()
-        L = max(len(f) for f in feeds)
+    def _launch(self, after: Launched | None) -> Launched:
+        """Build (and queue) one batched forward. after: the launched step not read back yet whose sampled tokens
+        this one feeds (every row plain): those rows' lengths are advanced now by the token that step commits."""
+        rows = list(self.rows)
+        choices = {} if after is not None else self._choose(rows)
+        parts, widths = [], []
+        for b, r in enumerate(rows):
+            lazy = after.tokens.get(id(r)) if after is not None else None
+            if lazy is not None:
+                self.layout.commit(b, 1)
+                r.ahead = True
+                r.drafts, r.q = None, None
+                parts.append(lazy.reshape(1, 1).astype(mx.int32))
+                widths.append(1)
+            else:
+                c = choices.get(b)
+                t = time.perf_counter()
+                f = r.plan(c)
+                if c is not None and c[0] is not None:  # what the chosen drafter's round measurably costs
+                    self.auto.observe_draft(c[0], c[1], time.perf_counter() - t)
+                parts.append(f)
+                widths.append(len(f))
+        L = max(widths)
+        x = mx.concatenate([mx.array([p + [p[-1]] * (L - len(p))], dtype=mx.int32) if isinstance(p, list) else p
+                            for p in parts], axis=0)
         want = tuple(sorted({t for r in rows for d in r.drafters for t in d.taps}))
-        x = mx.array([f + [f[-1]] * (L - len(f)) for f in feeds], dtype=mx.int32)
+        t0 = time.perf_counter()
         out = self.model(x, self.cache, taps=want or None)
         logits, tapped = out if want else (out, None)
-        B = len(rows)
+        # plain rows without a penalty: their tokens as lazy arrays (greedy: one argmax for all of them, greedy_token's
+        # arithmetic; sampled: each row's own sampler, its own key chain, in row order)
+        plain = [b for b, r in enumerate(rows) if r.drafts is None and r.sampler.params.repetition_penalty == 1.0]
+        greedy = [b for b in plain if rows[b].sampler.params.greedy]
+        tokens = {}
+        if greedy:
+            g = mx.argmax(logits[mx.array(greedy), 0].astype(mx.float32), axis=-1)
+            tokens = {id(rows[b]): g[i : i + 1] for i, b in enumerate(greedy)}
+        for b in plain:
+            if id(rows[b]) not in tokens:
+                tokens[id(rows[b])] = rows[b].sampler(logits[b : b + 1, 0])
+        if tokens:
+            mx.async_eval(list(tokens.values()))
         self.steps += 1
-        self.step_rows[B] += 1
-        # greedy plain rows without a penalty: one argmax for all of them (greedy_token's arithmetic)
-        fast = [b for b, r in enumerate(rows) if r.drafts is None and r.sampler.params.greedy
-                and r.sampler.params.repetition_penalty == 1.0]
-        picked = dict(zip(fast, mx.argmax(logits[mx.array(fast), 0].astype(mx.float32), axis=-1).tolist())) \
-            if len(fast) > 1 else {}
+        self.step_rows[len(rows)] += 1
+        return Launched(rows, widths, logits, tapped, want, tokens, t0)
+
+    def _land(self, st: Launched, keep_cache: bool) -> list[tuple[Row, GenerationChunk]]:
+        """Read a launched step back: each row accepts, commits and streams its tokens; finished rows leave."""
+        ids = list(st.tokens)
+        values = dict(zip(ids, mx.concatenate([st.tokens[i] for i in ids]).tolist())) if ids else {}
+        index = {id(r): b for b, r in enumerate(self.rows)}
+        B, L = len(st.rows), max(st.widths)
         events, finished = [], []
-        for b, r in enumerate(rows):
-            n_fed = len(feeds[b])
+        for j, r in enumerate(st.rows):
+            b = index.get(id(r))
+            if b is None or r.finished:  # left the batch after this step was queued
+                continue
+            n_fed = st.widths[j]
             r.batch_sizes += B
             r.steps += 1
-            taps = {layer: tapped[i][b : b + 1, :n_fed] for i, layer in enumerate(want)} if want else {}
-            new = r.accept(logits[b, :n_fed], taps, token=picked.get(b))
+            taps = {layer: st.tapped[i][j : j + 1, :n_fed] for i, layer in enumerate(st.want)} if st.want else {}
+            new = r.accept(st.logits[j, :n_fed], taps, token=values.get(id(r)))
             if r.choice is not None:
                 self.auto.update(r.choice[0], r.regime, len(r.drafts), len(new) - 1)
-            self.layout.commit(b, len(new))
+            if r.ahead:  # the step after this one already counted this token
+                r.ahead = False
+            else:
+                self.layout.commit(b, len(new))
             chunk = r.out.push(new)
             r.stats.generation_tokens = r.out.n
             r.stats.generation_time = time.perf_counter() - r.t_first
             events.append((r, chunk))
             if r.finished:
                 finished.append(b)
-        if self.auto is not None:
-            self.auto.observe(B * L, time.perf_counter() - t1, spec=L > 1)
+        if self.auto is not None and self.pending is None:
+            self.auto.observe(B * L, time.perf_counter() - st.t0, spec=L > 1)
         if finished:
             for b in finished:
-                self._finish(rows[b])
+                self._finish(self.rows[b])
             self._leave(finished, keep_cache)
         return events
 

@@ -37,27 +37,30 @@ class BatchAuto:
         self.measured: dict[int, float] = {}  # n positions -> EMA seconds of a step
         self.ratio: float | None = None  # measured / calibrated step time, EMA over every step
         self.steps = {"plain": 0, "spec": 0}
+        self.draft_factor: dict[str, float] = {}  # option -> measured / calibrated draft time, EMA
 
-    def options(self, regime: str) -> dict:
+    def options(self, regime: str, batch: int = 1) -> dict:
         """A new auto row's own drafters: forks of the auto's (shared weights, empty state) — n-gram lookup always
-        (it costs nothing to keep in step), a model drafter only if it could pay for this row (`could_pay`): every
-        drafter of a row follows each of its steps (the taps of every committed position, its own bookkeeping), so
-        one that cannot win would only slow the row down."""
+        (it costs nothing to keep in step), a model drafter only if it could pay in a batch of `batch` rows
+        (`could_pay`): every drafter of a row follows each of its steps (the taps of every committed position, its
+        own bookkeeping), so one that cannot win would only slow the row down."""
         return {kind: d.fork() for kind, d in self.auto.drafters.items()
-                if kind == "ngram" or self.could_pay(kind, regime)}
+                if kind == "ngram" or self.could_pay(kind, regime, batch)}
 
-    def could_pay(self, name: str, regime: str) -> bool:
-        """Whether `name` beats plain decoding at some width in a batch of one, with its acceptance at the
-        optimistic end of what is known (mean + 1.28 sd of the first draft's, every position moved alike)."""
+    def could_pay(self, name: str, regime: str, batch: int) -> bool:
+        """Whether `name` beats plain decoding at some width in a batch of `batch` rows all drafting with it (the
+        most favourable case: every row pays the widest block anyway), with its acceptance at the optimistic end of
+        what is known (mean + 1.28 sd of the first draft's, every position moved alike)."""
         acc = self.acceptance(name, regime)
         lift = 1.28 * acc.spread()
-        plain = 1.0 / self.step_cost(1)
+        plain = 1.0 / self.step_cost(batch)
+        alphas = acc.alphas()
         for k in range(1, self.chooser.options[name].max_k + 1):
             e, p = 1.0, 1.0
-            for a in acc.alphas()[:k]:
+            for a in alphas[:k]:
                 p *= min(1.0, a + lift)
                 e += p
-            if e / (self.step_cost(k + 1) + self.draft_cost(name, k)) > plain:
+            if e / (self.step_cost(batch * (k + 1)) + batch * self.draft_cost(name, k)) > plain:
                 return True
         return False
 
@@ -83,9 +86,28 @@ class BatchAuto:
         return c[lo] + (c[hi] - c[lo]) * (n - lo) / (hi - lo)
 
     def step_cost(self, n: int) -> float:
-        if n in self.measured:
-            return self.measured[n]
-        return self.calibrated(n) * (self.ratio if self.ratio is not None else 1.0)
+        """Seconds of a step feeding n positions: the measured EMA at n; between two measured counts, linear
+        between them; past the largest, its time plus the steeper of the measured slope (its last two counts) and
+        the calibrated one; below the smallest, the smallest scaled down along the calibrated curve; nothing
+        measured yet, the calibrated curve (x the measured ratio)."""
+        m = self.measured
+        if n in m:
+            return m[n]
+        ratio = self.ratio if self.ratio is not None else 1.0
+        if not m:
+            return self.calibrated(n) * ratio
+        below = max((k for k in m if k < n), default=None)
+        above = min((k for k in m if k > n), default=None)
+        if below is not None and above is not None:
+            return m[below] + (m[above] - m[below]) * (n - below) / (above - below)
+        if below is None:
+            return m[above] * self.calibrated(n) / self.calibrated(above)
+        slope = ratio * (self.calibrated(n) - self.calibrated(below)) / (n - below)
+        lower = [k for k in m if k < below]
+        if lower:
+            k2 = max(lower)
+            slope = max(slope, (m[below] - m[k2]) / (below - k2))
+        return m[below] + max(slope, 0.0) * (n - below)
 
     def observe(self, n: int, seconds: float, spec: bool) -> None:
         """A step over n positions took `seconds` (its drafting excluded)."""
@@ -98,7 +120,17 @@ class BatchAuto:
         self.steps["spec" if spec else "plain"] += 1
 
     def draft_cost(self, name: str, k: int) -> float:
-        return self.chooser.scale * self.chooser.options[name].cost(k)
+        """Seconds of one round of `name` at k drafts: its calibrated shape (`DraftCost`) times what its rounds in
+        batches measure (EMA of measured / shape; before any, the solo chooser's machine scale)."""
+        return self.draft_factor.get(name, self.chooser.scale) * self.chooser.options[name].cost(k)
+
+    def observe_draft(self, name: str, k: int, seconds: float) -> None:
+        shape = self.chooser.options[name].cost(k)
+        if shape <= 0 or seconds <= 0:
+            return
+        f = seconds / shape
+        old = self.draft_factor.get(name)
+        self.draft_factor[name] = f if old is None else (1 - EMA) * old + EMA * f
 
     def acceptance(self, name: str, regime: str) -> AcceptanceStats:
         return self.chooser.options[name].acceptance(regime)

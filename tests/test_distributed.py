@@ -218,19 +218,28 @@ class FakeGroup:
         return self._size
 
 
-@pytest.mark.parametrize("kv_heads", [2, 1])
-def test_kv_head_replication_in_process_over_4_fake_ranks(tiny_checkpoint, monkeypatch, kv_heads):
+@pytest.mark.parametrize("kv_heads, quantized", [(2, False), (1, False), (2, True)])
+def test_kv_head_replication_in_process_over_4_fake_ranks(tiny_checkpoint, monkeypatch, kv_heads, quantized):
     """4 ranks, 4 query heads, 2 (or 1) KV heads: rank r holds the K/V rows of KV head r // (4 / Hkv), the one its
     query head uses, its cache holds 1 head, and the ranks' o_proj partial outputs (all_sum patched to the identity)
-    add up to the unsharded attention."""
+    add up to the unsharded attention. Quantized: k/v_proj affine 4-bit (g32), split into quantized shards."""
     import mlx.core as mx
+    import mlx.nn as nn
 
     from glimmer_mlx import load
     from glimmer_mlx.cache import KVCache
     from glimmer_mlx.distributed import kv_heads_per_rank, shard_model
 
     path, _ = tiny_checkpoint(seed=3, **({} if kv_heads == 2 else {"num_key_value_heads": 1}))
-    full, _ = load(path)
+
+    def loaded():
+        m, _ = load(path)
+        if quantized:
+            nn.quantize(m, group_size=32, bits=4,
+                        class_predicate=lambda p, mod: p.endswith(("k_proj", "v_proj")) and isinstance(mod, nn.Linear))
+        return m
+
+    full = loaded()
     hd = full.args.head_dim
     share = 4 // kv_heads
     assert kv_heads_per_rank(4, kv_heads, 4) == (1, share)
@@ -239,14 +248,17 @@ def test_kv_head_replication_in_process_over_4_fake_ranks(tiny_checkpoint, monke
     monkeypatch.setattr(mx.distributed, "all_sum", lambda v, group=None, stream=None: v)
     parts = {0: [], 1: []}
     for r in range(4):
-        m, _ = load(path)
+        m = loaded()
         shard_model(m, FakeGroup(r, 4))
         for i in (0, 1):
             a, fa = m.model.layers[i].self_attn, full.model.layers[i].self_attn
             h = r // share
             assert a.n_kv == 1 and a.n_heads == 1
-            assert mx.array_equal(a.k_proj.weight, fa.k_proj.weight[h * hd:(h + 1) * hd]).item()
-            assert mx.array_equal(a.v_proj.weight, fa.v_proj.weight[h * hd:(h + 1) * hd]).item()
+            assert isinstance(a.k_proj, nn.QuantizedAllToShardedLinear if quantized else nn.AllToShardedLinear)
+            for name in ("k_proj", "v_proj"):
+                for leaf in ("weight", "scales", "biases") if quantized else ("weight",):
+                    got, whole = getattr(getattr(a, name), leaf), getattr(getattr(fa, name), leaf)
+                    assert mx.array_equal(got, whole[h * hd:(h + 1) * hd]).item(), (name, leaf)
             assert mx.array_equal(a.q_proj.weight, fa.q_proj.weight[r * hd:(r + 1) * hd]).item()
             c = KVCache(window=None)
             parts[i].append(a(x, m.rope, c))

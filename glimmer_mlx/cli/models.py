@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, List, Optional
 
 import typer
@@ -11,7 +12,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeE
 from rich.table import Table
 
 from ..convert import ConvertError, convert as run_convert, parse_size
-from ..info import memory_plan, model_info
+from ..info import LINKS, distributed_plan, memory_plan, model_info, parse_memory_gb
 from ..loading import CheckpointError
 from ..train import SELECTOR_WEIGHT, DataError, TrainConfig, train
 from .app import app, console, fail, model_path, note
@@ -33,9 +34,34 @@ def info(
     quantize_vision: bool = typer.Option(False, "--quantize-vision", help="With --plan: vision weights quantized."),
     text_only: bool = typer.Option(False, "--text-only", help="With --plan: without the vision tower."),
     mem: List[int] = typer.Option(list((24, 32, 36, 48, 64, 128)), "--mem", help="With --plan: Mac memory sizes (GB)."),
+    hosts: Optional[int] = typer.Option(None, "--hosts", help="With --plan: split over N Macs (`--distributed`): "
+                                        "per-rank weights, KV cache and fit, bytes and time communicated."),
+    strategy: str = typer.Option("tp", "--strategy", help="With --hosts: tp (tensor parallelism) | pp (pipeline)."),
+    memory_gb: Optional[str] = typer.Option(None, "--memory-gb", help="With --hosts: each Mac's memory in GB: one "
+                                            "size for all, or one per host (64,32). Default: the fit per Mac size."),
+    link: str = typer.Option("tb5", "--link", help="With --hosts: " + " | ".join(LINKS) + " (published line rate, "
+                             "assumed per-message latency)."),
+    latency_us: Optional[float] = typer.Option(None, "--latency-us", help="With --hosts: per-message latency "
+                                               "(µs) instead of the link's assumed one."),
+    as_json: bool = typer.Option(False, "--json", help="With --plan: the plan as JSON."),
 ):
     """Architecture summary, parameter count by part, and memory needed per dtype / quantization and context."""
     model = model_path(model)
+    if hosts is not None:
+        if not plan:
+            fail("--hosts needs --plan (glimmer info --plan --hosts N)")
+        _print_distributed_plan(model, drafter, q_bits, q_group_size, q_mode, recipe, quantize_vision, text_only,
+                                context, hosts, strategy, memory_gb, link, latency_us, as_json)
+        return
+    if plan and as_json:
+        try:
+            r = memory_plan(model, None if drafter == "none" else drafter, bits=q_bits or None,
+                            group_size=q_group_size, mode=q_mode, recipe=recipe, quantize_vision=quantize_vision,
+                            text_only=text_only, contexts=context, mem_sizes=mem)
+        except (CheckpointError, ValueError, KeyError) as e:
+            fail(str(e))
+        print(json.dumps(r, indent=1))
+        return
     if plan:
         _print_plan(model, drafter, q_bits, q_group_size, q_mode, recipe, quantize_vision, text_only, context, mem)
         return
@@ -92,6 +118,73 @@ def _print_plan(model, drafter, q_bits, q_group_size, q_mode, recipe, quantize_v
     out.print(t)
     out.print("[dim]KV: target KV cache, dKV: drafter context cache; sysctl: fits only after raising the GPU wired limit, `sudo sysctl iogpu.wired_limit_mb=<RAM − 6 GB "
               "in MB>`[/]")
+
+
+def _gb(b: float) -> str:
+    return f"{b / 1e9:.2f}"
+
+
+def _print_distributed_plan(model, drafter, q_bits, q_group_size, q_mode, recipe, quantize_vision, text_only,
+                            contexts, hosts, strategy, memory_gb, link, latency_us, as_json):
+    try:
+        r = distributed_plan(model, None if drafter == "none" else drafter, hosts=hosts, strategy=strategy,
+                             memory_gb=parse_memory_gb(memory_gb, max(hosts, 1)), link=link, latency_us=latency_us,
+                             bits=q_bits or None, group_size=q_group_size, mode=q_mode, recipe=recipe,
+                             quantize_vision=quantize_vision, text_only=text_only, contexts=contexts)
+    except (CheckpointError, ValueError, KeyError) as e:
+        fail(str(e))
+    if as_json:
+        print(json.dumps(r, indent=1))
+        return
+    out = Console()
+    lk = r["link"]
+    rep = f", each KV head replicated on {r['kv_replication']} ranks" if r["kv_replication"] > 1 else ""
+    t = Table(show_edge=False, title=f"{r['model']} over {r['hosts']} Mac(s), --distributed {r['strategy']}{rep}: "
+              f"{r['quantization']}, vision {r['vision']}; per-rank GB (incl. {r['overhead_bytes_per_rank'] / 1e9:.1f}"
+              f" GB runtime overhead each; all weights {_gb(r['total_weights_bytes'])} GB)")
+    one_size = r["ranks"][0]["memory_gb"] is not None
+    for c in ("rank", "layers", "target: split + whole", "drafter", "KV heads"):
+        t.add_column(c, justify="right", no_wrap=True)
+    for c in r["contexts"]:
+        t.add_column(f"ctx {c:,}: KV → total, fits", justify="right", no_wrap=True)
+    mark = {"yes": "[green]yes[/]", "no": "[red]no[/]", "with wired limit raised": "[yellow]sysctl[/]"}
+    for k in r["ranks"]:
+        cells = [str(k["rank"]) + (f" ({k['memory_gb']:g} GB)" if one_size else ""),
+                 f"{k['layers'][0]}–{k['layers'][1]}" if k["layers"] else "—",
+                 f"{_gb(k['target_split_bytes'])} + {_gb(k['target_replicated_bytes'])}",
+                 _gb(sum(k["replicated_parts_bytes"].values())), str(k["kv_heads"])]
+        for row in k["rows"]:
+            if one_size:
+                fit = mark[next(iter(row["fits"].values()))]
+            else:  # the smallest Mac size that holds it
+                ok = [m for m, v in row["fits"].items() if v == "yes"]
+                fit = f"≥ {min(ok)} GB" if ok else "[red]> 128 GB[/]"
+            cells.append(f"{_gb(row['kv_cache_bytes'])} → {_gb(row['total_bytes'])}, {fit}")
+        t.add_row(*cells)
+    out.print(t)
+    c = r["communication"]
+    ct = Table(show_edge=False, title=f"communicated per rank over {lk['name']}: {lk['gbps']:g} Gb/s line rate, "
+               f"{lk['latency_us']:g} µs per message (ring algorithm)")
+    for col in ("forward", "coll.", "all_sum MB", "gather MB", "sent/rank MB", "msgs", "lat. ms", "xfer ms",
+                "comm ms", "comm bound"):
+        ct.add_column(col, justify="right", no_wrap=True)
+
+    def add(name, f, bound):
+        ct.add_row(name, str(f["collectives"]), f"{f['allreduce_payload_bytes'] / 1e6:.2f}",
+                   f"{f['gather_bytes'] / 1e6:.2f}", f"{f['sent_bytes_per_rank'] / 1e6:.2f}", str(f["messages"]),
+                   f"{f['latency_s'] * 1e3:.2f}", f"{f['transfer_s'] * 1e3:.2f}", f"{f['seconds'] * 1e3:.2f}", bound)
+
+    tok = c["per_token"]
+    add("token (plain)", tok, "—" if tok["tok_s_bound"] is None else f"≤ {tok['tok_s_bound']:.0f} tok/s")
+    for f in c["per_round"]:
+        add(f"verify L = {f['positions']}", f, "—" if f["rounds_s_bound"] is None else
+            f"≤ {f['rounds_s_bound']:.0f} rounds/s")
+    out.print(ct)
+    out.print(f"[dim]{escape(c['what'])}. A verify round adds the DFlash drafter's block embedding all_sum and draft "
+              "logits gather. Activations bf16. Bounds are from communication alone (compute not included): "
+              "tok/s ≤ 1 / comm time; a verify round yields τ ≤ L tokens (tok/s ≤ τ × rounds/s). The drafter and "
+              "the norms are whole on every rank, embedding and lm_head vocabulary-split, the vision tower not "
+              "loaded.[/]", soft_wrap=True)
 
 
 @app.command()

@@ -179,7 +179,7 @@ def _cli(args):
 def test_cli_table_and_json():
     r = _cli(["--hosts", "2", "--link", "tb5", "--memory-gb", "48"])
     assert r.exit_code == 0, r.output
-    assert "--distributed tp" in r.output and "token (plain)" in r.output and "verify L = 16" in r.output
+    assert "--distributed tp" in r.output and "token" in r.output and "round L=16" in r.output
     j = _cli(["--hosts", "2", "--strategy", "pp", "--json"])
     assert j.exit_code == 0, j.output
     data = json.loads(j.output)

@@ -143,30 +143,27 @@ def _print_distributed_plan(model, drafter, q_bits, q_group_size, q_mode, recipe
               f"{r['quantization']}, vision {r['vision']}; per-rank GB (incl. {r['overhead_bytes_per_rank'] / 1e9:.1f}"
               f" GB runtime overhead each; all weights {_gb(r['total_weights_bytes'])} GB)")
     one_size = r["ranks"][0]["memory_gb"] is not None
-    for c in ("rank", "layers", "target: split + whole", "drafter", "KV heads"):
+    for c in ("rank", "layers", "target split+whole", "drafter", "KV heads", "context", "KV", "total", "fits"):
         t.add_column(c, justify="right", no_wrap=True)
-    for c in r["contexts"]:
-        t.add_column(f"ctx {c:,}: KV → total, fits", justify="right", no_wrap=True)
     mark = {"yes": "[green]yes[/]", "no": "[red]no[/]", "with wired limit raised": "[yellow]sysctl[/]"}
     for k in r["ranks"]:
-        cells = [str(k["rank"]) + (f" ({k['memory_gb']:g} GB)" if one_size else ""),
-                 f"{k['layers'][0]}–{k['layers'][1]}" if k["layers"] else "—",
-                 f"{_gb(k['target_split_bytes'])} + {_gb(k['target_replicated_bytes'])}",
-                 _gb(sum(k["replicated_parts_bytes"].values())), str(k["kv_heads"])]
-        for row in k["rows"]:
+        head = [str(k["rank"]) + (f" · {k['memory_gb']:g} GB" if one_size else ""),
+                f"{k['layers'][0]}–{k['layers'][1]}" if k["layers"] else "—",
+                f"{_gb(k['target_split_bytes'])} + {_gb(k['target_replicated_bytes'])}",
+                _gb(sum(k["replicated_parts_bytes"].values())), str(k["kv_heads"])]
+        for j, row in enumerate(k["rows"]):
             if one_size:
                 fit = mark[next(iter(row["fits"].values()))]
             else:  # the smallest Mac size that holds it
                 ok = [m for m, v in row["fits"].items() if v == "yes"]
-                fit = f"≥ {min(ok)} GB" if ok else "[red]> 128 GB[/]"
-            cells.append(f"{_gb(row['kv_cache_bytes'])} → {_gb(row['total_bytes'])}, {fit}")
-        t.add_row(*cells)
+                fit = f"≥ {min(ok)} GB Mac" if ok else "[red]> 128 GB[/]"
+            t.add_row(*(head if j == 0 else [""] * len(head)), f"{row['context']:,}", _gb(row["kv_cache_bytes"]),
+                      _gb(row["total_bytes"]), fit, end_section=j == len(k["rows"]) - 1)
     out.print(t)
     c = r["communication"]
     ct = Table(show_edge=False, title=f"communicated per rank over {lk['name']}: {lk['gbps']:g} Gb/s line rate, "
                f"{lk['latency_us']:g} µs per message (ring algorithm)")
-    for col in ("forward", "coll.", "all_sum MB", "gather MB", "sent/rank MB", "msgs", "lat. ms", "xfer ms",
-                "comm ms", "comm bound"):
+    for col in ("forward", "coll", "AR MB", "AG MB", "sent MB", "msgs", "lat ms", "xfer ms", "comm ms", "bound"):
         ct.add_column(col, justify="right", no_wrap=True)
 
     def add(name, f, bound):
@@ -175,14 +172,16 @@ def _print_distributed_plan(model, drafter, q_bits, q_group_size, q_mode, recipe
                    f"{f['latency_s'] * 1e3:.2f}", f"{f['transfer_s'] * 1e3:.2f}", f"{f['seconds'] * 1e3:.2f}", bound)
 
     tok = c["per_token"]
-    add("token (plain)", tok, "—" if tok["tok_s_bound"] is None else f"≤ {tok['tok_s_bound']:.0f} tok/s")
+    add("token", tok, "—" if tok["tok_s_bound"] is None else f"≤ {tok['tok_s_bound']:.0f} tok/s")
     for f in c["per_round"]:
-        add(f"verify L = {f['positions']}", f, "—" if f["rounds_s_bound"] is None else
-            f"≤ {f['rounds_s_bound']:.0f} rounds/s")
+        add(f"round L={f['positions']}", f, "—" if f["rounds_s_bound"] is None else
+            f"≤ {f['rounds_s_bound']:.0f} rd/s")
     out.print(ct)
-    out.print(f"[dim]{escape(c['what'])}. A verify round adds the DFlash drafter's block embedding all_sum and draft "
+    out.print(f"[dim]token: one plain decoding step; round L: one verify round of L positions (1 + drafts). coll: "
+              "collectives; AR: all_sum payload; AG: gathered logits; sent: bytes each rank sends (ring); msgs: "
+              f"sequential messages. {escape(c['what'])}. A verify round adds the DFlash drafter's block embedding all_sum and draft "
               "logits gather. Activations bf16. Bounds are from communication alone (compute not included): "
-              "tok/s ≤ 1 / comm time; a verify round yields τ ≤ L tokens (tok/s ≤ τ × rounds/s). The drafter and "
+              "tok/s ≤ 1 / comm time; a verify round yields τ ≤ L tokens (tok/s ≤ τ × rounds/s, rd/s). The drafter and "
               "the norms are whole on every rank, embedding and lm_head vocabulary-split, the vision tower not "
               "loaded.[/]", soft_wrap=True)
 

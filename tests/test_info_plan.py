@@ -184,6 +184,9 @@ def test_cli_table_and_json():
     assert j.exit_code == 0, j.output
     data = json.loads(j.output)
     assert data["strategy"] == "pp" and len(data["ranks"]) == 2
+    single = _cli(["--json"])  # the single-host plan as JSON too
+    assert single.exit_code == 0 and json.loads(single.output)["parts"]["text tower"]["params"] > 27e9
+    assert _cli(["--hosts", "2"]).exit_code == 0
 
 
 @pytest.mark.parametrize("args, msg", [

@@ -53,6 +53,7 @@ class Launched:
     want: tuple
     tokens: dict
     t0: float
+    chained: bool = False  # queued on the tokens of the step before it (pipelined)
 
 
 @dataclass
@@ -219,6 +220,7 @@ class BatchGenerator:
         self.steps = 0
         self.step_rows = Counter()  # batch size -> decode steps
         self.pending: Launched | None = None  # a queued step not read back yet (plain rows, pipelined)
+        self._landed: float | None = None  # when the latest step was read back
 
     def __len__(self) -> int:
         return len(self.rows) + len(self.waiting)
@@ -302,7 +304,7 @@ class BatchGenerator:
         finishes meanwhile has fed one token too many: never committed, never seen."""
         events: list[tuple[Row, GenerationChunk]] = []
         if self.pending is not None:
-            nxt = self._launch(self.pending) if self.rows and self._chainable() else None
+            nxt = self._launch(self.pending) if self.rows and self._chainable(self.pending) else None
             events += self._land(self.pending, keep_cache)
             self.pending = nxt
         while self.waiting and self.waiting[0].cancelled:
@@ -321,17 +323,23 @@ class BatchGenerator:
                 self._leave(gone, keep_cache=False)
             if self.rows:
                 launched = self._launch(None)
-                if self._chainable():
+                if self._chainable(launched):
                     self.pending = launched  # read back in the next step, after the one after it is queued
                 else:
                     events += self._land(launched, keep_cache)
         return events
 
-    def _chainable(self) -> bool:
-        """Whether the next step can be queued before this one is read: every row plain, no penalty (its window
-        needs the token read back), none cancelled."""
-        return all(r.options is None and r.drafter is None and r.sampler.params.repetition_penalty == 1.0
-                   and not r.cancelled for r in self.rows)
+    def _chainable(self, st: Launched) -> bool:
+        """Whether the next step can be queued before this one is read: every row steps plainly (no fixed-mode
+        drafter; `auto` rows only when the chooser, asked on their state one token behind — the way the solo `auto`
+        plans a plain stretch — picks a plain step for all of them), no repetition penalty (its window needs the
+        token read back), none cancelled. A speculative step is then chosen afresh once the tokens are known."""
+        if not all(id(r) in st.tokens for r in st.rows):  # a row of `st` verifies drafts: its tokens decide
+            return False
+        if not all(r.drafter is None and r.sampler.params.repetition_penalty == 1.0 and not r.cancelled
+                   for r in self.rows):
+            return False
+        return not any(c[0] is not None for c in self._choose(self.rows).values())
 
     def _choose(self, rows: list[Row]) -> dict[int, tuple]:
         """The auto rows' choices for this step ({row index: (option, drafts)}), from the batch's chooser."""
@@ -364,7 +372,7 @@ class BatchGenerator:
             if lazy is not None:
                 self.layout.commit(b, 1)
                 r.ahead = True
-                r.drafts, r.q = None, None
+                r.drafts, r.q, r.choice = None, None, None
                 parts.append(lazy.reshape(1, 1).astype(mx.int32))
                 widths.append(1)
             else:
@@ -397,7 +405,7 @@ class BatchGenerator:
             mx.async_eval(list(tokens.values()))
         self.steps += 1
         self.step_rows[len(rows)] += 1
-        return Launched(rows, widths, logits, tapped, want, tokens, t0)
+        return Launched(rows, widths, logits, tapped, want, tokens, t0, chained=after is not None)
 
     def _land(self, st: Launched, keep_cache: bool) -> list[tuple[Row, GenerationChunk]]:
         """Read a launched step back: each row accepts, commits and streams its tokens; finished rows leave."""
@@ -427,8 +435,10 @@ class BatchGenerator:
             events.append((r, chunk))
             if r.finished:
                 finished.append(b)
-        if self.auto is not None and self.pending is None:
-            self.auto.observe(B * L, time.perf_counter() - st.t0, spec=L > 1)
+        now = time.perf_counter()
+        if self.auto is not None:  # a pipelined step costs what lies between two read-backs
+            self.auto.observe(B * L, now - (self._landed if st.chained and self._landed else st.t0), spec=L > 1)
+        self._landed = now
         if finished:
             for b in finished:
                 self._finish(self.rows[b])

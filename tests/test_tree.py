@@ -2,7 +2,9 @@
 forward and `cache.keep_path` (vs from-scratch forwards of the committed tokens, full and sliding-window layers, past
 the window), greedy identity with trees (vs plain decoding, EOS and max_tokens inside a tree), and lossless tree
 sampling at T = 1 (vs enumerated distributions, chi-square), each with a deliberately broken sibling residual that
-must fail."""
+must fail. DFlash trees (v1 and v2): greedy identity on the embedded set past both windows, EOS and max_tokens inside
+a tree, a tree of the chain's budget is the chain round, and the exact T = 1 distribution with a broken q that
+fails."""
 
 from __future__ import annotations
 
@@ -265,7 +267,7 @@ def test_greedy_identity_eos_and_max_tokens_inside_a_tree(model):
 def test_tree_mode_errors(model):
     from glimmer_mlx.strategy import make_tree_decoder
 
-    with pytest.raises(ModeError, match="implemented for n-gram lookup and MTP only"):
+    with pytest.raises(ModeError, match="token trees .*implemented for"):
         glimmer_mlx.generate(model, [5, 6], max_tokens=3, tree=4)
     for bad in (0, 65, "x"):
         with pytest.raises(ModeError, match="tree nodes"):
@@ -413,7 +415,7 @@ def test_tree_sampling_sampled_chain_with_point_mass_alternatives(bug, monkeypat
     Q = np.random.default_rng(12).dirichlet(np.ones(MARKOV_V), size=MARKOV_V)
     n = 3000
     worst = _worst(_markov_sampled_rounds(P, Q, start, n, 1), joint, n)
-    assert (worst > 1.0) if bug else (worst < 1.0)
+    assert (worst > 1.0) if bug else (worst < 1.0), worst
 
 
 V_SMALL = 12
@@ -539,3 +541,218 @@ def test_mtp_tree_sampling_matches_target_distribution(tiny_checkpoint):
                                  block_size=2, tree=6)
         counts[tuple(r.tokens)] += 1
     assert _worst(counts, joint, n) < 1.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DFlash trees (v1 and v2): the chain plus the best other nodes by cumulative draft probability
+
+
+from glimmer_mlx.runtime.loop import GenerationStats, collect, stream  # noqa: E402
+from glimmer_mlx.speculative import dflash as dflash_mod  # noqa: E402
+from glimmer_mlx.speculative import dflash2 as dflash2_mod  # noqa: E402
+from glimmer_mlx.speculative import engine as engine_mod  # noqa: E402
+from glimmer_mlx.speculative.engine import SpeculativeDecoder, TreeDecoder  # noqa: E402
+
+
+def tree_generate(model, drafter, ids, *, nodes, depth, max_tokens, temperature=0.0, seed=None, eos=()):
+    """A generation through `TreeDecoder` (nodes draft nodes per round, paths at most `depth` deep)."""
+    st = GenerationStats()
+    dec = TreeDecoder(model, drafter, Sampler(SamplingParams(temperature=temperature), seed), nodes, depth)
+    return collect(stream(dec, ids, max_tokens=max_tokens, eos=set(eos), stats=st), st, False)
+
+
+def chain_length(tree: TokenTree) -> int:
+    """The chain's nodes 1..n (a `grow_tree` tree puts them first)."""
+    n = 0
+    while n + 1 < len(tree) and tree.parents[n + 1] == n:
+        n += 1
+    return n
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    from glimmer_mlx.session import load_session
+
+    s = load_session(None)
+    s.model.eos_token_ids = set()
+    prompts = __import__("json").load(open(__import__("pathlib").Path(glimmer_mlx.__file__).parent / "bench" /
+                                            "prompts" / "prompts.json"))
+    ids = s.tokenizer.apply_chat_template([{"role": "user", "content": prompts["code"][0]}],
+                                          add_generation_prompt=True, tokenize=True)
+    return s.model, s.drafters.dflash, ids
+
+
+def test_grow_tree_best_first_by_cumulative_probability():
+    lp = np.log([[0.5, 0.3, 0.2], [0.6, 0.3, 0.1], [0.9, 0.05, 0.05]])
+    cands = [sorted(zip(range(3), row.tolist()), key=lambda x: -x[1]) for row in lp]
+    chain = [0, 0, 0]
+    tree = dflash_mod.grow_tree(7, chain, [lp[j, 0] for j in range(3)], 3, 6, lambda d, t: cands[d])
+    # chain (scores .5, .3, .27), then best first: 1 @ depth 1 (.3), 2 @ depth 1 (.2), 1-0 (.18); not 0-1 (.15)
+    assert tree.tokens == [7, 0, 0, 0, 1, 2, 0] and tree.parents == [-1, 0, 1, 2, 0, 0, 4]
+    # ties and the depth limit: no node deeper than 2, every parent kept first
+    t2 = dflash_mod.grow_tree(7, chain, [lp[j, 0] for j in range(3)], 2, 8, lambda d, t: cands[d])
+    assert t2.max_depth == 2 and len(t2) == 9 and all(p < i for i, p in enumerate(t2.parents))
+    assert dflash_mod.grow_tree(7, chain, [0.0] * 3, 3, 2, lambda d, t: cands[d]).tokens == [7, 0, 0]
+
+
+@pytest.mark.parametrize("nodes,depth", [(7, 4), (15, 6)])
+def test_greedy_identity_dflash_trees_embedded_past_both_windows(embedded, nodes, depth, monkeypatch):
+    """The embedded target and DFlash drafter (sliding windows 128 both): 170 tokens, token-identical to plain
+    decoding, with accepted paths that leave the chain (the drafter's state kept the non-contiguous path's taps)."""
+    model, drafter, ids = embedded
+    left = []
+    right = engine_mod.verify_tree_greedy
+
+    def spy(logits, tree, sampler, history):
+        path, nxt = right(logits, tree, sampler, history)
+        left.append(any(i > chain_length(tree) for i in path))
+        return path, nxt
+
+    monkeypatch.setattr(engine_mod, "verify_tree_greedy", spy)
+    n = 170
+    plain = glimmer_mlx.generate(model, ids, max_tokens=n).tokens
+    r = tree_generate(model, drafter, ids, nodes=nodes, depth=depth, max_tokens=n)
+    assert r.tokens == plain and len(plain) == n and len(ids) + n > 128 + 16
+    assert r.stats.extra["mean_tree_rows"] > depth + 1 and sum(left) >= 3
+    assert r.stats.extra["tau"] > 1.5
+
+
+def test_dflash_tree_eos_and_max_tokens_inside_a_tree(embedded):
+    model, drafter, ids = embedded
+    plain = glimmer_mlx.generate(model, ids, max_tokens=40).tokens
+    stop = plain[17]
+    s = tree_generate(model, drafter, ids, nodes=12, depth=5, max_tokens=40, eos={stop})
+    assert s.tokens == plain[: plain.index(stop)] and s.finish_reason == "stop"
+    for m in (1, 2, 5, 13):
+        r = tree_generate(model, drafter, ids, nodes=12, depth=5, max_tokens=m)
+        assert r.tokens == plain[:m] and r.finish_reason == "length"
+
+
+def _lockstep(model, drafter, ids, k, temperature, seed, n=40):
+    """A chain decoder of k drafts and a tree decoder of k nodes, k deep, stepped together: every round's drafts
+    and committed tokens, which must agree (while the budget leaves room for k drafts: near max_tokens the depth is
+    capped below the node budget and the tree gets alternatives). At T > 0 the first speculative round only: the
+    same drafts from the same random draws, the same drafts accepted (the same uniforms test them); the token after
+    a rejection comes from a different uniform of the round's draw in the chain kernel than in the tree walk (both
+    exact), so the streams part there."""
+    a = SpeculativeDecoder(model, drafter.fork(), Sampler(SamplingParams(temperature=temperature), seed), k)
+    b = TreeDecoder(model, drafter.fork(), Sampler(SamplingParams(temperature=temperature), seed), k, k)
+    a.prefill(ids)
+    b.prefill(ids)
+    got, n = 0, n + k + 1
+    while got < n - k - 1:
+        ta, tb = a.step(n - got), b.step(n - got)
+        assert tb[:-1] == ta[:-1] and (tb == ta or temperature > 0)
+        if a.last_round == "spec":
+            assert b.last_tree.is_chain and b.last_drafts == a.last_drafts and len(a.last_drafts) == k
+            if temperature > 0:
+                return a.rounds
+        got += len(ta)
+    return a.rounds
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_dflash_tree_of_chain_budget_is_the_chain_round(embedded, temperature):
+    model, drafter, ids = embedded
+    for k in (3, 15):
+        assert _lockstep(model, drafter, ids, k, temperature, seed=3) >= (1 if temperature else 5)
+
+
+@pytest.fixture(scope="module")
+def dflash2_target(tiny_checkpoint, tmp_path_factory):
+    from test_dflash2 import tiny_config, write_checkpoint
+
+    path, _ = tiny_checkpoint()
+    m, _ = glimmer_mlx.load(path)
+    m.eos_token_ids = set()
+    d = glimmer_mlx.load_drafter(write_checkpoint(tmp_path_factory.mktemp("d2t"), tiny_config(), code_scale=1.0), m)
+    return m, d
+
+
+def test_greedy_identity_dflash2_trees_past_window(dflash2_target, monkeypatch):
+    """DFlash 2 (the selector's pairwise scores give every node its own children): token-identical to plain
+    decoding past the target's window 8 and the drafter's 6; the tree of the chain's budget is the chain round."""
+    model, d = dflash2_target
+    assert d.variant == "dflash2"
+    seen = []
+    right = engine_mod.verify_tree_greedy
+
+    def spy(logits, tree, sampler, history):
+        seen.append(tree)
+        return right(logits, tree, sampler, history)
+
+    monkeypatch.setattr(engine_mod, "verify_tree_greedy", spy)
+    rng = np.random.default_rng(2)
+    for n in (3, 30):
+        ids = rng.integers(10, 512, n).tolist()
+        plain = glimmer_mlx.generate(model, ids, max_tokens=60).tokens
+        for nodes, depth in ((6, 2), (9, 3)):
+            r = tree_generate(model, d, ids, nodes=nodes, depth=depth, max_tokens=60)
+            assert r.tokens == plain
+        assert _lockstep(model, d, ids, 3, 0.0, None) > 5
+    assert any(not t.is_chain and t.max_depth == 3 for t in seen)
+    # an alternative's children are scored given the alternative (the pairwise term): not always the chain's
+    assert any(sorted(t.tokens[c] for c in t.children[t.children[0][1]] if t.children[0][1:]) !=
+               sorted(t.tokens[c] for c in t.children[1]) for t in seen if len(t.children[0]) > 1
+               and t.children[t.children[0][1]] and t.children[1])
+
+
+# -- T = 1: the exact target distribution with DFlash trees (vocabulary 12) ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dflash_small(small_model, tmp_path_factory):
+    from hf_fixtures import build_hf_drafter
+    from test_dflash2 import tiny_config, write_checkpoint
+
+    d1 = tmp_path_factory.mktemp("d1v12")
+    build_hf_drafter({"mask_token_id": V_SMALL - 1}, seed=5).save_pretrained(d1)
+    raw = tiny_config(vocab=V_SMALL, selector_top_k=6, mask_token_id=V_SMALL - 1)
+    d2 = write_checkpoint(tmp_path_factory.mktemp("d2v12"), raw, seed=5, code_scale=1.2)
+    return {"dflash": glimmer_mlx.load_drafter(d1, small_model), "dflash2": glimmer_mlx.load_drafter(d2, small_model)}
+
+
+DFLASH_PROMPT = [3, 7, 2, 9, 4]
+
+
+def _dflash_tree_worst(model, drafter, n, nodes=6, depth=2):
+    joint = _exact_joint(model, DFLASH_PROMPT, SamplingParams(temperature=1.0))
+    counts = np.zeros((V_SMALL,) * 3)
+    branched = 0
+    for seed in range(n):
+        r = tree_generate(model, drafter, DFLASH_PROMPT, nodes=nodes, depth=depth, max_tokens=3, temperature=1.0,
+                          seed=seed)
+        counts[tuple(r.tokens)] += 1
+        branched += r.stats.extra["mean_tree_rows"] > depth + 1
+    assert branched == n  # every round verified alternatives beside the chain
+    return _worst(counts, joint, n)
+
+
+def alternatives_sampled_from_q(tree, q, n_chain):
+    """A broken q: every alternative claims it was drawn from its position's q row (it was chosen, not drawn)."""
+    if q is None:
+        return None
+    return [None] + [q[tree.depths[i] - 1] for i in range(1, len(tree))]
+
+
+BROKEN_Q = {"alternatives sampled from q": alternatives_sampled_from_q}
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+@pytest.mark.parametrize("bug", [None, "alternatives sampled from q", "no residual update"])
+def test_dflash_tree_sampling_matches_target_distribution(small_model, dflash_small, variant, bug, monkeypatch):
+    """T = 1 with DFlash trees (chain sampled from q, alternatives point masses): the first three tokens' joint
+    distribution equals plain sampling's, enumerated exactly; a q that misstates how the alternatives were chosen,
+    or siblings tested against a residual never updated after a rejection, fail.
+
+    (Treating the sampled chain's nodes as point masses too — acceptance p(x), x removed after a rejection — is
+    not a bug: it is exact for any candidate drawn independently of the verifier's uniforms, only less accepting
+    than min(1, p/q), since p·q <= min(p, q).)"""
+    if bug == "no residual update":
+        monkeypatch.setattr(verify, "sibling_residual", broken_residual)
+    elif bug is not None:
+        for mod in (dflash_mod, dflash2_mod):
+            monkeypatch.setattr(mod, "tree_q", BROKEN_Q[bug])
+    n = 1000
+    worst = _dflash_tree_worst(small_model, dflash_small[variant], n)
+    assert (worst > 1.0) if bug else (worst < 1.0), worst

@@ -1,9 +1,40 @@
 """The DFlash drafter: a block-diffusion assistant that drafts a whole block in one forward from the target's taps;
-loading it next to its target and checking that the two fit."""
+loading it next to its target and checking that the two fit.
+
+Trees (`propose_tree`, EAGLE-2 style dynamic trees, Li et al. 2024): the block's one forward gives a distribution
+at every position pos+1..pos+k. The tree is the chain (exactly the drafts `propose` would give, drawn the same way)
+plus, within the node budget, the best other nodes by cumulative draft probability: a node's score is the product
+of the draft probabilities along its path, and nodes are added best first from the frontier of the kept tree
+(`grow_tree`), so every kept node's parent is kept and a path is never deeper than the chain.
+
+The approximation: a block's position j is conditioned on the anchor and the context only, not on the tokens at
+positions before j (block diffusion drafts them in parallel), so a node's children are the top candidates of the
+next position whatever the node's token is — an alternative at depth d is followed by the same depth d+1
+candidates as the chain's node — and a path's score treats the positions as independent. That only shapes the tree
+(how good a guess it is); whether anything is accepted is decided by `verify`, so output stays exactly the target's
+whatever the tree holds: greedy accepts only paths equal to the target's argmax, and sampling is lossless for any
+tree whose q rows say how each node's token was drawn.
+
+Sampling (T > 0): the chain's nodes are sampled from their positions' processed q rows as in `propose` (their q
+rows go to `verify.verify_tree_sampling`); every other node is a deterministic candidate (the next likeliest
+tokens, chosen from the drafter's distributions without randomness given the chain), i.e. a point mass (q None).
+The chain's node is always its parent's first child, so when it is tried it is distributed as q given everything
+tried before it; each alternative is a fixed token given the siblings before it and is accepted with exactly its
+target (residual) probability. Later chain draws that shape which alternatives exist are independent of the
+verifier's uniforms, and a point-mass candidate is exact for any fixed candidate list, so the walk stays lossless.
+(Point masses would be exact for the chain's nodes too — they are drawn independently of the verifier's uniforms —
+but their q rows accept more: min(p, q) >= p·q token by token.)
+Sampling the alternatives without replacement from q would need q_c = q with the earlier siblings removed and
+renormalized for each of them; deterministic candidates need no q at all, keep the chain round's random draws
+unchanged (a tree with a budget of the chain's length *is* the chain round) and, after a rejection, accept each
+alternative with its full residual target probability.
+"""
 
 from __future__ import annotations
 
 import copy
+import heapq
+import itertools
 from pathlib import Path
 
 import mlx.core as mx
@@ -13,9 +44,12 @@ from ..config import ConfigError
 from ..loading import CheckpointError, check_weights, load_weights, parse_dtype, quantize_like
 from ..models.assistant import Assistant, AssistantConfig
 from .protocol import MeasuredTau, read_measured_tau
+from .tree import TokenTree
 from .verify import draft_tokens
 
 DRAFT_LOGITS = ("raw", "target")
+
+TREE_TOP_K = 8  # candidates per block position a tree node may have as children
 
 
 class DFlashDrafter:
@@ -67,6 +101,33 @@ class DFlashDrafter:
         h = self.draft_hidden(anchor, self.ctx, pos, self.cache)
         self.ctx = None  # consumed: its K/V now live in the drafter cache
         return draft_tokens(self.logits(h[:k]), sampler, history)
+
+    # -- token trees (speculative.engine.TreeDecoder; module docstring) ------------------------------------------
+    def enable_trees(self) -> None:
+        """Nothing to keep: a tree comes from the block's own per-position distributions."""
+
+    def propose_tree(self, anchor: int, pos: int, depth: int, budget: int, sampler, history: list[int]):
+        """The chain of up to `depth` drafts (fewer when the budget or the block is smaller: exactly `propose`'s),
+        and with the rest of `budget` the best other nodes by cumulative draft probability, at most `depth` deep.
+        Returns (tree, q): q[c] the q row chain node c was sampled from (T > 0), None for the other nodes (point
+        masses); q None at greedy."""
+        k = max(1, min(depth, budget, self.max_drafts))
+        h = self.draft_hidden(anchor, self.ctx, pos, self.cache)
+        self.ctx = None  # consumed: its K/V now live in the drafter cache
+        logits = self.logits(h[:k])
+        drafts, q = draft_tokens(logits, sampler, history)
+        # scores: the rows the chain was drawn from (T > 0), the draft distribution at temperature 1 (greedy)
+        lp = q if q is not None else logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        K = min(self.tree_top_k, lp.shape[-1])
+        top = mx.argsort(-lp, axis=-1)[:, :K]
+        vals = mx.take_along_axis(lp, top, axis=-1)
+        chain_lp = mx.take_along_axis(lp, mx.array(drafts, dtype=mx.int32)[:, None], axis=-1)[:, 0]
+        mx.eval(top, vals, chain_lp)
+        cands = [list(zip(t, v)) for t, v in zip(top.tolist(), vals.tolist())]
+        tree = grow_tree(anchor, drafts, chain_lp.tolist(), k, budget, lambda d, token: cands[d])
+        return tree, tree_q(tree, q, len(drafts))
+
+    tree_top_k = TREE_TOP_K
 
     def accept(self, taps: list[mx.array], new_tokens: list[int]) -> None:
         """The target's taps of the newly committed positions (anchor + accepted drafts) become the next context."""
@@ -139,6 +200,59 @@ class DFlashDrafter:
         if self.draft_logits == "raw":
             return self.target.lm_head_raw(h).astype(mx.float32)
         return self.target.logits(h)
+
+
+def grow_tree(anchor: int, chain: list[int], chain_lp: list[float], depth: int, budget: int, children) -> TokenTree:
+    """The chain (its first min(len, budget, depth) drafts; chain_lp[j]: draft j's log-probability given its parent),
+    then best first by cumulative log-probability (the sum along the path) the frontier's nodes until `budget` draft
+    nodes, at most `depth` deep. children(d, token): the candidates [(token, log-prob), …], best first, that may
+    follow a node of depth d holding `token` (row d of the block). Every kept node's parent is kept (a child is only
+    offered once its parent is in the tree, and never scores above it); the chain's nodes come first (indices
+    1..n), so each is its parent's first child; a chain node's other children skip the chain's token."""
+    n = max(0, min(len(chain), budget, depth))
+    tokens, parents, depths, scores = [int(anchor)] + [int(t) for t in chain[:n]], list(range(-1, n)), \
+        list(range(n + 1)), [0.0]
+    for x in chain_lp[:n]:
+        scores.append(scores[-1] + float(x))
+    lists: dict[int, list] = {}
+    skip: dict[int, int | None] = {i: (tokens[i + 1] if i < n else None) for i in range(n + 1)}
+    heap: list = []
+    order = itertools.count()  # ties: offered first, kept first
+
+    def offer(node: int, r: int) -> None:
+        cl = lists[node]
+        while r < len(cl) and cl[r][0] == skip[node]:
+            r += 1
+        if r < len(cl) and cl[r][1] > -float("inf"):
+            heapq.heappush(heap, (-(scores[node] + cl[r][1]), next(order), node, r))
+
+    def open_node(node: int) -> None:
+        if depths[node] < depth:
+            lists[node] = children(depths[node], tokens[node])
+            offer(node, 0)
+
+    for i in range(n + 1):
+        open_node(i)
+    while len(tokens) - 1 < budget and heap:
+        _, _, par, r = heapq.heappop(heap)
+        token, lp = lists[par][r]
+        i = len(tokens)
+        tokens.append(int(token))
+        parents.append(par)
+        depths.append(depths[par] + 1)
+        scores.append(scores[par] + float(lp))
+        skip[i] = None
+        offer(par, r + 1)  # the parent's next candidate
+        open_node(i)
+    return TokenTree(tokens, parents)
+
+
+def tree_q(tree: TokenTree, q, n_chain: int):
+    """The q rows `verify.verify_tree_sampling` takes for a `grow_tree` tree: the chain's nodes 1..n_chain their
+    sampled rows, every other node None (a deterministic candidate); None at greedy (q None)."""
+    if q is None:
+        return None
+    return [None] + [q[j] for j in range(n_chain)] + [None] * (len(tree) - 1 - n_chain)
 
 
 def check_fit(cfg: AssistantConfig, target, where) -> None:

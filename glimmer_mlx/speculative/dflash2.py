@@ -9,6 +9,17 @@ per position the selector's top-k candidates; then left to right from the anchor
 d_j is their argmax (greedy) or a sample. At T > 0 the processed row j is returned as q_j: exactly the distribution
 d_j was drawn from given d_{j−1}, which is all lossless rejection sampling needs (a rejected d_j ends the round, so
 later rows are only ever read after their predecessors were accepted).
+
+Trees (`propose_tree`): the selector's structure fits a tree better than v1's: its score S_j(a, b) is a proper
+first-order conditional over position j's top-k list given the predecessor a, so every node (not only the chain's)
+gets its own children's distribution — the softmax of S_{d+1}(its token, ·) over the next position's candidates —
+from one batched table of the pairwise scores (every candidate of position j as the predecessor of every candidate
+of position j+1, the anchor before position 1). The tree is the chain (exactly `propose`'s path) plus the best
+other nodes by cumulative selector probability (`dflash.grow_tree`). The approximation left is v1's: the block's
+hidden states h_j (hence the candidate lists and unary scores) do not depend on the tokens before j. At T > 0 the
+chain's nodes carry their q rows (sampled from them, as in `propose`) and every other node is a deterministic
+candidate, a point mass — as for v1 (`dflash` module docstring); the scores that shape the tree are the selector's
+at temperature 1 without the request's processing (shape only: verification decides).
 """
 
 from __future__ import annotations
@@ -21,7 +32,7 @@ from ..config import ConfigError
 from ..loading import CheckpointError, load_weights
 from ..models.dflash2 import DFlash2, DFlash2Config
 from ..sampling import NEG_INF, greedy_token, history_window, process
-from .dflash import DFlashDrafter, check_fit, finish_loading, load_module
+from .dflash import DFlashDrafter, check_fit, finish_loading, grow_tree, load_module, tree_q
 
 
 class DFlash2Drafter(DFlashDrafter):
@@ -40,15 +51,20 @@ class DFlash2Drafter(DFlashDrafter):
     def logits(self, h: mx.array) -> mx.array:
         return self.assistant.draft_logits(self.target.lm_head_raw(h))
 
-    def select(self, anchor: int, h: mx.array, sampler, history: list[int]):
+    def selector_parts(self, h: mx.array):
+        """(V, cand [k, top_k], unary [k, top_k], hp [k, R], succ [k, top_k, R]) of the k rows h [k, D]."""
+        sel = self.assistant.candidate_selector
+        logits = self.logits(h)
+        cand, unary = sel.candidates(logits)
+        return logits.shape[-1], cand, unary, sel.project(h), sel.successors(cand)
+
+    def select(self, anchor: int, h: mx.array, sampler, history: list[int], parts=None):
         """The selector's path through the top-k candidates of the k rows h [k, D] after `anchor`:
-        (drafts, q [k, V] processed log-probs with −inf outside each row's candidates; None at greedy)."""
+        (drafts, q [k, V] processed log-probs with −inf outside each row's candidates; None at greedy).
+        parts: `selector_parts(h)` when already computed."""
         sel = self.assistant.candidate_selector
         params = sampler.params
-        logits = self.logits(h)
-        V = logits.shape[-1]
-        cand, unary = sel.candidates(logits)
-        hp, succ = sel.project(h), sel.successors(cand)
+        V, cand, unary, hp, succ = parts if parts is not None else self.selector_parts(h)
         prev = mx.array([anchor], dtype=mx.int32)
         picks, rows = [], []
         for j in range(h.shape[0]):
@@ -68,6 +84,52 @@ class DFlash2Drafter(DFlashDrafter):
         q = mx.concatenate(rows) if rows else None
         mx.eval([drafts] + ([q] if q is not None else []))
         return drafts.tolist(), q
+
+    def propose_tree(self, anchor: int, pos: int, depth: int, budget: int, sampler, history: list[int]):
+        """As v1's (`DFlashDrafter.propose_tree`), the children of every node scored by the selector given that
+        node's token (module docstring). Returns (tree, q): q[c] the q row chain node c was sampled from (T > 0),
+        None for the other nodes (point masses); q None at greedy."""
+        k = max(1, min(depth, budget, self.max_drafts))
+        h = self.draft_hidden(anchor, self.ctx, pos, self.cache)[:k]
+        self.ctx = None  # consumed: its K/V now live in the drafter cache
+        parts = self.selector_parts(h)
+        drafts, q = self.select(anchor, h, sampler, history, parts)
+        sel = self.assistant.candidate_selector
+        _, cand, unary, hp, succ = parts
+        first = sel.scores(unary[:1], hp[:1], succ[:1], mx.array([anchor], dtype=mx.int32))  # [1, top_k]
+        tables = [first]
+        if k > 1:  # [k−1, top_k (predecessor: position j's candidates), top_k (position j+1's)]
+            tables.append(sel.scores(unary[1:, None, :], hp[1:, None, :], succ[1:, None], cand[:-1]).reshape(-1,
+                                                                                                   cand.shape[-1]))
+        s = mx.concatenate(tables)  # row 0: after the anchor; row 1 + (j−1)·top_k + a: after cand[j−1][a]
+        lp = s - mx.logsumexp(s, axis=-1, keepdims=True)
+        order = mx.argsort(-lp, axis=-1)
+        rows_pos = mx.array([0] + [j for j in range(1, k) for _ in range(cand.shape[-1])], dtype=mx.int32)
+        toks = mx.take_along_axis(cand[rows_pos], order, axis=-1)
+        vals = mx.take_along_axis(lp, order, axis=-1)
+        mx.eval(toks, vals, cand)
+        toks, vals, cl = toks.tolist(), vals.tolist(), cand.tolist()
+        top_k = len(cl[0])
+        index = [{t: a for a, t in enumerate(row)} for row in cl]  # position j's candidate -> its index
+
+        def row(d: int, token: int) -> int | None:
+            """The table row of the children of a node of depth d holding `token` (None: not a candidate)."""
+            if d == 0:
+                return 0
+            a = index[d - 1].get(token)
+            return None if a is None else 1 + (d - 1) * top_k + a
+
+        def children(d: int, token: int):
+            r = row(d, token)
+            return [] if r is None else list(zip(toks[r], vals[r]))
+
+        chain_lp, prev = [], anchor
+        for d, t in enumerate(drafts):
+            r = row(d, prev)
+            chain_lp.append(dict(zip(toks[r], vals[r])).get(t, -float("inf")) if r is not None else -float("inf"))
+            prev = t
+        tree = grow_tree(anchor, drafts, chain_lp, k, budget, children)
+        return tree, tree_q(tree, q, len(drafts))
 
     def stats(self) -> dict:
         return {"drafter": self.variant}

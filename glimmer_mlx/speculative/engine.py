@@ -168,12 +168,13 @@ class TreeDecoder(SpeculativeDecoder):
     """Token-tree rounds: the drafter proposes a tree (`propose_tree`) of at most `nodes` draft nodes, each path at
     most `width` drafts deep; one target forward over the flattened tree (tree mask, per-node positions), acceptance
     by `verify_tree_greedy` / `verify_tree_sampling`, and `cache.keep_path` keeps the accepted path's rows. A tree that
-    is a chain runs exactly the chain round's forward. Drafters with `propose_tree`: n-gram lookup, MTP."""
+    is a chain runs exactly the chain round's forward. Drafters with `propose_tree`: n-gram lookup, MTP, DFlash (v1 and
+    v2: the block's per-position candidates, best first by cumulative draft probability)."""
 
     def __init__(self, model, drafter: Drafter, sampler: Sampler, nodes: int, width: int | None = None,
                  prefill_step: int = DEFAULT_PREFILL_STEP, cache=None):
         if not hasattr(drafter, "propose_tree") or not hasattr(drafter, "enable_trees"):
-            raise ValueError(f"token trees are implemented for n-gram lookup and MTP only, not for a "
+            raise ValueError(f"token trees are implemented for n-gram lookup, MTP and DFlash only, not for a "
                              f"{drafter.kind} drafter")
         if not isinstance(nodes, int) or isinstance(nodes, bool) or not 1 <= nodes <= 64:
             raise ValueError(f"tree nodes must be an int in [1, 64], got {nodes!r}")

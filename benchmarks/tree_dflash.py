@@ -1,0 +1,151 @@
+"""DFlash chain vs DFlash tree at equal verify rows (issue 23) on the embedded glimmer-tiny + its DFlash drafter.
+
+Verify rows R = the target forward's rows per round: a chain of R - 1 drafts (anchor + drafts), or a tree of R - 1
+draft nodes (anchor + nodes) at several depths. Per category of glimmer_mlx/bench/prompts/prompts.json (the first N
+prompts, chat template), greedy and T = 1 (seed 0): tau = committed tokens / rounds (the engine's stats, the
+prefill's token counted as a round as everywhere else) and tok/s; plus the verify cost curve of the same run (one
+target forward of n rows — chain and tree mask — after the prompt, relative to a plain 1-row step).
+
+    python benchmarks/tree_dflash.py [N_PROMPTS] [MAX_TOKENS]   -> benchmarks/results/issue23-dflash-trees.json
+    python benchmarks/tree_dflash.py N MAXT SEEDS CONFIGS   (e.g. 2 96 1,2,3 chain16,tree16_d4,tree16_d8: T = 1 only,
+        those seeds and configs, no cost curve) -> benchmarks/results/issue23-dflash-trees-t1-seeds.json
+"""
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from glimmer_mlx.cache import rewind_cache
+from glimmer_mlx.runtime.loop import GenerationStats, collect, stop_ids, stream
+from glimmer_mlx.sampling import Sampler, SamplingParams
+from glimmer_mlx.session import load_session
+from glimmer_mlx.speculative.engine import SpeculativeDecoder, TreeDecoder
+from glimmer_mlx.speculative.tree import TokenTree
+from glimmer_mlx.strategy import make_decoder
+
+N = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+MAXT = int(sys.argv[2]) if len(sys.argv) > 2 else 96
+SEEDS = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else [0]
+ONLY = sys.argv[4].split(",") if len(sys.argv) > 4 else None
+TEMPS = (1.0,) if len(sys.argv) > 3 else (0.0, 1.0)
+OUT = ("benchmarks/results/issue23-dflash-trees-t1-seeds.json" if len(sys.argv) > 3
+       else "benchmarks/results/issue23-dflash-trees.json")
+
+s = load_session(None)
+m, tok, d = s.model, s.tokenizer, s.drafters.dflash
+prompts = json.load(open("glimmer_mlx/bench/prompts/prompts.json"))
+cats = [c for c in prompts if isinstance(prompts[c], list)]
+eos = stop_ids(m, tok)
+
+# (name, verify rows, tree nodes or None for a chain, max depth)
+CONFIGS = [("plain", 1, None, None), ("chain8", 8, None, 7)]
+CONFIGS += [(f"tree8_d{dp}", 8, 7, dp) for dp in (2, 3, 4, 5)]
+CONFIGS += [("chain16", 16, None, 15)]
+CONFIGS += [(f"tree16_d{dp}", 16, 15, dp) for dp in (3, 4, 6, 8)]
+if ONLY:
+    CONFIGS = [c for c in CONFIGS if c[0] in ONLY]
+
+
+def ids_of(p):
+    return tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+
+
+def decoder(rows, nodes, depth, sampler):
+    if rows == 1:
+        return make_decoder(m, None, sampler)
+    if nodes is None:
+        return SpeculativeDecoder(m, d, sampler, depth)
+    return TreeDecoder(m, d, sampler, nodes, depth)
+
+
+def run(cfg, ids, temp, seed=0):
+    name, rows, nodes, depth = cfg
+    st = GenerationStats()
+    dec = decoder(rows, nodes, depth, Sampler(SamplingParams(temperature=temp), seed))
+    t = time.perf_counter()
+    r = collect(stream(dec, ids, max_tokens=MAXT, eos=eos, stats=st), st, False)
+    dt = time.perf_counter() - t
+    rounds = st.extra.get("rounds", len(r.tokens))
+    return dict(tokens=len(r.tokens), rounds=rounds, seconds=dt, gen_tps=st.generation_tokens / st.generation_time
+                if st.generation_time else 0.0, mean_tree_rows=st.extra.get("mean_tree_rows")), r.tokens
+
+
+def verify_curve(ids, sizes=(1, 2, 4, 8, 16, 24, 32), reps=15):
+    """Median seconds of one target forward of n rows after the prompt: chain and a bushy tree of n nodes."""
+    cache = m.make_cache(max_rewind=64)
+    m(mx.array([ids[:-1]], dtype=mx.int32), cache)
+    mx.eval([c.keys for c in cache if getattr(c, "keys", None) is not None])
+    out = {}
+    for n in sizes:
+        toks = mx.array([ids[-1:] + ids[:n - 1]], dtype=mx.int32)
+        tree = TokenTree([ids[-1]] + list(range(1, n)), [-1] + [(i - 1) // 3 for i in range(1, n)])
+        row = {}
+        for kind in ("chain", "tree"):
+            ts = []
+            for _ in range(reps + 2):
+                t = time.perf_counter()
+                y = m(toks, cache, tree=tree.attention_inputs() if kind == "tree" and n > 1 else None)
+                mx.eval(y)
+                ts.append(time.perf_counter() - t)
+                rewind_cache(cache, n)
+            row[kind] = float(np.median(ts[2:]))
+        out[n] = row
+    base = out[1]["chain"]
+    return {n: dict(v, chain_rel=v["chain"] / base, tree_rel=v["tree"] / base) for n, v in out.items()}
+
+
+results = {"machine": dict(platform=platform.platform(), processor=platform.processor(), cpus=os.cpu_count(),
+                           loadavg_start=os.getloadavg(), mlx=mx.__version__,
+                           commit=subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                                 text=True).stdout.strip()),
+           "settings": dict(prompts_per_category=N, max_tokens=MAXT, seeds=SEEDS, drafter=d.source,
+                            block_size=d.block_size, tree_top_k=d.tree_top_k),
+           "configs": [dict(name=c[0], rows=c[1], nodes=c[2], depth=c[3]) for c in CONFIGS], "runs": []}
+first_ids = ids_of(prompts[cats[0]][0])
+run(CONFIGS[min(1, len(CONFIGS) - 1)], first_ids, 0.0)  # warm-up
+if ONLY is None:
+    results["verify_cost_curve"] = verify_curve(first_ids)
+for temp in TEMPS:
+    for cat in cats:
+        for pi, p in enumerate(prompts[cat][:N]):
+            ids = ids_of(p)
+            plain_tokens = None
+            for seed in SEEDS:
+                for cfg in CONFIGS:
+                    rec, tokens = run(cfg, ids, temp, seed)
+                    if cfg[0] == "plain":
+                        plain_tokens = tokens
+                    rec.update(temp=temp, seed=seed, category=cat, prompt=pi, config=cfg[0],
+                               same_as_plain=tokens == plain_tokens if temp == 0.0 else None)
+                    results["runs"].append(rec)
+            line = "  ".join(f"{r['config']} {r['tokens'] / r['rounds']:.2f}" for r in results["runs"][-len(CONFIGS):])
+            print(f"T={temp} {cat} {pi}: {line}", flush=True)
+results["machine"]["loadavg_end"] = os.getloadavg()
+
+# summary: τ = Σ tokens / Σ rounds, tok/s = Σ tokens / Σ seconds, per (temp, category) and overall
+summary = {}
+for temp in TEMPS:
+    for cat in cats + ["all"]:
+        for cfg in CONFIGS:
+            rs = [r for r in results["runs"] if r["temp"] == temp and r["config"] == cfg[0]
+                  and (cat == "all" or r["category"] == cat)]
+            summary[f"T{temp:g}/{cat}/{cfg[0]}"] = dict(
+                tau=sum(r["tokens"] for r in rs) / sum(r["rounds"] for r in rs),
+                tps=sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs))
+results["summary"] = summary
+os.makedirs(os.path.dirname(OUT), exist_ok=True)
+with open(OUT, "w") as f:
+    json.dump(results, f, indent=1)
+for temp in TEMPS:
+    print(f"\nT={temp:g}  " + " ".join(f"{c[0]:>11s}" for c in CONFIGS))
+    for cat in cats + ["all"]:
+        print(f"{cat:8s} tau " + " ".join(f"{summary[f'T{temp:g}/{cat}/{c[0]}']['tau']:11.2f}" for c in CONFIGS))
+    print(f"{'all':8s} t/s " + " ".join(f"{summary[f'T{temp:g}/all/{c[0]}']['tps']:11.1f}" for c in CONFIGS))
+if "verify_cost_curve" in results:
+    print("\nverify cost (relative to a 1-row step):",
+          {n: (round(v["chain_rel"], 2), round(v["tree_rel"], 2)) for n, v in results["verify_cost_curve"].items()})

@@ -1,0 +1,520 @@
+"""The continuous-batching engine (`speculative.batch.BatchGenerator`, `cache.BatchKVCache`/`BatchLayout`,
+`speculative.auto.batch.BatchAuto`) against solo decoding on the embedded model (target + DFlash + MTP).
+
+Every test names, in a comment, the broken implementation it catches (each was tried by monkeypatching)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from glimmer_mlx.cache import BatchKVCache, BatchLayout, KVCache, make_batch_cache
+from glimmer_mlx.runtime.loop import GenerationStats, collect, stop_ids, stream
+from glimmer_mlx.sampling import Sampler, SamplingParams, process
+from glimmer_mlx.speculative.auto.batch import BatchAuto
+from glimmer_mlx.speculative.batch import BatchGenerator, BatchRequest
+from glimmer_mlx.strategy import DecodeSpec, build_decoder
+
+MODES = ("ar", "ngram", "dflash", "mtp")
+TEXTS = ["def fibonacci(n):", "The capital of France is", "Write a JSON object with name and age:",
+         "1, 2, 3, 4,", "Once upon a time"]
+LONG_TEXT = ("import os\nimport sys\n\ndef main(argv):\n    for i, arg in enumerate(argv):\n        print(i, arg)\n"
+             "    return 0\n\nif __name__ == '__main__':\n    sys.exit(main(sys.argv))\n") * 4
+
+
+@pytest.fixture(scope="module")
+def sess():
+    from glimmer_mlx.session import load_session
+
+    return load_session(None)
+
+
+@pytest.fixture(scope="module")
+def ids(sess):
+    tok = sess.tokenizer
+    out = [tok.encode(t) for t in TEXTS]
+    long = tok.encode(LONG_TEXT)
+    assert len(long) >= 150
+    out.append(long[:40])  # > prefill_step=16: a chunked prefill (3 chunks)
+    return out
+
+
+def params(temp=0.0, **kw):
+    return SamplingParams(temperature=temp, **kw)
+
+
+def drafter_for(sess, mode):
+    d, k = sess.drafters.resolve(DecodeSpec(mode, None))
+    return (d.fork() if d is not None else None), k
+
+
+def solo(sess, ids, mode, p, seed, n, eos=None, stop=None):
+    """(tokens, text, finish_reason) of the request decoded alone."""
+    d, k = drafter_for(sess, mode)
+    dec = build_decoder(sess.model, d, Sampler(p, seed), drafts=k)
+    st = GenerationStats()
+    eos = stop_ids(sess.model, sess.tokenizer) if eos is None else eos
+    r = collect(stream(dec, ids, max_tokens=n, eos=eos, tokenizer=sess.tokenizer, stop=stop, stats=st), st, True)
+    return r.tokens, r.text, r.finish_reason
+
+
+def request(sess, ids, mode, p, seed, n, eos=None, stop=None, **kw):
+    d, k = drafter_for(sess, mode) if mode != "auto" else (None, None)
+    eos = stop_ids(sess.model, sess.tokenizer) if eos is None else eos
+    return BatchRequest(list(ids), Sampler(p, seed), n, eos, sess.tokenizer, stop=stop, drafter=d, width=k,
+                        auto=mode == "auto", **kw)
+
+
+def run(gen, plan, on_step=None, keep_cache=False):
+    """plan: [(join step, BatchRequest)]. Steps until every row is done. Returns ({index: [tokens, text, finish]},
+    {index: Row}). Checks the layout after every step: one length per row in the batch, each = committed positions
+    (the history but its last token)."""
+    out, rows, t = {}, {}, 0
+    pending = sorted(enumerate(plan), key=lambda x: x[1][0])
+    while pending or len(gen):
+        while pending and pending[0][1][0] <= t:
+            i, (_, req) = pending.pop(0)
+            rows[i] = gen.add(req)
+            out[i] = [[], "", None]
+        index = {id(r): i for i, r in rows.items()}
+        for r, ch in gen.step(keep_cache=keep_cache):
+            o = out[index[id(r)]]
+            assert o[2] is None, "a chunk after the row finished"
+            o[0] += ch.tokens
+            o[1] += ch.text
+            o[2] = ch.finish_reason
+        assert len(gen.layout) == len(gen.rows)
+        assert gen.layout.lengths == [len(r.history) - 1 for r in gen.rows]
+        for c in gen.cache:
+            assert c.keys is None or c.keys.shape[0] == len(gen.rows)
+        if on_step is not None:
+            on_step(t, rows)
+        t += 1
+        assert t < 2000
+    return out, rows
+
+
+# -- 1. greedy: batched == solo ------------------------------------------------------------------------------------
+
+MIXES = [("ar",) * 6, ("ngram",) * 6, ("dflash",) * 6, ("mtp",) * 6, ("ar", "dflash", "mtp", "ngram", "dflash", "ar")]
+
+
+@pytest.mark.parametrize("modes", MIXES, ids=["ar", "ngram", "dflash", "mtp", "mixed"])
+def test_greedy_batched_equals_solo(sess, ids, modes):
+    """Rows join at different steps (one mid-chunked-prefill of another), prompts of different lengths (one of 40
+    tokens, prefilled in 16-token chunks), different max_tokens. Catches: a row's keys written at the wrong
+    position (BatchKVCache.update offsets), masks that ignore row lengths or let a row see another's padding, RoPE
+    offsets shared by the batch, the committed length off by one (layout.commit), a chunked prefill that drops or
+    repeats a chunk, taps sliced from the wrong row, a drafter state shared between rows."""
+    gen = BatchGenerator(sess.model, prefill_step=16)
+    joins = [0, 0, 2, 5, 1, 9]
+    maxes = [24, 17, 30, 9, 21, 26]
+    plan = [(joins[i], request(sess, ids[i], modes[i], params(), 0, maxes[i])) for i in range(6)]
+    out, _ = run(gen, plan)
+    for i in range(6):
+        ref = solo(sess, ids[i], modes[i], params(), 0, maxes[i])
+        assert out[i][0] == ref[0], (i, modes[i])
+        assert out[i][1] == ref[1] and out[i][2] == ref[2], (i, modes[i])
+    assert len(gen.rows) == 0 and len(gen.waiting) == 0
+    assert max(gen.step_rows) >= 3  # they really shared steps
+
+
+def test_auto_rows_greedy_equal_plain_solo(sess, ids):
+    """auto rows (the batch's chooser picks the option and width per step) next to fixed rows. Catches: an auto
+    row verified against the wrong drafts, an option's state not advanced with the row's commits (`Row.accept` for
+    every drafter in `options`), the width capped wrongly by the budget (tokens past max_tokens)."""
+    gen = BatchGenerator(sess.model, prefill_step=16, auto=sess.drafters.batch_auto())
+    modes = ["auto", "auto", "dflash", "auto", "ar", "auto"]
+    maxes = [20, 13, 18, 25, 11, 22]
+    plan = [(i, request(sess, ids[i], modes[i], params(), 0, maxes[i])) for i in range(6)]
+    out, rows = run(gen, plan)
+    for i in range(6):
+        ref = solo(sess, ids[i], "ar", params(), 0, maxes[i])
+        assert out[i][0] == ref[0], (i, modes[i])
+        assert out[i][2] == ref[2]
+    assert all(rows[i].stats.mode == "auto" for i in range(6) if modes[i] == "auto")
+
+
+# -- 2. seeded sampling ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("extra", [{"top_p": 0.9}, {"repetition_penalty": 1.2}], ids=["top_p", "penalty"])
+def test_seeded_sampling_batched_equals_solo(sess, ids, mode, extra):
+    """T=1, the same seed per request: the same tokens batched as alone. Catches: a sampler shared by the rows (or
+    called in another order than the solo decoder: an extra draw per step), the penalty window built from the
+    batch's history instead of the row's, draft probabilities q taken from the wrong row."""
+    p = params(1.0, **extra)
+    gen = BatchGenerator(sess.model, prefill_step=16)
+    plan = [(j, request(sess, ids[i], mode, p, 100 + i, 20)) for j, i in enumerate([0, 2, 5, 3])]
+    out, _ = run(gen, plan)
+    for j, i in enumerate([0, 2, 5, 3]):
+        assert out[j][0] == solo(sess, ids[i], mode, p, 100 + i, 20)[0], (mode, i)
+
+
+class FirstFixed:
+    """A sampler whose first draw (the prefill's token) is `first`, then the real seeded sampler: the second token
+    is the first one the batched decode step samples."""
+
+    def __init__(self, inner: Sampler, first: int):
+        self.inner, self.first, self.calls = inner, first, 0
+        self.params = inner.params
+
+    def __call__(self, logits, history=None):
+        self.calls += 1
+        if self.calls == 1:
+            return mx.array([self.first], dtype=mx.int32)
+        return self.inner(logits, history)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12}  # p = 0.001
+
+
+@pytest.mark.parametrize("mode", ["ar", "dflash"])
+def test_sampled_token_distribution_matches_target(sess, ids, mode):
+    """300 rows (batches of up to 16, joining as others leave), T=1, top_k=8: the distribution of the first token
+    the batched decode step samples (after a fixed prompt and a fixed first token) against the target's exact
+    softmax from a solo forward (`sampling.process`); chi-square at p = 0.001. In dflash mode the token comes out of
+    `verify_sampling` (accept a draft or resample the residual). Catches: sampling from the padded row's (or
+    another row's) logits, a verify that always accepts the draft, a residual not normalised against q."""
+    p = params(1.0, top_k=8)
+    prompt = ids[1]
+    first = solo(sess, prompt, "ar", params(), 0, 1)[0][0]
+    logits = sess.model(mx.array([prompt + [first]], dtype=mx.int32), sess.model.make_cache())[0, -1:]
+    probs = np.array(mx.exp(process(logits, p)).astype(mx.float32)[0])
+    N = 300
+    gen = BatchGenerator(sess.model, max_batch=16)
+    counts = Counter()
+    rows = []
+    for s in range(N):
+        req = request(sess, prompt, mode, p, 1000 + s, 3)  # budget 2 after the prefill: dflash drafts 1
+        req.sampler = FirstFixed(req.sampler, first)
+        rows.append(gen.add(req))
+    while len(gen):
+        gen.step()
+        assert len(gen.rows) <= 16
+    for r in rows:
+        assert r.out.finish == "length" and r.history[len(prompt)] == first
+        if mode == "dflash":
+            assert r.rounds - r.plain_rounds == 1  # its first decode round drafted: the token came out of verify_sampling
+        counts[r.history[len(prompt) + 1]] += 1
+    support = set(np.nonzero(probs > 0)[0].tolist())
+    assert set(counts) <= support, (set(counts) - support)
+    # bins: every token expected >= 5 times alone, the rest merged
+    order = sorted(support, key=lambda t: -probs[t])
+    obs, exp, rest_o, rest_e = [], [], 0, 0.0
+    for t in order:
+        e = N * probs[t]
+        if e >= 5:
+            obs.append(counts[t])
+            exp.append(e)
+        else:
+            rest_o += counts[t]
+            rest_e += e
+    if rest_e > 0:
+        obs.append(rest_o)
+        exp.append(rest_e)
+    df = len(obs) - 1
+    assert df >= 1, probs[order]
+    chi2 = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
+    assert chi2 < CHI2_999[df], (chi2, df, obs, [round(e, 1) for e in exp])
+
+
+# -- 3. cancel -----------------------------------------------------------------------------------------------------
+
+def test_cancel_frees_the_row_and_others_are_unchanged(sess, ids):
+    """Catches: a cancelled row kept in the layout (its length stays and the caches keep B rows), `_leave` keeping
+    the wrong rows (remove_rows / layout.keep out of step: another row continues on the cancelled row's keys), a
+    chunk produced for a cancelled row."""
+    gen = BatchGenerator(sess.model, prefill_step=16)
+    modes = ["dflash", "ar", "mtp", "ngram"]
+    plan = [(0, request(sess, ids[i], modes[i], params(), 0, 30)) for i in range(4)]
+    sizes = []
+
+    def on_step(t, rows):
+        sizes.append(len(gen.rows))
+        if t == 8:
+            assert len(gen.rows) == 4
+            gen.cancel(rows[1])
+            gen.cancel(rows[2])  # two at once, one in the middle of the layout
+
+    out, rows = run(gen, plan, on_step=on_step)
+    assert sizes[9] == 2, sizes  # freed at the very next step
+    assert rows[1].cancelled and rows[1].out.finish is None and out[1][2] is None
+    assert len(out[1][0]) < 30 and len(out[2][0]) < 30
+    for i in (0, 3):
+        assert out[i][0] == solo(sess, ids[i], modes[i], params(), 0, 30)[0], i
+    # a row cancelled while still waiting for its prefill never joins
+    gen = BatchGenerator(sess.model, prefill_step=16)
+    r = gen.add(request(sess, ids[5], "ar", params(), 0, 5))
+    gen.step()  # its first chunk
+    gen.cancel(r)
+    assert gen.step() == [] and len(gen) == 0
+
+
+# -- 4. EOS, stop strings, max_tokens --------------------------------------------------------------------------------
+
+def test_eos_stop_strings_and_max_tokens_per_row(sess, ids):
+    """Each row its own end: EOS in the middle of a speculative block (tokens after it dropped), a stop string
+    (text cut, finish "stop"), max_tokens hit inside a verify block (finish "length", never more tokens), and a row
+    whose first token is EOS (finishes in its prefill, never joins the batch). Catches: one row's EOS set applied
+    to another, tokens past max_tokens when a block overshoots, a first-token EOS row added to the layout."""
+    tok = sess.tokenizer
+    ref = {m: solo(sess, ids[0], m, params(), 0, 30, eos=set())[0] for m in ("dflash", "ar")}
+    j = next(j for j in range(4, 30) if ref["dflash"][j] not in ref["dflash"][:j])
+    eos_mid = {ref["dflash"][j]}
+    text = tok.decode(ref["ar"])
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    first_eos = {solo(sess, ids[2], "ar", params(), 0, 1, eos=set())[0][0]}
+    reqs = [request(sess, ids[0], "dflash", params(), 0, 30, eos=eos_mid),
+            request(sess, ids[0], "ar", params(), 0, 30, eos=set(), stop=[stop]),
+            request(sess, ids[0], "dflash", params(), 0, 7, eos=set()),
+            request(sess, ids[2], "mtp", params(), 0, 30, eos=first_eos),
+            request(sess, ids[3], "ngram", params(), 0, 13)]
+    joined = []
+    gen = BatchGenerator(sess.model)
+    out, rows = run(gen, [(0, r) for r in reqs], on_step=lambda t, rows: joined.extend(id(r) for r in gen.rows))
+    assert out[0][0] == ref["dflash"][:j] and out[0][2] == "stop"
+    assert out[0][0] == solo(sess, ids[0], "dflash", params(), 0, 30, eos=eos_mid)[0]
+    r1 = solo(sess, ids[0], "ar", params(), 0, 30, eos=set(), stop=[stop])
+    assert (out[1][1], out[1][2]) == (r1[1], "stop") and stop not in out[1][1]
+    assert out[2][0] == ref["dflash"][:7] and out[2][2] == "length"
+    assert out[3] == [[], "", "stop"] and id(rows[3]) not in joined
+    assert out[4][0] == solo(sess, ids[3], "ngram", params(), 0, 13)[0] and out[4][2] == "length"
+    assert all(len(out[i][0]) == rows[i].stats.generation_tokens for i in range(5))
+
+
+# -- 5. finished rows hand back a solo cache -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["ar", "dflash"])
+def test_finished_cache_continues_like_a_fresh_prefill(sess, ids, mode):
+    """step(keep_cache=True): Row.final_cache holds exactly the committed positions (prompt + all generated tokens
+    but the last), sliding-window layers retained as a solo cache would (one prompt longer than the window and its
+    rewind margin).
+    Prefilling the rest of a longer prompt on it gives a fresh prefill's logits. Catches: row_cache of the wrong
+    row (after another row left), a final cache that keeps rejected drafts (length = fed, not committed), a
+    sliding layer cut to the window without the rewind margin, final_cache taken after the rows were removed."""
+    tok = sess.tokenizer
+    long = tok.encode(LONG_TEXT * 2)
+    prompts = [long[:300], ids[0], long[:90]]  # 300 > window - 1 + max_rewind: the sliding layers drop rows
+    gen = BatchGenerator(sess.model)
+    plan = [(0, request(sess, prompts[0], mode, params(), 0, 12)), (0, request(sess, prompts[1], "ar", params(), 0, 5)),
+            (1, request(sess, prompts[2], mode, params(), 0, 20))]
+    out, rows = run(gen, plan, keep_cache=True)
+    more = tok.encode(" and then some more text follows here")
+    for i in (0, 2):
+        r = rows[i]
+        fc = r.final_cache
+        assert fc is not None and len(fc) == len(sess.model.make_cache())
+        full = r.history[:-1]
+        assert full == prompts[i] + out[i][0][:-1]
+        assert all(c.offset == len(full) for c in fc)
+        for c, ref_c in zip(fc, sess.model.make_cache()):
+            assert c.window == ref_c.window
+            if c.window is not None:
+                assert c.start == max(0, len(full) - c.retained)
+                assert (c.start > 0) == (i == 0)
+        rest = [r.history[-1]] + more
+        got = sess.model(mx.array([rest], dtype=mx.int32), fc)
+        fresh = sess.model(mx.array([full + rest], dtype=mx.int32), sess.model.make_cache())[:, -len(rest):]
+        np.testing.assert_allclose(np.array(got), np.array(fresh), atol=1e-4)
+    assert rows[1].final_cache is not None and rows[1].final_cache[0].offset == len(rows[1].history) - 1
+
+
+# -- 6. BatchLayout / BatchKVCache -----------------------------------------------------------------------------------
+
+def test_layout_masks():
+    """Catches: a mask that ignores a row's length (causal over the padded block from 0), a window off by one,
+    padded queries (past a short row's block) with no key at all (NaN softmax)."""
+    lay = BatchLayout([3, 0, 7])
+    for window in (None, 3):
+        L = 4
+        m = np.array(lay.mask(L, window))
+        N = 7 + L
+        assert m.shape == (3, 1, L, N)
+        for b, n in enumerate(lay.lengths):
+            for j in range(L):
+                q = n + j
+                for k in range(N):
+                    want = k <= q and (window is None or k > q - window)
+                    assert m[b, 0, j, k] == want, (b, j, k, window)
+                assert m[b, 0, j, q]  # its own key
+    np.testing.assert_array_equal(np.array(lay.offsets()), [3, 0, 7])
+    lay.commit(1, 2)
+    lay.rewind(2, 3)
+    assert lay.lengths == [3, 2, 4] and np.array(lay.offsets()).tolist() == [3, 2, 4]
+    m = np.array(lay.mask(1, None))  # memo cleared by commit/rewind
+    assert m.shape == (3, 1, 1, 5) and m[1, 0, 0].tolist() == [True, True, True, False, False]
+    lay.keep([2, 0])
+    assert lay.lengths == [4, 3] and np.array(lay.offsets()).tolist() == [4, 3]
+    assert lay.append(0) == 2
+    with pytest.raises(Exception):
+        lay.rewind(0, 5)
+
+
+def test_put_row_remove_rows_row_cache():
+    """put_row from a wrapped sliding-window solo cache (rows before its start stay zero), remove_rows keeping an
+    order, row_cache back to a solo cache with what a solo one retains. Catches: put_row writing at buffer row 0
+    instead of the solo cache's first position, remove_rows taking the wrong rows, row_cache ignoring the window."""
+    rng = np.random.default_rng(0)
+    H, D, W = 2, 4, 4
+    solos = []
+    for n, window in ((30, W), (5, W), (12, None)):
+        c = KVCache(window=window, max_rewind=2)
+        c.step = 6  # small buffers: the sliding cache compacts (drops rows its window no longer sees)
+        for s in range(0, n, 3):  # in blocks: the sliding one wraps (its start moves past 0)
+            L = min(3, n - s)
+            c.update(mx.array(rng.standard_normal((1, H, L, D)), dtype=mx.float32),
+                     mx.array(rng.standard_normal((1, H, L, D)), dtype=mx.float32))
+        solos.append(c)
+    assert solos[0].start > 0
+    lay = BatchLayout()
+    bcs = {W: BatchKVCache(lay, window=W), None: BatchKVCache(lay, window=None)}
+    for c in solos:
+        b = lay.append(c.offset)
+        bcs[W].put_row(b, c)  # all three into the windowed layer (the unit under test)
+    bc = bcs[W]
+    for b, c in enumerate(solos):
+        k, v, first = c.view(0)
+        np.testing.assert_array_equal(np.array(bc.keys[b : b + 1, :, first : c.offset]), np.array(k))
+        np.testing.assert_array_equal(np.array(bc.values[b : b + 1, :, first : c.offset]), np.array(v))
+        assert not np.array(bc.keys[b, :, :first]).any()
+        back = bc.row_cache(b, max_rewind=2)
+        assert back.offset == c.offset and back.window == W
+        assert back.start == max(0, c.offset - back.retained)
+        kk, vv, f2 = back.view(0)
+        lo = back.start - first
+        assert lo >= 0
+        np.testing.assert_array_equal(np.array(kk), np.array(k[:, :, lo:]))
+    keys_before = np.array(bc.keys)
+    bc.remove_rows([2, 0])
+    lay.keep([2, 0])
+    assert bc.keys.shape[0] == 2
+    np.testing.assert_array_equal(np.array(bc.keys[0]), keys_before[2])
+    np.testing.assert_array_equal(np.array(bc.keys[1]), keys_before[0])
+    # update writes each row at its own length, and returns the masks of those lengths
+    k_new = mx.array(rng.standard_normal((2, H, 2, D)), dtype=mx.float32)
+    keys, values, mask = bc.update(k_new, k_new)
+    for b, n in enumerate([12, 30]):
+        np.testing.assert_array_equal(np.array(keys[b, :, n : n + 2]), np.array(k_new[b]))
+    assert mask.shape == (2, 1, 2, 32)
+
+
+def test_batched_forward_equals_solo_forward_for_ragged_blocks(sess, ids):
+    """Three rows (5, 40 and 150 tokens: past the 128-token sliding window), blocks of 1, 3 and 4 tokens padded to
+    4, then a second step after committing each row's block: every real position's logits equal a solo forward's.
+    Catches: padding keys visible to the next step (commit counts fed instead of real tokens), RoPE at the wrong
+    offsets, a windowed layer's mask not applied in the batch."""
+    model, tok = sess.model, sess.tokenizer
+    long = tok.encode(LONG_TEXT)
+    prompts = [ids[3][:5], long[:40], long[:150]]
+    solos = []
+    layout, bcache = make_batch_cache(model.args)
+    for p in prompts:
+        c = model.make_cache()
+        model(mx.array([p], dtype=mx.int32), c)
+        b = layout.append(c[0].offset)
+        for bc, sc in zip(bcache, c):
+            bc.put_row(b, sc)
+        solos.append(c)
+    rng = np.random.default_rng(1)
+    for widths in ([1, 3, 4], [2, 1, 2]):
+        L = max(widths)
+        blocks = [rng.integers(10, 1000, size=w).tolist() for w in widths]
+        x = mx.array([bl + [bl[-1]] * (L - len(bl)) for bl in blocks], dtype=mx.int32)
+        got = model(x, bcache)
+        for b, bl in enumerate(blocks):
+            ref = model(mx.array([bl], dtype=mx.int32), solos[b])
+            np.testing.assert_allclose(np.array(got[b, : len(bl)]), np.array(ref[0]), atol=1e-4)
+            layout.commit(b, len(bl))
+    assert layout.lengths == [c[0].offset for c in solos]
+
+
+# -- 7. BatchAuto.choose -------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def ba(sess):
+    """A BatchAuto over the session's auto with its acceptance tables restored afterwards (they are shared)."""
+    auto = sess.drafters.auto()
+    saved = {name: [(a.acc[:], a.tried[:], a.shrink) for a in (o.acceptance("greedy"), o.acceptance("sampling"))]
+             for name, o in auto.chooser.options.items()}
+    b = BatchAuto(auto)
+    b.draft_cost = lambda name, k: 1e-5 * k  # drafting nearly free: the tests are about the step cost
+    yield b
+    for name, o in auto.chooser.options.items():
+        for a, (acc, tried, shrink) in zip((o.acceptance("greedy"), o.acceptance("sampling")), saved[name]):
+            a.acc, a.tried, a.shrink = acc, tried, shrink
+
+
+def pin(ba, name, regime, alpha):
+    ba.acceptance(name, regime).set_alphas([alpha])
+
+
+def test_auto_speculates_when_verification_is_nearly_free(ba):
+    """A flat cost curve (a step over 64 positions costs what one over 1 does) and good acceptance: speculate,
+    each row with its best option, never more drafts than its budget allows. Catches: choose always plain, the
+    budget cap ignored, the worse option picked."""
+    ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+    ba.measured, ba.ratio = {}, None
+    pin(ba, "dflash", "greedy", 0.8)
+    pin(ba, "mtp", "greedy", 0.3)
+    rows = [("greedy", 100, {"dflash": 15, "mtp": 1}), ("greedy", 100, {"dflash": 15}), ("greedy", 3, {"dflash": 15})]
+    k, plan = ba.choose(rows, 0, 1, 0.0, 15)
+    assert k >= 4, (k, plan)
+    assert plan[0][0] == "dflash" and plan[1][0] == "dflash" and plan[0][1] == k
+    assert plan[2] == ("dflash", 2)  # budget 3: at most 2 drafts
+    # with fixed rows in the batch too
+    k2, _ = ba.choose(rows[:1], 3, 1, 3.0, 15)
+    assert k2 > 0
+
+
+def test_auto_plain_when_compute_bound(ba):
+    """Step cost linear in the positions fed (compute-bound): E(k) < k + 1 drafted tokens per k + 1 positions, so
+    plain wins at any acceptance. Also from `measured` alone (the calibration flat, the measured steps linear).
+    Catches: choose ignoring the step cost of B·L positions (speculating whenever drafts are accepted), step_cost
+    preferring the calibration over a measured n."""
+    ba.curve = {n: 0.001 * n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+    ba.measured, ba.ratio = {}, None
+    pin(ba, "dflash", "greedy", 0.9)
+    pin(ba, "mtp", "greedy", 0.9)
+    rows = [("greedy", 100, {"dflash": 15, "mtp": 1})] * 4
+    k, plan = ba.choose(rows, 0, 1, 0.0, 15)
+    assert k == 0 and plan == [(None, 0)] * 4
+    ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+    assert ba.choose(rows, 0, 1, 0.0, 15)[0] > 0  # the same rows speculate when verification is free
+    ba.measured = {n: 0.001 * n for n in range(1, 257)}
+    k, plan = ba.choose(rows, 0, 1, 0.0, 15)
+    assert k == 0 and plan == [(None, 0)] * 4
+
+
+def test_auto_never_speculates_without_drafts(ba):
+    """No row has drafts (no option available: an n-gram row whose suffix never occurred; or budget 1), even with
+    drafting free and acceptance 1. Catches: a plan drafting for a row with no option, a width past the budget."""
+    ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+    ba.measured, ba.ratio = {}, None
+    pin(ba, "dflash", "greedy", 0.99)
+    k, plan = ba.choose([("greedy", 100, {}), ("greedy", 50, {})], 0, 1, 0.0, 15)
+    assert k == 0 and plan == [(None, 0)] * 2
+    k, plan = ba.choose([("greedy", 1, {"dflash": 15}), ("greedy", 100, {})], 2, 1, 2.0, 15)
+    assert k == 0 and plan == [(None, 0)] * 2
+
+
+def test_auto_cost_model_observe_and_interpolate(ba):
+    """observe: an EMA per n and a measured/calibrated ratio applied to unmeasured n; calibrated extends the curve
+    linearly. Catches: a ratio never applied, interpolation between the wrong points."""
+    ba.curve = {1: 1.0, 4: 4.0, 8: 6.0}
+    ba.measured, ba.ratio = {}, None
+    assert ba.calibrated(2) == pytest.approx(2.0) and ba.calibrated(6) == pytest.approx(5.0)
+    assert ba.calibrated(12) == pytest.approx(8.0)  # the last slope: 0.5 per position
+    ba.observe(4, 8.0, spec=True)
+    assert ba.measured[4] == 8.0 and ba.ratio == pytest.approx(2.0)
+    assert ba.step_cost(8) == pytest.approx(12.0)
+    ba.observe(4, 4.0, spec=False)
+    assert ba.measured[4] == pytest.approx(0.8 * 8 + 0.2 * 4)
+    assert ba.steps == {"plain": 1, "spec": 1}

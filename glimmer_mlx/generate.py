@@ -34,7 +34,7 @@ def stream_generate(model, prompt, *, tokenizer=None, max_tokens: int = 256, tem
     (none: all images are put first, after a leading BOS); each becomes `<|image_start|> <|patch|>×N
     <|image_end|>` and the prefill runs on embeddings with the image features in place (needs a tokenizer).
     image_max_tokens: per-image token budget (default 4096, transformers' `max_image_tokens`).
-    tree: token-tree verification with up to this many draft nodes per round (n-gram lookup and MTP; block_size is
+    tree: token-tree verification with up to this many draft nodes per round (n-gram lookup, MTP, DFlash; block_size is
     then the most drafts per path), `strategy.make_tree_decoder`."""
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                             repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size)

@@ -150,11 +150,11 @@ def make_decoder(model, drafter: Drafter | None, sampler: Sampler, *, block_size
 def make_tree_decoder(model, drafter: Drafter, sampler: Sampler, *, nodes: int, block_size=None,
                       prefill_step: int = DEFAULT_PREFILL_STEP, cache=None):
     """Token-tree verification (`speculative.engine.TreeDecoder`): up to `nodes` draft nodes per round, each path at
-    most `block_size` drafts deep (None: the drafter's most; for MTP, its depth). For n-gram lookup and MTP (DFlash
-    trees are not implemented: a clean ModeError)."""
-    if drafter is None or getattr(drafter, "kind", None) not in ("ngram", "mtp"):
+    most `block_size` drafts deep (None: the drafter's most; for MTP, its depth). For n-gram lookup, MTP and DFlash
+    (v1 and v2); `auto` does not choose trees (a clean ModeError)."""
+    if drafter is None or getattr(drafter, "kind", None) not in ("ngram", "mtp", "dflash"):
         what = "no drafter" if drafter is None else f"a {drafter.kind} drafter"
-        raise ModeError(f"token trees (tree nodes) are implemented for n-gram lookup and MTP only, got {what}")
+        raise ModeError(f"token trees (tree nodes) are implemented for n-gram lookup, MTP and DFlash, got {what}")
     if block_size == "auto":
         raise ModeError("with a tree, block_size is the most drafts per path: an integer, not 'auto'")
     drafter, block_size = prepare(model, drafter, block_size)  # an MTP depth is set on the drafter

@@ -70,8 +70,9 @@ def generate(
     if prompt == "-":
         prompt = sys.stdin.read()
     mode, width = decode_spec(mode, block_size, dflash=dflash, mtp=mtp, auto=auto, mtp_depth=mtp_depth)
-    if tree is not None and mode not in ("ngram", "mtp"):
-        fail("--tree needs --mode ngram or --mode mtp (token trees are implemented for n-gram lookup and MTP only)")
+    if tree is not None and mode not in ("ngram", "mtp", "dflash"):
+        fail("--tree needs --mode ngram, mtp or dflash (token trees are implemented for n-gram lookup, MTP and "
+             "DFlash; auto does not choose trees)")
     if mode == "dflash" and draft_model is None and model is not None:
         fail("--mode dflash without --draft-model only works with the embedded default model; give --draft-model")
     embedded = model is None

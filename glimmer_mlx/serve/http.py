@@ -50,6 +50,10 @@ def is_loopback(host: str) -> bool:
 
 class APIServer(ThreadingHTTPServer):
     """Serves `APIHandler`s for `app` (the `GlimmerServer`: its session, settings, request parsing and worker)."""
+
+    # connections waiting to be accepted: socketserver's default of 5 refused a burst of 16 clients
+    # (ConnectionResetError) before the accept thread got to them
+    request_queue_size = 128
     daemon_threads = True
 
     def __init__(self, address: tuple[str, int], app):

@@ -87,7 +87,9 @@ class Worker:
         self.jobs: queue.Queue[Job] = queue.Queue()
         self.stopped = threading.Event()
         self.batch = BatchGenerator(session.model, max_batch=max_batch, prefill_step=session.prefill_step)
-        self.prompts = PromptCache(prompt_cache_bytes)
+        # a fetched entry's drafter states are copies: the entry keeps its own for the next row that continues it
+        self.prompts = PromptCache(prompt_cache_bytes, copy_extra=lambda states: {k: d.copy_state()
+                                                                                   for k, d in states.items()})
         self.running: list[Job] = []  # jobs in the batch (decoding or being prefilled)
         self._admit = threading.Lock()  # a job is either refused or queued before `stop` drains the queue
         self._eos = stop_ids(session.model, session.tokenizer)
@@ -149,9 +151,9 @@ class Worker:
     def _batch_request(self, job: Job) -> BatchRequest:
         """The job as a batch row: checked (`Session.prepare`), its own drafter state, and the longest prefix of its
         prompt the prompt cache holds. A model drafter (DFlash, MTP) continues on a cached prefix only with the state
-        it had there (kept with the cache entry and taken by the one row that continues it, as `Session` continues
-        a conversation's drafter); without one, a fixed-mode row prefills its whole prompt, an `auto` row leaves
-        that drafter out. n-gram lookup rebuilds its index from the ids."""
+        it had there (kept with the cache entry; the row gets a copy, cut back as `Session` cuts a conversation's
+        drafter); without one, a fixed-mode row prefills its whole prompt, an `auto` row leaves that drafter out.
+        n-gram lookup rebuilds its index from the ids."""
         s = self.session
         stats = GenerationStats()
         p = s.prepare(job.ids, stats=stats, **job.request.generation_kwargs())
@@ -183,16 +185,16 @@ class Worker:
 
     @staticmethod
     def _continue(hit, drafters: dict, auto: bool) -> tuple[dict, list | None, int, str]:
-        """Continue `hit` (a prompt-cache hit) with these drafters: each model drafter takes the state the entry kept
-        for it (`state_key`) and every state is cut back to a common position (`Drafter.rewind_context`), the
-        target's cache to the same. Returns (drafters, cache or None, positions reused, reason)."""
+        """Continue `hit` (a prompt-cache hit) with these drafters: each model drafter takes (a copy of) the state the
+        entry kept for it (`state_key`) and every state is cut back to a common position (`Drafter.rewind_context`),
+        the target's cache to the same. Returns (drafters, cache or None, positions reused, reason)."""
         states = hit.extra if isinstance(hit.extra, dict) else {}
         out = {}
         for kind, d in drafters.items():
             if not d.taps:  # n-gram lookup: no state a prefix could lack
                 out[kind] = d
                 continue
-            st = states.pop(state_key(d), None)  # taken: no other row may continue the same state
+            st = states.get(state_key(d))  # a copy (`copy_extra`): the entry keeps its own
             if st is not None:
                 out[kind] = st
             elif not auto:

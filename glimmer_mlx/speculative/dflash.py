@@ -41,6 +41,7 @@ import mlx.core as mx
 
 from ..cache import CacheRewindError, KVCache, rewind_cache
 from ..config import ConfigError
+from ..prompt_cache import copy_cache
 from ..loading import CheckpointError, check_weights, load_weights, parse_dtype, quantize_like
 from ..models.assistant import Assistant, AssistantConfig
 from .protocol import MeasuredTau, read_measured_tau
@@ -89,6 +90,13 @@ class DFlashDrafter:
         d = copy.copy(self)
         d.cache = d.ctx = None
         return d
+
+    def copy_state(self) -> "DFlashDrafter":
+        """The same drafter with an independent copy of its current state (a prompt-cache entry's, handed to the
+        row that continues it while the entry keeps its own)."""
+        d = copy.copy(self)
+        d.cache = None if self.cache is None else copy_cache(self.cache)
+        return d  # ctx (an array, never written in place) is shared
 
     # -- the drafter protocol (speculative.protocol.Drafter) -----------------------------------------------------
     def start(self, taps: list[mx.array], ids: list[int]) -> None:

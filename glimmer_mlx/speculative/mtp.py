@@ -21,6 +21,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..prompt_cache import copy_cache
 from ..cache import CacheRewindError
 from ..config import ConfigError
 from ..loading import CheckpointError, check_weights, load_weights, parse_dtype, quantize_like, read_json, resolve_path
@@ -69,6 +70,15 @@ class MTPDrafter:
         d = copy.copy(self)
         d.caches = d.main = None
         return d
+
+    def copy_state(self) -> "MTPDrafter":
+        """The same drafter with an independent copy of its current state (a prompt-cache entry's, handed to the
+        row that continues it while the entry keeps its own)."""
+        d = copy.copy(self)
+        if self.caches is not None:
+            d.caches = [copy_cache([c])[0] for c in self.caches]  # depths hold different positions
+            d.saved, d.tokens = list(self.saved), list(self.tokens)
+        return d  # main (an array, never written in place) is shared
 
     # -- the drafter protocol (speculative.protocol.Drafter) -----------------------------------------------------
     def start(self, taps: list[mx.array], ids: list[int]) -> None:

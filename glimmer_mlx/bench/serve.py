@@ -504,6 +504,21 @@ def _warmup(host: str, port: int, settings: ServeBenchSettings, mode: str | None
                           rec, timeout=settings.startup_timeout + settings.request_timeout)
 
 
+def warm_prompts(host: str, port: int, settings: ServeBenchSettings, prompts: dict[str, list[str]],
+                 mode: str | None) -> int:
+    """Send every prompt the levels will use once (1 token, untimed), so every target/mode starts its levels with
+    the same warm prompt cache (both servers keep one, and the levels replay the same prompts: without this the
+    first mode measured pays every cold prefill and the later ones none). Returns how many failed."""
+    used = {prompt_for(i, prompts)[2] for i in range(max(settings.clients) * settings.requests)}
+    failed = 0
+    for text in sorted(used):
+        rec = stream_request(host, port, request_body(text, max_tokens=1, temperature=settings.temperature,
+                                                      seed=settings.seed, mode=mode),
+                             RequestRecord(index=-1), timeout=settings.request_timeout)
+        failed += not rec.ok
+    return failed
+
+
 def run_serve_bench(settings: ServeBenchSettings, *, model: str | None = None, draft_model: str | None = None,
                     mtp_model: str | None = None, out_dir=None, progress: Callable | None = None,
                     log: Callable[[str], None] | None = None) -> dict:
@@ -586,6 +601,7 @@ def _run_serve_bench(settings: ServeBenchSettings, *, model, draft_model, mtp_mo
                 if not w.ok:
                     skip_all(m, f"the warm-up request failed: {w.error}")
                     continue
+                warm_prompts(host, srv.port, settings, prompts, m)
                 runnable.append(m)
             for n in settings.clients:
                 for m in runnable:
@@ -616,6 +632,7 @@ def _run_serve_bench(settings: ServeBenchSettings, *, model, draft_model, mtp_mo
                     raise ServeBenchError(f"its first request failed ({w.error}); its output ends with:\n"
                                           f"{_tail(srv.log)}")
                 targets[MLX_LM]["loaded"] = True
+                warm_prompts(host, srv.port, settings, prompts, None)
             except ServeBenchError as e:
                 targets[MLX_LM].update(loaded=False, error=str(e))
                 skip_all(MLX_LM, f"mlx_lm.server cannot serve {path}: {e}")
@@ -638,7 +655,8 @@ def _run_serve_bench(settings: ServeBenchSettings, *, model, draft_model, mtp_mo
                      "protocol": "closed loop: each client sends its next request when its last one finished; "
                                  "request r of client c is the level's request r*N + c, its prompt round robin over "
                                  "the categories, its seed seed + index (glimmer: always; mlx-lm: only at T > 0); "
-                                 "one untimed warm-up request (at most 8 tokens) per target/mode first",
+                                 "one untimed warm-up request (at most 8 tokens) per target/mode first, then every "
+                                 "prompt the levels use once (1 token, untimed): each target/mode starts warm",
                      "definitions": {
                          "aggregate_tps": "completion tokens of the well-formed requests / (last finished - first sent)",
                          "per_request_tps": "(completion tokens - 1) / (latency - TTFT), median over requests",

@@ -54,6 +54,7 @@ class Launched:
     tokens: dict
     t0: float
     chained: bool = False  # queued on the tokens of the step before it (pipelined)
+    drafting: float = 0.0  # seconds its rows' drafters spent proposing
 
 
 @dataclass
@@ -221,6 +222,8 @@ class BatchGenerator:
         self.step_rows = Counter()  # batch size -> decode steps
         self.pending: Launched | None = None  # a queued step not read back yet (plain rows, pipelined)
         self._landed: float | None = None  # when the latest step was read back
+        self._prefilling = 0.0  # seconds of prefill chunks since then
+        self._after_spec: int | None = None  # the positions of the latest step, when it was speculative
 
     def __len__(self) -> int:
         return len(self.rows) + len(self.waiting)
@@ -311,7 +314,9 @@ class BatchGenerator:
             self.waiting.popleft()
         if self.waiting and len(self.rows) < self.max_batch:
             row = self.waiting[0]
+            t = time.perf_counter()
             chunk = self._prefill_chunk(row)
+            self._prefilling += time.perf_counter() - t
             if chunk is not None:
                 self.waiting.popleft()
                 events.append((row, chunk))
@@ -346,11 +351,13 @@ class BatchGenerator:
         autos = [b for b, r in enumerate(rows) if r.options is not None]
         if not autos:
             return {}
-        if self.steps % PRUNE_EVERY == 0:  # a model drafter that cannot pay at this batch size is no longer carried
+        if self.steps % PRUNE_EVERY == 0:
+            # a model drafter that cannot pay at this batch size by its mean estimate is no longer carried (it joined
+            # on its optimistic one: if it never drafts, that estimate never narrows)
             for b in autos:
                 r = rows[b]
                 for kind in [k for k, d in r.options.items() if d.taps]:
-                    if not self.auto.could_pay(kind, r.regime, len(rows)):
+                    if not self.auto.could_pay(kind, r.regime, len(rows), optimistic=False):
                         del r.options[kind]
         k_max = max(d.max_drafts for b in autos for d in rows[b].options.values())
         fixed = [r for r in rows if r.options is None]
@@ -366,7 +373,7 @@ class BatchGenerator:
         this one feeds (every row plain): those rows' lengths are advanced now by the token that step commits."""
         rows = list(self.rows)
         choices = {} if after is not None else self._choose(rows)
-        parts, widths = [], []
+        parts, widths, drafting = [], [], 0.0
         for b, r in enumerate(rows):
             lazy = after.tokens.get(id(r)) if after is not None else None
             if lazy is not None:
@@ -380,7 +387,9 @@ class BatchGenerator:
                 t = time.perf_counter()
                 f = r.plan(c)
                 if c is not None and c[0] is not None:  # what the chosen drafter's round measurably costs
-                    self.auto.observe_draft(c[0], c[1], time.perf_counter() - t)
+                    spent = time.perf_counter() - t
+                    drafting += spent
+                    self.auto.observe_draft(c[0], c[1], spent)
                 parts.append(f)
                 widths.append(len(f))
         L = max(widths)
@@ -405,7 +414,7 @@ class BatchGenerator:
             mx.async_eval(list(tokens.values()))
         self.steps += 1
         self.step_rows[len(rows)] += 1
-        return Launched(rows, widths, logits, tapped, want, tokens, t0, chained=after is not None)
+        return Launched(rows, widths, logits, tapped, want, tokens, t0, chained=after is not None, drafting=drafting)
 
     def _land(self, st: Launched, keep_cache: bool) -> list[tuple[Row, GenerationChunk]]:
         """Read a launched step back: each row accepts, commits and streams its tokens; finished rows leave."""
@@ -436,14 +445,30 @@ class BatchGenerator:
             if r.finished:
                 finished.append(b)
         now = time.perf_counter()
-        if self.auto is not None:  # a pipelined step costs what lies between two read-backs
-            self.auto.observe(B * L, now - (self._landed if st.chained and self._landed else st.t0), spec=L > 1)
-        self._landed = now
+        if self.auto is not None:
+            self._observe(st, B, L, now)
+        self._landed, self._prefilling = now, 0.0
         if finished:
             for b in finished:
                 self._finish(self.rows[b])
             self._leave(finished, keep_cache)
         return events
+
+    def _observe(self, st: Launched, B: int, L: int, now: float) -> None:
+        """Tell the batch chooser what this step cost: the time since the previous read-back (what a step costs in a
+        run of steps, pipelined or not), minus prefill chunks run in between and its drafting (priced per option). A
+        plain step that could not be pipelined because a speculative one came before it is that speculative step's
+        cost (`BatchAuto.charge`), not a plain step's."""
+        dt = (now - self._landed if self._landed is not None else now - st.t0) - self._prefilling
+        if L > 1:
+            self.auto.observe(B * L, dt - st.drafting, spec=True)
+            self._after_spec = B * L
+        elif self._after_spec is not None and not st.chained:
+            self.auto.charge(self._after_spec, dt - self.auto.step_cost(B))
+            self._after_spec = None
+        else:
+            self.auto.observe(B, dt, spec=False)
+            self._after_spec = None
 
     def _finish(self, row: Row) -> None:
         row.stats.generation_tokens = row.out.n

@@ -47,12 +47,13 @@ class BatchAuto:
         return {kind: d.fork() for kind, d in self.auto.drafters.items()
                 if kind == "ngram" or self.could_pay(kind, regime, batch)}
 
-    def could_pay(self, name: str, regime: str, batch: int) -> bool:
+    def could_pay(self, name: str, regime: str, batch: int, optimistic: bool = True) -> bool:
         """Whether `name` beats plain decoding at some width in a batch of `batch` rows all drafting with it (the
         most favourable case: every row pays the widest block anyway), with its acceptance at the optimistic end of
-        what is known (mean + 1.28 sd of the first draft's, every position moved alike)."""
+        what is known (mean + 1.28 sd of the first draft's, every position moved alike) or, not `optimistic`, at
+        its mean."""
         acc = self.acceptance(name, regime)
-        lift = 1.28 * acc.spread()
+        lift = 1.28 * acc.spread() if optimistic else 0.0
         plain = 1.0 / self.step_cost(batch)
         alphas = acc.alphas()
         for k in range(1, self.chooser.options[name].max_k + 1):
@@ -89,7 +90,13 @@ class BatchAuto:
         """Seconds of a step feeding n positions: the measured EMA at n; between two measured counts, linear
         between them; past the largest, its time plus the steeper of the measured slope (its last two counts) and
         the calibrated one; below the smallest, the smallest scaled down along the calibrated curve; nothing
-        measured yet, the calibrated curve (x the measured ratio)."""
+        measured yet, the calibrated curve (x the measured ratio) — and never less than a smaller count measured
+        (the times are noisy; the cost is not decreasing in positions)."""
+        m = self.measured
+        floor = max((t for k, t in m.items() if k < n), default=0.0)  # more positions never cost less
+        return max(floor, self._interpolated(n))
+
+    def _interpolated(self, n: int) -> float:
         m = self.measured
         if n in m:
             return m[n]
@@ -118,6 +125,13 @@ class BatchAuto:
         r = seconds / self.calibrated(n)
         self.ratio = r if self.ratio is None else (1 - EMA) * self.ratio + EMA * r
         self.steps["spec" if spec else "plain"] += 1
+
+    def charge(self, n: int, seconds: float) -> None:
+        """What a speculative step over n positions cost beyond its own time (the plain step after it, which could
+        not be queued before the speculative step was read: its time over a pipelined plain step's), added to n's
+        estimate (EMA-weighted)."""
+        if n in self.measured and seconds > 0:
+            self.measured[n] += EMA * seconds
 
     def draft_cost(self, name: str, k: int) -> float:
         """Seconds of one round of `name` at k drafts: its calibrated shape (`DraftCost`) times what its rounds in
@@ -156,7 +170,8 @@ class BatchAuto:
 
         best_k, best_plan = 0, plain
         best = (len(rows) + fixed_tokens) / self.step_cost(B * fixed_width)
-        for k in range(1, k_max + 1):
+        k_top = min(k_max, max((cap for _, _, avail in rows for cap in avail.values()), default=0))
+        for k in range(1, k_top + 1):  # no width beyond what some row can draft
             plan, tokens, drafting, L = [], fixed_tokens, 0.0, fixed_width
             for regime, budget, avail in rows:
                 pick, e_pick = (None, 0), 1.0

@@ -327,6 +327,20 @@ def test_finished_cache_continues_like_a_fresh_prefill(sess, ids, mode):
     assert rows[1].final_cache is not None and rows[1].final_cache[0].offset == len(rows[1].history) - 1
 
 
+def test_one_token_request_hands_back_its_prompt_cache(sess, ids):
+    """A request done at its first token (max_tokens 1) never joins the batch; with keep_cache its solo prefill
+    cache is its final cache (the whole prompt), so a server's prompt cache learns from it. Catches: a final cache
+    only for rows that joined (a 1-token warm-up then cached nothing)."""
+    gen = BatchGenerator(sess.model)
+    out, rows = run(gen, [(0, request(sess, ids[0], "ar", params(), 0, 1))], keep_cache=True)
+    fc = rows[0].final_cache
+    assert len(out[0][0]) == 1 and fc is not None and all(c.offset == len(ids[0]) for c in fc)
+    rest = [rows[0].history[-1]]
+    got = sess.model(mx.array([rest], dtype=mx.int32), fc)
+    fresh = sess.model(mx.array([ids[0] + rest], dtype=mx.int32), sess.model.make_cache())[:, -1:]
+    np.testing.assert_allclose(np.array(got), np.array(fresh), atol=1e-4)
+
+
 # -- 6. BatchLayout / BatchKVCache -----------------------------------------------------------------------------------
 
 def test_layout_masks():

@@ -320,7 +320,9 @@ class BatchGenerator:
             if chunk is not None:
                 self.waiting.popleft()
                 events.append((row, chunk))
-                if row.finished:
+                if row.finished:  # done at its first token: it never joined, its solo cache is the whole prompt
+                    if keep_cache and not row.cancelled:
+                        row.final_cache, row.cache = row.cache, None
                     self._finish(row)
         if self.pending is None:
             gone = [b for b, r in enumerate(self.rows) if r.cancelled]

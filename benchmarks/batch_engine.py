@@ -1,0 +1,30 @@
+"""Engine-level continuous batching (issue 24): aggregate tok/s of BatchGenerator with N rows (the shipped prompts
+under the chat template, 64 tokens, greedy, EOS honoured), ar rows vs auto rows, 3 interleaved repeats; no HTTP.
+Usage: python benchmarks/batch_engine.py 1,2,4,8,16"""
+import time, sys, json
+from glimmer_mlx.session import load_session
+from glimmer_mlx.sampling import Sampler, SamplingParams
+from glimmer_mlx.speculative.batch import BatchGenerator, BatchRequest
+from glimmer_mlx.bench.settings import load_prompts
+s = load_session(None)
+m, tok = s.model, s.tokenizer
+P = load_prompts(); cats = list(P)
+texts = [P[c][0] for c in cats] + [P[c][1 % len(P[c])] for c in cats]
+ids = [tok.apply_chat_template([{"role":"user","content":t}], add_generation_prompt=True, tokenize=True) for t in texts]
+ba = s.drafters.batch_auto()
+def run(mode, N):
+    g = BatchGenerator(m, auto=ba)
+    for j in range(N):
+        g.add(BatchRequest(ids[j % len(ids)], Sampler(SamplingParams(), j), 64, set(tok.eos_token_ids), tok, auto=mode == "auto"))
+    while g.waiting: g.step()
+    t = time.perf_counter(); n = 0; before = dict(ba.steps)
+    while len(g):
+        for r, c in g.step(): n += len(c.tokens)
+    spec = ba.steps["spec"] - before["spec"]
+    return n / (time.perf_counter() - t), spec
+for N in (int(x) for x in sys.argv[1].split(",")):
+    res = {"ar": [], "auto": []}
+    for rep in range(3):
+        for mode in ("ar", "auto"):
+            res[mode].append(run(mode, N))
+    print(N, {k: [round(a, 1) for a, _ in v] for k, v in res.items()}, "spec steps", [s for _, s in res["auto"]], flush=True)

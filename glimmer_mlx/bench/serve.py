@@ -353,8 +353,10 @@ class ServerProcess:
         deadline = t0 + timeout
         while True:
             if self.proc.poll() is not None:
-                raise ServeBenchError(f"{self.name} exited with code {self.proc.returncode} before it was ready; "
-                                      f"its output ends with:\n{_tail(self.log)}")
+                tail = _tail(self.log)
+                last = tail.splitlines()[-1] if tail.strip() else "no output"
+                raise ServeBenchError(f"{self.name} exited with code {self.proc.returncode} before it was ready "
+                                      f"({last}); its output ends with:\n{tail}")
             try:
                 status, _ = http_get(self.host, self.port, self.ready_path, timeout=2.0)
                 if status == 200:

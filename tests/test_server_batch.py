@@ -17,88 +17,15 @@ import pytest
 
 import glimmer_mlx
 from glimmer_mlx.serve import GlimmerServer
-from glimmer_mlx.session import Session
+from serve_helpers import ScriptedSampler, over_http, script, serve_tiny
 
 
 @pytest.fixture(scope="module")
 def served(tiny_checkpoint, tmp_path_factory):
     """(server, base_url, model, tokenizer): a tiny target with a tokenizer, a DFlash drafter and an MTP layer,
-    served in a background thread (the shape of tests/test_server.py's fixture)."""
-    from hf_fixtures import build_hf_drafter, build_hf_mtp, save_mtp_weights
-    from glimmer_mlx.speculative import load_drafter
-
-    mp = pytest.MonkeyPatch()  # auto's calibration cache: in tmp
-    mp.setenv("GLIMMER_MLX_CACHE_DIR", str(tmp_path_factory.mktemp("calibration")))
-    path, hf = tiny_checkpoint(seed=23, tokenizer=True, num_mtp_layers=1, mtp_layer_types=["sliding_attention"])
-    save_mtp_weights(build_hf_mtp(hf, 1, seed=3), path)
-    model, tok = glimmer_mlx.load(path)
-    d = tmp_path_factory.mktemp("srvb_drafter")
-    build_hf_drafter().save_pretrained(d)
-    session = Session(model, tok, drafters={"dflash": load_drafter(d, model), "mtp": load_drafter(path, model)},
-                      max_context=1024)
-    session.path = path
-    server = GlimmerServer(session, port=0, quiet=True, mode="ar", default_max_tokens=16)
-    server.start_http()
-    yield server, f"http://127.0.0.1:{server.port}", model, tok
-    server.shutdown()
-    mp.undo()
-
-
-def over_http(server, fn):
-    """Run `fn()` (the HTTP clients: no MLX work) in a thread while this (main) thread runs the server's
-    generations, as `glimmer serve` does; re-raise what `fn` raised."""
-    done, box = threading.Event(), {}
-
-    def client():
-        try:
-            box["result"] = fn()
-        except BaseException as e:  # re-raised in the main thread
-            box["error"] = e
-        finally:
-            done.set()
-
-    t = threading.Thread(target=client)
-    t.start()
-    server.run_jobs(until=done)
-    t.join()
-    if "error" in box:
-        raise box["error"]
-    return box.get("result")
-
-
-class ScriptedSampler:
-    """A greedy sampler that emits `tokens` in order (then `end`), calling `each(i)` before token i. Its params have
-    a (no-op for it) repetition penalty so the batch never picks its token with the shared argmax of greedy plain
-    rows (`BatchGenerator._decode`'s fast path), which would bypass the script."""
-
-    def __init__(self, tokens, end, each=None):
-        from glimmer_mlx.sampling import SamplingParams
-
-        self.params = SamplingParams(repetition_penalty=1.01)
-        self.tokens, self.end, self.each, self.i = list(tokens), end, each, 0
-
-    def __call__(self, logits, history=None):
-        import mlx.core as mx
-
-        if self.each is not None:
-            self.each(self.i)
-        t = self.tokens[self.i] if self.i < len(self.tokens) else self.end
-        self.i += 1
-        return mx.array([t], dtype=mx.int32)
-
-
-def script(monkeypatch, server, pick):
-    """Requests whose Prepared `pick(prepared)` returns a sampler get it instead of their own."""
-    real = server.session.prepare
-
-    def prepare(prompt, **kw):
-        p = real(prompt, **kw)
-        sampler = pick(p)
-        if sampler is not None:
-            p.sampler = sampler
-        return p
-
-    monkeypatch.setattr(server.session, "prepare", prepare)
+    served in a background thread (`serve_helpers.serve_tiny`)."""
+    for server, base, model, tok, _ in serve_tiny(tiny_checkpoint, tmp_path_factory, seed=23):
+        yield server, base, model, tok
 
 
 def call(base, path, body=None, timeout=120):

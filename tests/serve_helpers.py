@@ -95,3 +95,11 @@ def script(monkeypatch, server, pick):
         return p
 
     monkeypatch.setattr(server.session, "prepare", prepare)
+
+
+def script_slow(monkeypatch, server, tok, budget: int, each) -> None:
+    """Requests asking for exactly `budget` tokens generate the filler token "x" `budget` times, calling `each(i)`
+    before token i (a slow, long generation to cancel or to fill the queue with); the others are untouched."""
+    filler = tok.encode_text("x", add_special_tokens=False)[0]
+    script(monkeypatch, server,
+           lambda p: ScriptedSampler([filler] * budget, filler, each) if p.budget == budget else None)

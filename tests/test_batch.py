@@ -5,7 +5,6 @@ Every test names, in a comment, the broken implementation it catches (each was t
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 import mlx.core as mx

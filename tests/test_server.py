@@ -22,7 +22,7 @@ import pytest
 
 import glimmer_mlx
 from glimmer_mlx.serve import GlimmerServer
-from serve_helpers import ScriptedSampler, over_http, script, serve_tiny
+from serve_helpers import ScriptedSampler, over_http, script, script_slow, serve_tiny
 
 MUSE_TEMPLATE = Path(__file__).resolve().parent.parent / "embedded" / "build" / "chat_template.jinja"
 
@@ -813,8 +813,7 @@ def test_non_streaming_client_gone_cancels_its_generation(served, monkeypatch):
         time.sleep(0.05)
         produced.append(i)
 
-    filler = tok.encode_text("x", add_special_tokens=False)[0]
-    script(monkeypatch, server, lambda p: ScriptedSampler([filler] * 1000, filler, slow) if p.budget == 1000 else None)
+    script_slow(monkeypatch, server, tok, 1000, slow)
 
     def client():
         body = json.dumps({"prompt": "Hello", "max_tokens": 1000}).encode()

@@ -17,7 +17,7 @@ import pytest
 
 import glimmer_mlx
 from glimmer_mlx.serve import GlimmerServer
-from serve_helpers import ScriptedSampler, over_http, script, serve_tiny
+from serve_helpers import over_http, script_slow, serve_tiny
 
 
 @pytest.fixture(scope="module")
@@ -142,8 +142,7 @@ def test_streaming_client_gone_frees_its_row(served, monkeypatch):
         time.sleep(0.02)
         produced.append(i)
 
-    filler = tok.encode_text("x", add_special_tokens=False)[0]
-    script(monkeypatch, server, lambda p: ScriptedSampler([filler] * 1000, filler, slow) if p.budget == 1000 else None)
+    script_slow(monkeypatch, server, tok, 1000, slow)
     others = REQUESTS[:4]
     refs = [glimmer_mlx.generate(model, p, tokenizer=tok, max_tokens=n).text for p, _, n in others]
 
@@ -249,8 +248,7 @@ def test_full_queue_is_503(served, monkeypatch):
         started.set()
         time.sleep(0.4)
 
-    filler = tok.encode_text("x", add_special_tokens=False)[0]
-    script(monkeypatch, server, lambda p: ScriptedSampler([filler] * 7, filler, slow) if p.budget == 7 else None)
+    script_slow(monkeypatch, server, tok, 7, slow)
 
     def client():
         box = {}

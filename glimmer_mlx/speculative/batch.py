@@ -108,7 +108,6 @@ class Row:
         self.hist = Counter()
         self.batch_sizes = 0  # sum of the batch sizes of the steps this row was in
         self.steps = 0  # decode steps it was in
-        self.feed: list[int] = []  # what this row fed the current step
         self.drafts: list[int] = []
         self.q = None
         self.final_cache: list[KVCache] | None = None
@@ -146,12 +145,11 @@ class Row:
         else:
             k = 0 if drafter is None else min(self.req.width, self.out.budget - 1)
         if k == 0:
-            self.drafts, self.q, self.feed = None, None, [anchor]
-            return self.feed
+            self.drafts, self.q = None, None
+            return [anchor]
         pos = len(self.history) - 1  # the anchor's position: the cache holds every committed token but the anchor
         self.drafts, self.q = drafter.propose(anchor, pos, k, self.sampler, self.history)
-        self.feed = [anchor] + self.drafts
-        return self.feed
+        return [anchor] + self.drafts
 
     def available(self, k_max: int) -> dict:
         """An auto row's {option: most drafts it gives now} (n-gram lookup: as the option of the matched size,
@@ -479,6 +477,3 @@ class BatchGenerator:
         row.stats.extra.update(row.stats_extra())
         for d in row.drafters:
             row.stats.extra.update(d.stats())
-
-    def stats(self) -> dict:
-        return {"steps": self.steps, "batch_sizes": {int(k): int(v) for k, v in sorted(self.step_rows.items())}}

@@ -1,9 +1,10 @@
 // block_attention_partial — pass 1 of block-verify attention (body for mx.fast.metal_kernel).
 //
-// The L <= 16 query rows (anchor + drafts) of all G query heads of one GQA group are R = G*L rows of one matrix
-// problem against the group's shared K/V: a threadgroup owns (KV head, key chunk, row group) and reads each K/V row
-// of its chunk once into threadgroup memory for all its rows; every simdgroup owns one 8-row tile of the R rows and
-// computes S = Q·Kᵀ and O += P·V with 8x8 simdgroup_matrix tiles, keeping an online softmax (running max) per row.
+// The L query rows (anchor + drafts, or a token tree's flattened nodes) of all G query heads of one GQA group are
+// R = G*L rows of one matrix problem against the group's shared K/V: a threadgroup owns (KV head, key chunk, row
+// group) and reads each K/V row of its chunk once into threadgroup memory for all its rows; every simdgroup owns one
+// 8-row tile of the R rows and computes S = Q·Kᵀ and O += P·V with 8x8 simdgroup_matrix tiles, keeping an online
+// softmax (running max) per row.
 // With R <= 8*NSG (NSG simdgroups, at most 8: G*L <= 64) one threadgroup covers the whole group, so each K/V row
 // is read once per group and chunk; larger groups use ceil(R / (8*NSG)) row groups, each reading the chunk once.
 //
@@ -14,13 +15,22 @@
 //          meta [5] int32 = (N, qk, W, SS, S)   qk = absolute position of query 0 minus that of key 0,
 //                                              W = sliding window (0 = global), SS keys per chunk, S chunks
 //          fmeta [1] float32 = (softmax scale * log2(e))   scores are kept in base-2 units (exp2)
-// template: T (dtype), D (head dim, a multiple of 32), L (rows per head, 1..16), G (query heads per KV head),
-//           BK (keys per block: 16, or 8 for D > 128 to fit 32 KiB), NSG (simdgroups per threadgroup)
+//          tree only (TREE): meta [5 + 2L] = (N, qk, W, SS, S, bits[L], depths[L]): bits[i] (a uint32 stored as
+//          int32) has bit b set iff row i sees block row b (b = key - qk: its ancestors and itself, with the window
+//          rule on block rows already applied, exactly `cache.tree_mask`'s block columns), depths[i] = row i's depth
+// template: T (dtype), D (head dim, a multiple of 32), L (rows per head: 1..16, 1..32 for a tree), G (query heads
+//           per KV head), BK (keys per block: 16, or 8 for D > 128 to fit 32 KiB), NSG (simdgroups per
+//           threadgroup), TREE (false: the L rows are a chain at consecutive positions; true: a token tree's
+//           flattened nodes, the mask from the ancestor bits; a compile-time constant, so the chain variant is the
+//           same code as without it)
 // outputs: o_part [Hkv, S, RP, D] float32 (unnormalised), ml [Hkv, S, RP, 2] float32 (running max in base-2
 //          units, running sum); row r = g*L + i is query i of head kvh*G + g; RP = 8*ceil(R/8) (padding rows are
 //          fully masked: max -inf, sum 0)
 // launch : grid (32*NSG, Hkv*RG, S), threadgroup (32*NSG, 1, 1), RG = ceil(ceil(R/8) / NSG)
-// mask   : query i sees key j iff j <= qk + i (causal inside the block) and (W == 0 or j > qk + i - W)
+// mask   : chain: query i sees key j iff j <= qk + i (causal inside the block) and (W == 0 or j > qk + i - W).
+//          tree: query i (at position qk + depths[i]) sees a context key j < qk iff W == 0 or j > qk + depths[i] - W,
+//          and a block key j >= qk iff bit j - qk of bits[i] is set. One register per lane (the row's bits) and one
+//          shift per key: no mask matrix is read inside the key loop.
 
 constexpr int R = G * L;
 constexpr int RT = (R + 7) / 8;          // 8-row tiles of the group
@@ -58,6 +68,8 @@ const int r = rt * 8 + fr;  // this lane's query row
 const bool valid = active && r < R;
 const int g = valid ? r / L : 0;
 const int i = valid ? r % L : 0;
+const uint tbits = TREE && valid ? uint(meta[5 + i]) : 0u;  // tree: the block rows row i sees
+const int tpos = TREE && valid ? qk + meta[5 + L + i] : 0;  // tree: row i's position (relative to key 0)
 
 threadgroup float Ks[BK * LDS];
 threadgroup float Vs[BK * LDS];
@@ -73,7 +85,7 @@ for (int dt = 0; dt < DT; dt++) {
 float m = -INFINITY;  // running max of row fr (base-2 units), the same in the 4 lanes of the row
 float l = 0.0f;       // running sum
 
-// keys any row of the group can see
+// keys any row of the group can see (a tree's depths are >= 0, so no row sees a context key below qk - W + 1)
 int lo = s * SS;
 int hi = min(lo + SS, N);
 hi = min(hi, qk + L);
@@ -126,7 +138,9 @@ for (int j0 = lo; j0 < hi; j0 += BK) {
     for (int kt = 0; kt < KT; kt++) {
       for (int e = 0; e < 2; e++) {
         const int j = j0 + kt * 8 + fc + e;
-        const bool see = valid && j < hi && j <= qk + i && (W == 0 || j > qk + i - W);
+        const bool see = valid && j < hi
+            && (TREE ? (j < qk ? (W == 0 || j > tpos - W) : ((tbits >> uint(j - qk)) & 1u) != 0u)
+                     : (j <= qk + i && (W == 0 || j > qk + i - W)));
         const float x = see ? Sf[kt].thread_elements()[e] : -INFINITY;
         Sf[kt].thread_elements()[e] = x;
         bmax = max(bmax, x);

@@ -161,7 +161,7 @@ class Attention(nn.Module):
         k = rms(k, self.eps).transpose(0, 2, 1, 3)
         v = v.transpose(0, 2, 1, 3)
         offset = cache.offset if cache is not None else 0
-        if tree is not None:  # a token tree: per-node positions and the tree mask, through the pure-MLX attention
+        if tree is not None:  # a token tree: per-node positions and the tree mask
             if self.use_rope:
                 positions = offset + tree[0]
                 q, k = rope.at(q, positions), rope.at(k, positions)
@@ -169,7 +169,11 @@ class Attention(nn.Module):
                 k, v, mask = cache.update(k, v, tree=tree)
             else:
                 mask = tree_mask(tree[0], tree[1], 0, 0, self.window)
-            o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+            if cache is not None and not cache.batched and block_kernels_enabled():
+                # Metal only (the CPU path is unchanged): the block-verify kernel with the tree's ancestor bits
+                o = block_attention(q, k, v, scale=self.scale, qk=k.shape[2] - L, window=self.window, tree=tree)
+            else:
+                o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
             o = o.transpose(0, 2, 1, 3).reshape(B, L, -1)
             return self.o_proj(gated(o, self.gate_proj(x)))
         if self.use_rope:

@@ -34,6 +34,7 @@ from ..session import Session
 from ..strategy import DecodeSpec
 from .api import ChatRequest, CompletionRequest, Request
 from .http import APIServer, is_loopback
+from .solo import SoloWorker
 from .worker import DEFAULT_MAX_BATCH, DEFAULT_PROMPT_CACHE_BYTES, Job, Worker
 
 __all__ = ["GlimmerServer", "is_loopback"]
@@ -48,7 +49,10 @@ class GlimmerServer:
     def __init__(self, session: Session, *, host: str = "127.0.0.1", port: int = 8080, mode: str | None = None,
                  block_size=None, default_max_tokens: int = 2048, model_name: str | None = None,
                  quiet: bool = False, max_queue: int = MAX_QUEUE, api_key: str | None = None,
-                 max_batch: int = DEFAULT_MAX_BATCH, prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES):
+                 max_batch: int = DEFAULT_MAX_BATCH, prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
+                 one_at_a_time: str | None = None):
+        """one_at_a_time: decode requests one by one through the session (`solo.SoloWorker`, no batching; the
+        reason, shown in /health: `--distributed`); max_batch and prompt_cache_bytes then do not apply."""
         if not is_loopback(host) and not api_key:
             raise ValueError(f"refusing to listen on {host or 'every interface'} without an API key: pass --api-key "
                              "(or set GLIMMER_API_KEY), or bind 127.0.0.1")
@@ -72,7 +76,13 @@ class GlimmerServer:
         self.created = int(time.time())
         self.quiet = quiet
         self.template = session.tokenizer.chat_template  # what the model's tool calls are parsed by
-        self.worker = Worker(session, max_queue=max_queue, max_batch=max_batch, prompt_cache_bytes=prompt_cache_bytes)
+        if one_at_a_time:
+            self.worker = SoloWorker(session, max_queue=max_queue)
+            self.health_extra = {"one_at_a_time": one_at_a_time}
+        else:
+            self.worker = Worker(session, max_queue=max_queue, max_batch=max_batch,
+                                 prompt_cache_bytes=prompt_cache_bytes)
+            self.health_extra = {}
         self._http: threading.Thread | None = None
         self._closing, self._closed = threading.Lock(), False
         self.httpd = APIServer((host, port), self)

@@ -278,7 +278,7 @@ class APIHandler(BaseHTTPRequestHandler):
                                  "modes": app.session.available_modes(), "queued": app.worker.queued(),
                                  "running": app.worker.active(), "max_batch": app.worker.max_batch,
                                  "prompt_cache": app.worker.prompts.stats_dict(),
-                                 "max_context": app.session.max_context})
+                                 "max_context": app.session.max_context, **app.health_extra})
         elif path == "/v1/models":
             self.send_json(200, {"object": "list", "data": [self.model_card()]})
         elif path == f"/v1/models/{app.model_name}":

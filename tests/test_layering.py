@@ -21,7 +21,7 @@ LAYERS = [
     ("runtime",),
     ("speculative",),
     ("strategy",),
-    ("generate", "session", "distributed"),
+    ("generate", "session", "distributed", "follower"),
     ("", "chat", "agent", "serve", "convert", "info", "doctor", "train", "bench"),  # "": the package's public API
     ("cli",),
 ]

@@ -3,14 +3,19 @@
 
 from __future__ import annotations
 
-from typing import List, Optional
+import os
+import signal
+import sys
+from typing import Annotated, List, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ..agent import load_backend, run_command
+from .. import distributed as dist
+from ..agent import MLXBackend, load_backend, run_command
 from ..chat import Chat
+from ..follower import LeaderSession, follow, load_distributed_session, trap_termination
 from ..loading import CheckpointError
 from ..sampling import SamplingParams
 from ..serve import GlimmerServer, is_loopback
@@ -21,13 +26,46 @@ from .app import (AutoFlag, BlockSize, DflashFlag, DraftModel, Dtype, MaxContext
                   decode_spec, fail, note)
 
 
-def open_session(model, draft_model, mtp_model, dtype=None, max_context=None):
-    """A session.Session for chat / serve / agent (errors → a clean exit)."""
+Distributed = Annotated[Optional[str], typer.Option(
+    "--distributed", help="tp (tensor parallelism) | pp (pipeline parallelism) over the ranks of `mlx.launch -n N "
+    "--backend ring -- glimmer …`: only rank 0 talks to the terminal / HTTP / tools, the other ranks follow it in "
+    "lockstep; modes ar|dflash|mtp|ngram (auto is refused; default ar).")]
+
+
+def open_session(model, draft_model, mtp_model, dtype=None, max_context=None, distributed=None, mode=None,
+                 width=None):
+    """A session.Session for chat / serve / agent (errors → a clean exit). With `distributed`: rank 0 gets a
+    `follower.LeaderSession`; every other rank follows it here and exits when rank 0 does."""
+    if distributed is not None:
+        return open_distributed(model, draft_model, mtp_model, dtype, max_context, distributed, mode, width)
     try:
         return load_session(model, draft_model=draft_model, mtp_model=mtp_model, dtype=dtype, max_context=max_context,
                             announce=note)
     except (CheckpointError, FileNotFoundError, ValueError) as e:
         fail(str(e))
+
+
+def open_distributed(model, draft_model, mtp_model, dtype, max_context, strategy, mode, width):
+    try:
+        group = dist.start(strategy)
+        dist.check_mode(mode or "ar", width)
+    except (dist.DistributedError, ValueError) as e:
+        fail(str(e))
+    rank = group.rank()
+    if rank != 0:  # only rank 0 talks to the terminal (its stdin too: mlx.launch copies the input to every rank)
+        console.quiet = True
+        sys.stdout = open(os.devnull, "w")
+        sys.stdin.close()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
+        trap_termination(rank)
+    try:
+        session = load_distributed_session(model, group, strategy, draft_model=draft_model, mtp_model=mtp_model,
+                                           dtype=dtype, max_context=max_context, announce=note)
+    except (CheckpointError, FileNotFoundError, ValueError, dist.DistributedError) as e:
+        fail(str(e))
+    if rank != 0:
+        raise typer.Exit(follow(session, group))
+    return LeaderSession(session, group, strategy=strategy)
 
 
 @app.command()
@@ -53,6 +91,7 @@ def chat(
     calibrate: bool = typer.Option(True, "--calibrate/--no-calibrate", help="Measure the plain-decoding rate "
                                    "(32 tokens) for the speedup shown after speculative turns, if no ar turn ran."),
     stats: bool = typer.Option(True, "--stats/--no-stats", help="Print the stats line after each answer."),
+    distributed: Distributed = None,
 ):
     """Chat in the terminal: streaming answers, history, /commands (/help), prompt-cache reuse across turns.
     Default mode: auto when a drafter is loaded (the embedded model has two), else ar."""
@@ -63,7 +102,7 @@ def chat(
         SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty)
     except ValueError as e:
         fail(str(e))
-    session = open_session(model, draft_model, mtp_model, dtype, max_context)
+    session = open_session(model, draft_model, mtp_model, dtype, max_context, distributed, mode, width)
     spec = check_spec(session.drafters, mode or session.default_mode(), width)
     try:
         app_ = Chat(session, mode=spec.mode, block_size=spec.width, temperature=temp, top_p=top_p, top_k=top_k,
@@ -101,31 +140,41 @@ def serve(
                                           help="Require 'Authorization: Bearer <key>' on every request (env: "
                                           "GLIMMER_API_KEY, which keeps the key out of the process list). Required "
                                           "for a --host other than loopback."),
+    distributed: Distributed = None,
 ):
     """A local OpenAI-compatible server: /v1/chat/completions (streaming, tools), /v1/completions, /v1/models,
     /health. One model resident, requests continuously batched (speculative modes included), a prompt cache across
     conversations. --mode is the
     default decoding mode (default: auto when a drafter is loaded, else ar); requests may override it with
-    {"glimmer": {"mode": ..., "block_size": ...}}."""
+    {"glimmer": {"mode": ..., "block_size": ...}}. With --distributed: one request decoded at a time (no batching
+    across ranks; /health says so), the session's own prompt cache (the latest conversation)."""
     mode, width = decode_spec(mode, block_size, dflash=dflash, mtp=mtp, auto=auto)
     if not is_loopback(host) and not api_key:  # before loading a model for nothing
         fail(f"refusing to listen on {host or 'every interface'} without an API key: pass --api-key (or set "
              "GLIMMER_API_KEY), or bind 127.0.0.1")
-    session = open_session(model, draft_model, mtp_model, dtype, max_context)
+    session = open_session(model, draft_model, mtp_model, dtype, max_context, distributed, mode, width)
     spec = check_spec(session.drafters, mode or session.default_mode(), width)
+    solo = None if distributed is None else (f"--distributed {distributed} over {session.group.size()} ranks: one "
+                                             f"request decoded at a time (no batching across ranks)")
     try:
         if not 0 <= prompt_cache_gb < 1e6:
             raise ValueError(f"--prompt-cache-gb must be >= 0, got {prompt_cache_gb}")
         server = GlimmerServer(session, host=host, port=port, mode=spec.mode, block_size=spec.width,
                                default_max_tokens=max_tokens, model_name=model_name, api_key=api_key,
-                               max_batch=max_batch, prompt_cache_bytes=int(prompt_cache_gb * 2**30))
+                               max_batch=max_batch, prompt_cache_bytes=int(prompt_cache_gb * 2**30),
+                               one_at_a_time=solo)
     except (ModeError, ValueError, OSError) as e:
         fail(str(e))
     console.print(f"[bold]glimmer serve[/] {escape(server.model_name)} on http://{server.host}:{server.port} "
                   f"(mode {escape(server.default_mode)}; modes: {', '.join(session.available_modes())}"
                   f"{'; API key required' if server.api_key else ''}) — Ctrl-C stops",
                   soft_wrap=True)
-    server.serve_forever()
+    if solo:
+        note(solo)
+    try:
+        server.serve_forever()
+    except dist.DistributedError as e:
+        fail(str(e))
     console.print("[dim]stopped[/]")
 
 
@@ -152,12 +201,23 @@ def agent(
     temp: Temp = 0.0,
     seed: Seed = None,
     timeout: float = typer.Option(120.0, "--timeout", help="Seconds a `run` command may take."),
+    distributed: Distributed = None,
 ):
     """An offline tool-using agent in a workspace: list/read/search files, write or patch them (diff shown, asks
     first), run commands (asks first), answer. Paths are confined to the workspace."""
     mode, width = decode_spec(mode, block_size)
 
+    if distributed is not None:  # every rank loads now; the followers stay in open_session
+        session = open_session(model, draft_model, mtp_model, distributed=distributed, mode=mode, width=width)
+        try:
+            built = MLXBackend(session, mode=mode or session.default_mode(), block_size=width, max_tokens=max_tokens,
+                               temperature=temp, seed=seed)
+        except ValueError as e:
+            fail(str(e))
+
     def backend():  # loaded once the options and the workspace are checked
+        if distributed is not None:
+            return built
         return load_backend(model, mode=mode, block_size=width, draft_model=draft_model, mtp_model=mtp_model,
                             announce=note, max_tokens=max_tokens, temperature=temp, seed=seed)
 

@@ -12,6 +12,7 @@ import glimmer_mlx
 from glimmer_mlx.speculative.auto import (AcceptanceStats, AutoChooser, AutoDrafter, DraftCost, load_or_calibrate,
                                           make_auto)
 from glimmer_mlx.speculative.auto.chooser import ENTER_GAIN, FUTURE_TOKENS, MIN_GAIN
+from glimmer_mlx.cache import keep_path as engine_keep_path
 from glimmer_mlx.speculative.engine import AutoDecoder
 
 MS = 1e-3
@@ -471,6 +472,10 @@ def test_calibration_is_cached_per_machine_and_model(tiny, tmp_path, monkeypatch
     assert len(files) == 1 and info["machine"] in files[0].name and info["model"] in files[0].name
     saved = json.loads(files[0].read_text())
     assert saved["taps"] == [1, 3] and set(saved["costs_s"]) == {"1", "2", "3", "4", "5"}
+    # the staleness check (a plain token measured now, off by 2x: its own test below) would fire on a loaded machine
+    import importlib
+    monkeypatch.setattr(importlib.import_module("glimmer_mlx.speculative.auto.calibrate"), "check_plain_token",
+                        lambda m: info["plain_token_s"])
     again, info2 = load_or_calibrate(model, (1, 3), 5)
     assert info2["cached"] and again == costs
     _, info3 = load_or_calibrate(model, (1, 3), 7)  # a longer curve than cached: measured again
@@ -946,3 +951,124 @@ def test_catch_up_cost_is_charged_to_a_drafter_that_is_behind():
     assert ch.best({"dflash": 8})[0] is None
     ch.set_lag("dflash", 0)
     assert ch.best({"dflash": 8})[0] == "dflash"
+
+
+# -- token trees inside auto ----------------------------------------------------------------------------------------
+
+
+def test_a_tree_option_pays_on_a_flat_curve_and_not_on_a_steep_one():
+    """A tree option verifies its fixed rows whatever its depth: where 16 rows cost what 2 do it beats a chain that
+    accepts less per depth; where 16 rows cost four steps it loses to the chain's narrow rounds."""
+    steep = {L: 10 * MS * max(1.0, L / 4) for L in range(1, 18)}  # 4 rows cost a step, 16 rows four
+    for costs, winner in ((flat(), "dflash+tree"), (steep, "dflash")):
+        ch = AutoChooser(costs)
+        ch.add("dflash", 15, "affine", draft_prior=(1 * MS, 0.0)).acceptance("greedy").set_alphas([0.6] + [0.3] * 14)
+        tree = ch.add("dflash+tree", 7, "affine", draft_prior=(1 * MS, 0.0), rows=16)
+        tree.acceptance("greedy").set_alphas([0.8] * 7)
+        assert tree.verify_rows(1) == 16 and tree.verify_rows(7) == 16
+        name, k, _ = ch.best({"dflash": 15, "dflash+tree": 7})
+        assert name == winner, (costs[16], name, k)
+        # its rate is priced at C(16), not C(k + 1)
+        e = tree.acceptance("greedy").expected_tokens(7)
+        assert ch.rate("dflash+tree", 7) == pytest.approx(e / (1 * MS + costs[16]))
+    with pytest.raises(ValueError, match="tree rows"):
+        AutoChooser(flat(9)).add("t", 4, "affine", rows=12)
+
+
+def test_a_tree_rounds_verify_time_teaches_its_own_factor_not_the_chains():
+    ch = AutoChooser(flat())
+    ch.add("dflash", 15, "affine", draft_prior=(0.0, 0.0))
+    ch.add("dflash+tree", 7, "affine", draft_prior=(0.0, 0.0), rows=16)
+    ch.update("dflash+tree", 7, 3, "greedy", draft_time=0.0, verify_time=3 * 10 * MS)
+    assert ch.options["dflash+tree"].verify_factor["greedy"] > 1.0 and "greedy" not in ch.verify_factor
+
+
+def test_auto_offers_dflash_trees_sized_from_the_curve(tiny, tmp_path):
+    model, _, dpath = tiny
+    auto = _auto(model, dpath, tmp_path)
+    tree = auto.chooser.options["dflash+tree"]
+    assert tree.rows == max(auto.chooser.costs) and tree.max_k < tree.rows - 1  # the tiny block-4 drafter: 5 rows
+    assert "dflash+tree" not in _auto(model, dpath, tmp_path, trees=False).chooser.options
+
+
+def test_auto_tree_rounds_greedy_identical_to_plain(tiny, tmp_path):
+    """Tree rounds chosen between chain rounds, MTP, n-gram and plain stretches: every drafter stays in step with the
+    accepted paths and greedy output equals plain decoding's."""
+    model, _, dpath = tiny
+    auto = _auto(model, dpath, tmp_path)
+    auto.chooser = Scripted(auto.chooser, [("dflash+tree", 2), ("dflash", 3), (None, 0), ("mtp", 1),
+                                           ("dflash+tree", 2), ("dflash+tree", 1), ("ngram", 4)])
+    rng = np.random.RandomState(8)
+    trees = 0
+    for _ in range(3):
+        prompt = [int(x) for x in rng.randint(10, 500, size=10)] * 2
+        plain = glimmer_mlx.generate(model, prompt, max_tokens=40).tokens
+        r = glimmer_mlx.generate(model, prompt, max_tokens=40, drafter=auto)
+        assert r.tokens == plain
+        trees += r.stats.extra.get("tree_rounds", 0)
+        assert r.stats.extra.get("mean_tree_rows", 5.0) > 3.0  # alternatives were verified beside the chain
+    assert trees >= 6
+
+
+def test_auto_tree_rounds_accepting_later_siblings_stay_identical_to_plain(tiny, tmp_path, monkeypatch):
+    """The DFlash tree replaced by an oracle's (the plain continuation on a random sibling, cut or corrupted, among
+    decoys): accepted paths run through later siblings, the caches and every drafter keep exactly them."""
+    from glimmer_mlx.speculative.tree import TokenTree
+
+    from glimmer_mlx.speculative import engine
+
+    model, _, dpath = tiny
+    V = model.args.vocab_size
+    kept = []
+    monkeypatch.setattr(engine, "keep_path", lambda cache, offset, rows: (kept.append(rows),
+                                                                          engine_keep_path(cache, offset, rows)))
+    for seed in range(3):
+        auto = _auto(model, dpath, tmp_path)
+        auto.chooser = Scripted(auto.chooser, [("dflash+tree", 2), ("dflash+tree", 2), ("mtp", 1), (None, 0),
+                                               ("dflash", 3)])
+        rng = np.random.default_rng(seed)
+        prompt = rng.integers(10, V, 9).tolist()
+        plain = glimmer_mlx.generate(model, prompt, max_tokens=40).tokens
+        truth = plain + [0] * 8
+
+        def oracle(anchor, pos, depth, budget, sampler, history):
+            g = len(history) - len(prompt)
+            true = list(truth[g:g + int(rng.integers(0, depth + 1))])
+            if true and rng.random() < 0.3:
+                true[-1] = (true[-1] + 1) % V
+            decoys = [rng.integers(0, V, int(rng.integers(1, depth + 1))).tolist() for _ in range(3)]
+            paths = decoys[:int(rng.integers(1, 3))] + [true] + decoys
+            return TokenTree.from_paths(anchor, paths, budget, max_depth=depth), None
+
+        monkeypatch.setattr(auto.drafters["dflash"], "propose_tree", oracle)
+        r = glimmer_mlx.generate(model, prompt, max_tokens=40, drafter=auto)
+        assert r.tokens == plain
+        assert r.stats.extra["tree_rounds"] >= 5
+    assert sum(rows != list(range(len(rows))) for rows in kept) >= 5  # paths through later siblings
+
+
+@pytest.mark.parametrize("bug", [None, pytest.param("no residual update", marks=pytest.mark.slow),
+                                 pytest.param("alternatives sampled from q", marks=pytest.mark.slow)])
+def test_auto_tree_rounds_sample_the_target_distribution(small_vocab_auto, bug, monkeypatch):
+    """T = 1 with auto's DFlash tree rounds (chain sampled from q, alternatives point masses): the distribution of 3
+    generated tokens equals the target's exact joint distribution (chi-square on the marginals); siblings tested against a
+    residual never updated after a rejection, or alternatives claiming to be drawn from q, fail it."""
+    from glimmer_mlx.sampling import SamplingParams
+    from glimmer_mlx.speculative import dflash as dflash_mod
+    from glimmer_mlx.speculative import verify
+    from test_dflash import _exact_joint, _marginal_tests, _spec_counts
+    from test_tree import alternatives_sampled_from_q, broken_residual
+
+    if bug == "no residual update":
+        monkeypatch.setattr(verify, "sibling_residual", broken_residual)
+    elif bug is not None:
+        monkeypatch.setattr(dflash_mod, "tree_q", alternatives_sampled_from_q)
+    model, dpath, calib = small_vocab_auto
+    auto = _auto(model, dpath, calib)
+    auto.chooser = Scripted(auto.chooser, [("dflash+tree", 2)])  # (mixed with other rounds: the greedy test)
+    params = SamplingParams(temperature=1.0)
+    prompt = [3, 7, 2, 9, 4]
+    n = 800
+    counts = _spec_counts(model, auto, prompt, params, n)
+    worst = _marginal_tests(counts, _exact_joint(model, prompt, params), n)
+    assert (worst > 1.0) if bug else (worst < 1.0), worst

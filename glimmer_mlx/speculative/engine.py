@@ -26,6 +26,7 @@ from ..runtime.plain import PlainDecoder
 from ..runtime.prefill import DEFAULT_PREFILL_STEP
 from ..sampling import Sampler
 from .protocol import Drafter
+from .tree import TokenTree
 from .verify import (target_distribution, tree_target_distribution, verify_greedy, verify_sampling,
                      verify_tree_greedy, verify_tree_sampling)
 
@@ -54,6 +55,8 @@ class SpeculativeDecoder:
         self.hist = Counter()  # tokens committed per round -> count
         self.t_draft = self.t_verify = 0.0
         self.last_drafts: list[int] = []  # drafts proposed in the latest round
+        self.last_tree = None  # the latest tree round's token tree
+        self.tree_rounds = self.tree_rows = 0  # token-tree rounds and the rows (root included) they verified
 
     @property
     def history(self) -> list[int]:
@@ -111,9 +114,11 @@ class SpeculativeDecoder:
         pos = self.cache[0].offset  # the anchor's position: the cache holds every committed token but the anchor
         t0 = time.perf_counter()
         drafts, q = self.drafter.propose(anchor, pos, k, self.sampler, self.history)
+        t1 = time.perf_counter()
+        if isinstance(drafts, TokenTree):  # auto chose a token-tree round
+            return self._tree_round(drafts, q, pos, t0, t1)
         self.last_drafts = drafts
         k = len(drafts)  # a drafter may propose fewer than asked (auto: none, a plain step)
-        t1 = time.perf_counter()
         want = self.verify_taps()
         out = self.model(mx.array([[anchor] + drafts], dtype=mx.int32), self.cache, taps=want)
         logits, taps = out if want is not None else (out, None)
@@ -129,6 +134,35 @@ class SpeculativeDecoder:
         t2 = time.perf_counter()
         self.t_draft += t1 - t0
         self.t_verify += t2 - t1
+        self.last_round = "spec"
+        return self._commit(new)
+
+    def _tree_round(self, tree: TokenTree, q, pos: int, t0: float, t1: float) -> list[int]:
+        """Verify token tree `tree` (root = the anchor at position `pos`; q: `propose_tree`'s) in one target forward
+        (a tree that is a chain runs exactly the chain round's forward), accept through `verify`, keep the accepted
+        path's rows in the caches (`keep_path`) and hand the drafter their taps; drafted between t0 and t1."""
+        self.last_tree, self.last_drafts = tree, tree.tokens[1:]
+        want = self.verify_taps()
+        ids = mx.array([tree.tokens], dtype=mx.int32)
+        out = self.model(ids, self.cache, taps=want, tree=None if tree.is_chain else tree.attention_inputs())
+        logits, taps = out if want is not None else (out, None)
+        if self.sampler.params.greedy:
+            path, nxt = verify_tree_greedy(logits[0], tree, self.sampler, self.history)
+        else:
+            p = tree_target_distribution(logits[0], self.sampler, self.history, tree)
+            path, nxt = verify_tree_sampling(p, tree, q, self.sampler)
+        rows = [0] + path
+        keep_path(self.cache, pos, rows)
+        new = [tree.tokens[i] for i in path] + [nxt]
+        self.history.extend(new)
+        if taps:
+            idx = mx.array(rows, dtype=mx.int32)
+            taps = [mx.take(t, idx, axis=1) for t in taps]
+        self.drafter.accept(taps, new)
+        self.tree_rows += len(tree)
+        self.tree_rounds += 1
+        self.t_draft += t1 - t0
+        self.t_verify += time.perf_counter() - t1
         self.last_round = "spec"
         return self._commit(new)
 
@@ -157,6 +191,8 @@ class SpeculativeDecoder:
             d["block_size"] = self.max_k + 1
         elif self.mode == "mtp":
             d["depth"] = self.max_k
+        if self.tree_rounds:
+            d.update(tree_rounds=self.tree_rounds, mean_tree_rows=self.tree_rows / self.tree_rounds)
         d.update(self.drafter.stats())
         kernels = kernel_stats()  # which Metal kernels ran and why any did not (their self-test, `glimmer doctor`)
         if kernels:
@@ -181,44 +217,16 @@ class TreeDecoder(SpeculativeDecoder):
         super().__init__(model, drafter, sampler, width, prefill_step, cache)
         drafter.enable_trees()
         self.nodes = nodes
-        self.tree_rows = 0  # verified nodes, all rounds (the root included)
-        self.last_tree = None
 
     def _spec_round(self, k: int) -> list[int]:
-        anchor = self.history[-1]
         pos = self.cache[0].offset  # the anchor's position (its KV is not cached yet)
         t0 = time.perf_counter()
-        tree, q = self.drafter.propose_tree(anchor, pos, k, self.nodes, self.sampler, self.history)
-        self.last_tree, self.last_drafts = tree, tree.tokens[1:]
-        t1 = time.perf_counter()
-        want = self.verify_taps()
-        ids = mx.array([tree.tokens], dtype=mx.int32)
-        out = self.model(ids, self.cache, taps=want, tree=None if tree.is_chain else tree.attention_inputs())
-        logits, taps = out if want is not None else (out, None)
-        if self.sampler.params.greedy:
-            path, nxt = verify_tree_greedy(logits[0], tree, self.sampler, self.history)
-        else:
-            p = tree_target_distribution(logits[0], self.sampler, self.history, tree)
-            path, nxt = verify_tree_sampling(p, tree, q, self.sampler)
-        rows = [0] + path
-        keep_path(self.cache, pos, rows)
-        new = [tree.tokens[i] for i in path] + [nxt]
-        self.history.extend(new)
-        if taps:
-            idx = mx.array(rows, dtype=mx.int32)
-            taps = [mx.take(t, idx, axis=1) for t in taps]
-        self.drafter.accept(taps, new)
-        self.tree_rows += len(tree)
-        t2 = time.perf_counter()
-        self.t_draft += t1 - t0
-        self.t_verify += t2 - t1
-        self.last_round = "spec"
-        return self._commit(new)
+        tree, q = self.drafter.propose_tree(self.history[-1], pos, k, self.nodes, self.sampler, self.history)
+        return self._tree_round(tree, q, pos, t0, time.perf_counter())
 
     def stats(self) -> dict:
         d = super().stats()
-        spec = self.rounds - self.plain_rounds
-        d.update(tree_nodes=self.nodes, mean_tree_rows=self.tree_rows / spec if spec > 0 else 0.0)
+        d["tree_nodes"] = self.nodes
         return d
 
 

@@ -219,6 +219,13 @@ class Option:
     # regime -> its verify rounds' measured time over the calibrated forward, EMA (absent: the chooser's shared one):
     # what a verify does beyond the forward depends on the drafter (n-gram's one-hot q at T > 0, taps or none)
     verify_factor: dict = field(default_factory=dict)
+    # a token-tree option: every round verifies this many rows (the root and up to rows − 1 draft nodes, paths at
+    # most k deep) whatever its depth k; None: a chain, k + 1 rows
+    rows: int | None = None
+
+    def verify_rows(self, k: int) -> int:
+        """Rows one round at k drafts (a tree: k deep) feeds the target's verify forward."""
+        return k + 1 if self.rows is None else max(k + 1, self.rows)
 
     @property
     def steady(self) -> int:
@@ -302,14 +309,19 @@ class AutoChooser:
         self.explored: Counter = Counter()  # name -> rounds chosen to explore it
 
     def add(self, name: str, max_k: int, shape: str, draft_prior=None, decay: float = 0.97,
-            measured_tau: dict | None = None, then_alpha: dict | None = None, sporadic: bool = False) -> Option:
+            measured_tau: dict | None = None, then_alpha: dict | None = None, sporadic: bool = False,
+            rows: int | None = None) -> Option:
         """measured_tau: {"width", "greedy", "sampling"} τ measured for this drafter (`read_measured_tau`): the
         acceptance estimates start from it instead of α = 0.5, so a weak drafter is not tried blindly first.
         then_alpha: {regime: α} of the drafts after an accepted one (`AcceptanceStats` then). sporadic: available
-        in some rounds only (`Option.sporadic`)."""
+        in some rounds only (`Option.sporadic`). rows: a token-tree option's verify rows per round (`Option.rows`;
+        its acceptance is the accepted path's, per depth)."""
         max_k = min(max_k, max(self.costs) - 1)
         if max_k < 1:
             raise ValueError(f"option {name!r}: the verify cost curve must cover at least L = 2")
+        if rows is not None and not max_k + 1 <= rows <= max(self.costs):
+            raise ValueError(f"option {name!r}: {rows} tree rows outside the verify cost curve's "
+                             f"[{max_k + 1}, {max(self.costs)}]")
         prior = draft_prior
         if prior is None:  # a guess: 0.3 plain steps per round
             guess = 0.0 if shape == "free" else 0.3 * self.costs[1]
@@ -318,7 +330,7 @@ class AutoChooser:
             regime: alpha_from_tau(measured_tau[regime], int(measured_tau["width"]))
             for regime in ("greedy", "sampling") if measured_tau.get(regime) is not None}
         opt = Option(name, max_k, DraftCost(shape, prior), decay=decay, prior_alpha=alphas,
-                     then_alpha=dict(then_alpha or {}), sporadic=sporadic)
+                     then_alpha=dict(then_alpha or {}), sporadic=sporadic, rows=rows)
         self.options[name] = opt
         self._memo.clear()
         return opt
@@ -406,7 +418,7 @@ class AutoChooser:
         for k in range(1, min(cap, opt.max_k) + 1):
             p *= min(1.0, max(0.0, alphas[k - 1] + shift))
             e += p
-            cost = opt.cost(k) + vf * self.costs[k + 1] + fixed + switch * min(1.0, e / span)
+            cost = opt.cost(k) + vf * self.costs[opt.verify_rows(k)] + fixed + switch * min(1.0, e / span)
             out.append(e / (self.scale * cost))
         return out
 
@@ -623,13 +635,16 @@ class AutoChooser:
             return
         if name is None or k == 0:  # a plain step through the speculative engine (not pipelined)
             self.scale = robust_ema(self.scale, verify_time / self.costs[1], self.scale_ema)
-        elif k + 1 in self.costs and self.costs[k + 1] > 0:
-            x = verify_time / (self.scale * self.costs[k + 1])
+            return
+        opt = self.options.get(name)
+        L = k + 1 if opt is None else opt.verify_rows(k)
+        if self.costs.get(L, 0.0) > 0:
+            x = verify_time / (self.scale * self.costs[L])
             shared = self.verify_factor.get(regime, 1.0)
-            self.verify_factor[regime] = robust_ema(shared, x, self.scale_ema)
-            if name is not None and name in self.options:
-                own = self.options[name].verify_factor
-                own[regime] = robust_ema(own.get(regime, shared), x, self.scale_ema)
+            if opt is None or opt.rows is None:  # a tree's verify (its mask, the path's compaction) is its own
+                self.verify_factor[regime] = robust_ema(shared, x, self.scale_ema)
+            if opt is not None:
+                opt.verify_factor[regime] = robust_ema(opt.verify_factor.get(regime, shared), x, self.scale_ema)
 
     def observe_round_overhead(self, seconds: float) -> None:
         """Measured wall time of a speculative round (from the previous round's commit to its own) minus its

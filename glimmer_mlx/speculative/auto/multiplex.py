@@ -12,7 +12,7 @@ from ...cache import CacheRewindError
 from ..ngram import NGramDrafter
 from ..protocol import Drafter
 from .calibrate import load_or_calibrate, measure_draft_costs
-from .chooser import AutoChooser
+from .chooser import AutoChooser, alpha_from_tau
 
 _KINDS = ("dflash", "mtp", "ngram")
 # the first draft's acceptance after an n-gram match of each size (greedy, sampling), as measured with n-gram lookup
@@ -24,6 +24,11 @@ _KINDS = ("dflash", "mtp", "ngram")
 NGRAM_ALPHA = {1: (0.12, 0.04), 2: (0.3, 0.03), 3: (0.6, 0.1)}  # size -> (greedy, sampling); 4 and longer: below
 NGRAM_ALPHA_LONG = (0.85, 0.15)
 NGRAM_THEN = {"greedy": 0.8, "sampling": 0.3}
+# `auto`'s DFlash token trees: verify rows per round, and the share of a depth's chain rejections a tree still
+# rejects — the embedded set's DFlash trees of 16 rows (BENCHMARKS.md, "Token trees"): chain τ 1.50 (α 0.33 at 15
+# drafts) → tree τ 2.0 at depth 6 (α 0.50): (1 − 0.50) / (1 − 0.33) ≈ 0.75
+TREE_ROWS = 16
+TREE_RESCUE = 0.75
 
 
 def ngram_prior(size: int) -> dict:
@@ -56,7 +61,7 @@ class AutoDrafter:
         return next(iter(self.drafters)) if len(self.drafters) == 1 and "ngram" not in self.drafters else "auto"
 
     def __init__(self, target, drafters: list, *, verify_costs: dict[int, float] | None = None,
-                 calibration_dir=None, recalibrate: bool = False, log=None):
+                 calibration_dir=None, recalibrate: bool = False, log=None, trees: bool = True):
         if not drafters:
             raise ValueError("auto needs at least one drafter (DFlash, MTP or n-gram)")
         self.target = target
@@ -88,6 +93,10 @@ class AutoDrafter:
                 self.chooser.add(n, d.max_drafts, "affine", draft_prior=self.draft_costs.get(n),
                                  measured_tau=d.measured_tau)
                 self._kind_of[n] = n
+        self._trees: dict[str, int] = {}  # token-tree option -> its draft nodes per round
+        self._tree_of: dict[str, str] = {}  # drafter kind -> its tree option
+        if trees:
+            self._add_trees()
         self._ngram_options = frozenset(o for o, n in self._kind_of.items() if n == "ngram")
         self._model = [n for n in self.drafters if n != "ngram"]  # the drafters that read the target's taps
         # set by the decoder that drives it: fill(a) recomputes the target's taps over positions [a, now) (rewinding
@@ -104,6 +113,34 @@ class AutoDrafter:
         self._how = dict.fromkeys(self.drafters, "start")  # how it gets them next: "start" | "extend" | "accept"
         self._reprefill = 0  # where the target's prefill restarts after `rewind_context`
         self._reset([], None)
+
+    def _add_trees(self) -> None:
+        """A token-tree option beside the DFlash drafter's chain ("dflash+tree"): each round `TREE_ROWS` verify rows
+        (the calibrated curve's widest, if narrower), the chain and the next likeliest nodes at most `depth` deep
+        (`propose_tree`); its acceptance is the accepted path's, learned like a chain's. It starts from the chain's
+        measured τ with each depth's rejections cut by `TREE_RESCUE` — what the embedded set's trees measured
+        (BENCHMARKS.md, "Token trees") — and pays only where a verify of `TREE_ROWS` rows costs about what the chain's
+        does (flat cost curves: Apple GPUs, OpenBLAS on a CPU)."""
+        d = self.drafters.get("dflash")
+        if d is None or not hasattr(d, "propose_tree"):
+            return
+        rows = min(TREE_ROWS, max(self.chooser.costs))
+        depth = max(2, min(d.max_drafts, (rows - 1) // 2))
+        if depth + 1 >= rows:
+            return
+        prior = None
+        if d.measured_tau:
+            width, prior = int(d.measured_tau["width"]), {"width": depth}
+            for regime in ("greedy", "sampling"):
+                tau = d.measured_tau.get(regime)
+                if tau is not None:
+                    a = 1.0 - TREE_RESCUE * (1.0 - alpha_from_tau(tau, width))
+                    prior[regime] = sum(a**i for i in range(depth + 1))
+        d.enable_trees()
+        name = "dflash+tree"
+        self.chooser.add(name, depth, "affine", draft_prior=self.draft_costs.get("dflash"), measured_tau=prior,
+                         rows=rows)
+        self._kind_of[name], self._trees[name], self._tree_of["dflash"] = "dflash", rows - 1, name
 
     # -- the drafters' state, brought up to date only when one will draft ---------------------------------------------
     # Every committed token is kept (`_tokens`, position = index); the target's taps only where a forward produced
@@ -215,13 +252,17 @@ class AutoDrafter:
                 self._sync(n)
                 drafts, m = d.peek(min(k, d.max_drafts))
                 cap, n = len(drafts), f"ngram@{m}"
-            else:
-                if (among is not None and n not in among) or not self._ready(n):
-                    continue
-                cap = min(k, d.max_drafts)
-                self.chooser.set_lag(n, self._lag(n), fill=self._from(n) < self._hole)
-            if cap >= 1 and (among is None or n in among):
-                available[n] = cap
+                if cap >= 1 and (among is None or n in among):
+                    available[n] = cap
+                continue
+            names = [o for o in (n, self._tree_of.get(n)) if o is not None and (among is None or o in among)]
+            if not names or not self._ready(n):
+                continue
+            for o in names:
+                self.chooser.set_lag(o, self._lag(n), fill=self._from(n) < self._hole)
+                cap = min(k, self.chooser.options[o].max_k)
+                if cap >= 1:
+                    available[o] = cap
         return available
 
     def plan(self, k: int, regime: str, remaining: int) -> bool:
@@ -244,7 +285,7 @@ class AutoDrafter:
         one of them pays by its mean estimate (`AutoChooser.paying`), it stays in step on them instead of catching up
         later; one that is only worth exploring catches up when it is tried (on a small model the taps of every
         plain token cost a few percent)."""
-        pays = self.chooser.paying(regime, remaining)
+        pays = {self._kind_of[o] for o in self.chooser.paying(regime, remaining)}
         return any(n in pays for n in self._model if n not in self._lost)
 
     def wants_taps(self, regime: str) -> bool:
@@ -265,12 +306,16 @@ class AutoDrafter:
             lag = self._lag(kind)
             spent = self._sync(kind)
         if kind is None or spent is None:
-            drafts, q, spent = [], None, 0.0
+            drafts, q, spent, k_drafted = [], None, 0.0, 0
+        elif name in self._trees:  # a token tree (the decoder verifies it as one): kk is its deepest path
+            drafts, q = self.drafters[kind].propose_tree(anchor, pos, kk, self._trees[name], sampler, history)
+            k_drafted = max(drafts.depths)
         else:
             drafts, q = self.drafters[kind].propose(anchor, pos, kk, sampler, history)
+            k_drafted = len(drafts)
         self.needs_taps = (kind is not None and kind != "ngram") or self._warm(regime, self.remaining)
         t1 = time.perf_counter()
-        self._pending = (name, len(drafts), regime, t1 - t0 - spent, lag, t1)
+        self._pending = (name, k_drafted, regime, t1 - t0 - spent, lag, t1)
         return drafts, q
 
     def accept(self, taps: list[mx.array] | None, new_tokens: list[int]) -> None:

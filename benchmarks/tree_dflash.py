@@ -1,7 +1,8 @@
 """DFlash chain vs DFlash tree at equal verify rows (issue 23) on the embedded glimmer-tiny + its DFlash drafter.
 
 Verify rows R = the target forward's rows per round: a chain of R - 1 drafts (anchor + drafts), or a tree of R - 1
-draft nodes (anchor + nodes) at several depths. Per category of glimmer_mlx/bench/prompts/prompts.json (the first N
+draft nodes (anchor + nodes) at several depths (8, 16 and 32 rows; no 32-row chain: the drafter's block is 16), and
+`auto` over this DFlash drafter alone (plain, any chain width or its 16-row tree per round; its choices are kept). Per category of glimmer_mlx/bench/prompts/prompts.json (the first N
 prompts, chat template), greedy and T = 1 (seed 0): tau = committed tokens / rounds (the engine's stats, the
 prefill's token counted as a round as everywhere else) and tok/s; plus the verify cost curve of the same run (one
 target forward of n rows — chain and tree mask — after the prompt, relative to a plain 1-row step).
@@ -10,6 +11,7 @@ target forward of n rows — chain and tree mask — after the prompt, relative 
     python benchmarks/tree_dflash.py N MAXT SEEDS CONFIGS   (e.g. 2 96 1,2,3 chain16,tree16_d4,tree16_d8: T = 1 only,
         those seeds and configs, no cost curve) -> benchmarks/results/issue23-dflash-trees-t1-seeds.json
 """
+import copy
 import json
 import os
 import platform
@@ -24,6 +26,7 @@ from glimmer_mlx.cache import rewind_cache
 from glimmer_mlx.runtime.loop import GenerationStats, collect, stop_ids, stream
 from glimmer_mlx.sampling import Sampler, SamplingParams
 from glimmer_mlx.session import load_session
+from glimmer_mlx.speculative.auto import make_auto
 from glimmer_mlx.speculative.engine import SpeculativeDecoder, TreeDecoder
 from glimmer_mlx.speculative.tree import TokenTree
 from glimmer_mlx.strategy import make_decoder
@@ -47,6 +50,10 @@ CONFIGS = [("plain", 1, None, None), ("chain8", 8, None, 7)]
 CONFIGS += [(f"tree8_d{dp}", 8, 7, dp) for dp in (2, 3, 4, 5)]
 CONFIGS += [("chain16", 16, None, 15)]
 CONFIGS += [(f"tree16_d{dp}", 16, 15, dp) for dp in (3, 4, 6, 8)]
+# 32 rows: no chain (the drafter's block is 16: at most 15 drafts); trees of 31 nodes
+CONFIGS += [(f"tree32_d{dp}", 32, 31, dp) for dp in (6, 8)]
+# auto over this DFlash drafter alone (plain, a chain of any width, or its 16-row tree, chosen per round)
+CONFIGS += [("auto", 0, None, None)]
 if ONLY:
     CONFIGS = [c for c in CONFIGS if c[0] in ONLY]
 
@@ -55,7 +62,15 @@ def ids_of(p):
     return tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
 
 
+AUTO = {}  # temperature -> its auto (what it learns carries over that temperature's prompts, as in a session)
+
+
 def decoder(rows, nodes, depth, sampler):
+    if rows == 0:
+        t = sampler.params.temperature
+        if t not in AUTO:
+            AUTO[t] = make_auto(m, dflash=copy.copy(d), ngram=False)
+        return make_decoder(m, AUTO[t], sampler)
     if rows == 1:
         return make_decoder(m, None, sampler)
     if nodes is None:
@@ -71,8 +86,10 @@ def run(cfg, ids, temp, seed=0):
     r = collect(stream(dec, ids, max_tokens=MAXT, eos=eos, stats=st), st, False)
     dt = time.perf_counter() - t
     rounds = st.extra.get("rounds", len(r.tokens))
+    chosen = st.extra.get("auto", {}).get("chosen")
     return dict(tokens=len(r.tokens), rounds=rounds, seconds=dt, gen_tps=st.generation_tokens / st.generation_time
-                if st.generation_time else 0.0, mean_tree_rows=st.extra.get("mean_tree_rows")), r.tokens
+                if st.generation_time else 0.0, mean_tree_rows=st.extra.get("mean_tree_rows"),
+                tree_rounds=st.extra.get("tree_rounds", 0), auto_chosen=chosen), r.tokens
 
 
 def verify_curve(ids, sizes=(1, 2, 4, 8, 16, 24, 32), reps=15):
@@ -138,6 +155,14 @@ for temp in TEMPS:
                 tau=sum(r["tokens"] for r in rs) / sum(r["rounds"] for r in rs),
                 tps=sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs))
 results["summary"] = summary
+auto_choices = {}  # temp -> {"plain" | "dflash" | "dflash+tree": rounds} over that temperature's auto runs
+for r in results["runs"]:
+    if r.get("auto_chosen"):  # cumulative counts of that temperature's auto: the last run's are the total
+        auto_choices[f"T{r['temp']:g}"] = {}
+        for key, c in r["auto_chosen"].items():
+            bucket = auto_choices[f"T{r['temp']:g}"]
+            bucket[key.split(":")[0]] = bucket.get(key.split(":")[0], 0) + c
+results["auto_choices"] = auto_choices
 os.makedirs(os.path.dirname(OUT), exist_ok=True)
 with open(OUT, "w") as f:
     json.dump(results, f, indent=1)
@@ -146,6 +171,7 @@ for temp in TEMPS:
     for cat in cats + ["all"]:
         print(f"{cat:8s} tau " + " ".join(f"{summary[f'T{temp:g}/{cat}/{c[0]}']['tau']:11.2f}" for c in CONFIGS))
     print(f"{'all':8s} t/s " + " ".join(f"{summary[f'T{temp:g}/all/{c[0]}']['tps']:11.1f}" for c in CONFIGS))
+print("\nauto's rounds by choice:", auto_choices)
 if "verify_cost_curve" in results:
     print("\nverify cost (relative to a 1-row step):",
           {n: (round(v["chain_rel"], 2), round(v["tree_rel"], 2)) for n, v in results["verify_cost_curve"].items()})

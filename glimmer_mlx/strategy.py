@@ -47,6 +47,7 @@ class ModeError(ValueError):
 class DecodeSpec:
     mode: str = "ar"
     width: int | str | None = None
+    tree: int | None = None  # token-tree verification with this many draft nodes per round (`make_tree_decoder`)
 
     @classmethod
     def parse(cls, mode: str | None, width=None, *, default: str = "ar", what: str = "block_size") -> "DecodeSpec":

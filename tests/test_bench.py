@@ -9,9 +9,18 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from glimmer_mlx.bench import (BenchSettings, encode_prompts, expand_modes, load_prompts, make_random_checkpoint,
-                               markdown_table, render_table)
+from glimmer_mlx.bench import (
+    BenchSettings,
+    encode_prompts,
+    expand_modes,
+    load_prompts,
+    make_random_checkpoint,
+    markdown_table,
+    render_table,
+)
+from glimmer_mlx.bench.settings import decode_spec
 from glimmer_mlx.cli import app
+from glimmer_mlx.strategy import DecodeSpec
 
 CATEGORIES = {"code", "math", "chat", "json", "quote"}
 
@@ -28,6 +37,14 @@ def test_mode_expansion_and_profiles():
     assert expand_modes(["mtp-d2", "ar", "dflash-b8"], [4], [1]) == ["mtp-d2", "ar", "dflash-b8"]
     with pytest.raises(ValueError, match="unknown mode"):
         expand_modes(["dflash-x"], [4], [1])
+    # token trees: a -t<nodes> suffix on a fixed-width variant
+    assert expand_modes(["dflash-b8-t15", "dflash-t7", "mtp-d2-t4", "ngram-t8"], [4], [1]) == [
+        "ar", "dflash-b8-t15", "dflash-t7", "mtp-d2-t4", "ngram-t8"]
+    assert decode_spec("dflash-b8-t15") == DecodeSpec("dflash", 8, tree=15)
+    assert decode_spec("ngram-t8") == DecodeSpec("ngram", None, tree=8) and decode_spec("auto").tree is None
+    for bad in ("dflash-auto-t8", "dflash-b8-t0", "dflash-b8-t99", "mtp-x-t3", "ar-t4"):
+        with pytest.raises(ValueError):
+            expand_modes([bad], [4], [1])
     q = BenchSettings.from_profile("quick")
     assert q.repeats == 3 and q.prompts_per_category == 1 and q.temps == [0.0, 1.0]
     assert q.expanded_modes() == ["ar", "dflash-b8", "dflash-auto", "mtp-d1", "ngram", "auto", "mlx-lm", "mlx-lm-draft"]
@@ -109,6 +126,20 @@ def test_quick_bench_end_to_end_on_a_tiny_model(tiny_set, tmp_path, monkeypatch)
     assert len(res["verdict"]) == 2 and all((("fastest mode here" in v or "measurably faster" in v) and "auto" in v)
                                             for v in res["verdict"])
     assert all(v in " ".join(r.output.split()) for v in res["verdict"])
+
+
+def test_bench_tree_modes_run_losslessly_and_report_their_trees(tiny_set, tmp_path, monkeypatch):
+    path, dflash = tiny_set
+    monkeypatch.setenv("GLIMMER_MLX_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    r = CliRunner().invoke(app, ["bench", "--quick", "--model", str(path), "--draft-model", str(dflash),
+                                 "--modes", "ar,dflash-b4,dflash-b4-t6,ngram-t4", "--max-tokens", "10",
+                                 "--repeats", "1", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    res = json.loads((out / "results.json").read_text())
+    _check_results(res, out, {"ar", "dflash-b4", "dflash-b4-t6", "ngram-t4"})
+    trees = [run for run in res["runs"] if run["mode"] == "dflash-b4-t6"]
+    assert trees and all(run.get("tree_rounds", 0) >= 1 and run["mean_tree_rows"] > 1 for run in trees)
 
 
 def test_quick_bench_mlx_lm_modes(tmp_path, monkeypatch):

@@ -116,7 +116,7 @@ def ours_runner(model, drafters: Drafters, spec: DecodeSpec):
         stats = GenerationStats()
         toks, t0, tf, tl = _time_stream(ch.tokens for ch in stream_generate(
             model, ids, max_tokens=n, temperature=temp, seed=seed, drafter=drafter, block_size=block_size,
-            stats=stats))
+            stats=stats, tree=spec.tree))
         extra = {}
         hist = stats.extra.get("acceptance_histogram")
         if hist is not None:
@@ -126,6 +126,8 @@ def ours_runner(model, drafters: Drafters, spec: DecodeSpec):
             extra["verify_cost_ratio"] = stats.extra["verify_cost_ratio"]
         if "chosen_k_histogram" in stats.extra:
             extra["chosen_k"] = stats.extra["chosen_k_histogram"]
+        if "tree_rounds" in stats.extra:
+            extra["tree_rounds"], extra["mean_tree_rows"] = stats.extra["tree_rounds"], stats.extra["mean_tree_rows"]
         return _record(toks, t0, tf, tl, n, stats.peak_memory_gb, extra), toks
 
     return run

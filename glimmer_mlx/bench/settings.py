@@ -45,15 +45,36 @@ def _csv(s, conv, what):
         raise ValueError(f"{what}: cannot parse {s!r}") from None
 
 
+TREE_MODES = ("dflash", "mtp", "ngram")
+
+
 def _block(x: str):
     return "auto" if x == "auto" else int(x)
 
 
+def split_tree(mode: str) -> tuple[str, int | None]:
+    """`dflash-b8-t15` → ("dflash-b8", 15): a `-t<N>` suffix asks for token trees of N draft nodes per round (paths
+    at most the base mode's drafts deep); (mode, None) without one."""
+    base, sep, nodes = mode.rpartition("-t")
+    if sep and base and nodes.isdigit() and base.split("-")[0] in TREE_MODES:
+        return base, int(nodes)
+    return mode, None
+
+
 def expand_modes(modes: list[str], blocks, depths) -> list[str]:
-    """`dflash` → dflash-b<B> per block size (and dflash-auto), `mtp` → mtp-d<D> per depth; variants pass through."""
+    """`dflash` → dflash-b<B> per block size (and dflash-auto), `mtp` → mtp-d<D> per depth; variants pass through
+    (a variant of dflash / mtp / ngram may end in `-t<N>`: token trees, `split_tree`)."""
     out = []
     for m in modes:
-        if m == "dflash":
+        base, nodes = split_tree(m)
+        if nodes is not None:
+            if base == "dflash-auto" or not 1 <= nodes <= 64:
+                raise ValueError(f"mode {m!r}: token trees need 1..64 nodes and a fixed width (dflash-b<N>-t<T>, "
+                                 f"dflash-t<T>, mtp-d<N>-t<T>, mtp-t<T>, ngram-t<T>)")
+            if base not in TREE_MODES:
+                expand_modes([base], blocks, depths)  # the base must be a valid variant (raises otherwise)
+            out.append(m)
+        elif m == "dflash":
             out += [f"dflash-{'auto' if b == 'auto' else f'b{b}'}" for b in blocks]
         elif m == "mtp":
             out += [f"mtp-d{d}" for d in depths]
@@ -65,7 +86,7 @@ def expand_modes(modes: list[str], blocks, depths) -> list[str]:
             out.append(m)
         else:
             raise ValueError(f"unknown mode {m!r}: choose from {', '.join(DEFAULT_MODES)} or variants dflash-b<N>, "
-                             "dflash-auto, mtp-d<N>")
+                             "dflash-auto, mtp-d<N>, and token trees <variant>-t<nodes> (dflash-b16-t15, ngram-t8)")
     if "ar" not in out:
         out.insert(0, "ar")  # the baseline every speedup is measured against, in the same run
     return list(dict.fromkeys(out))
@@ -73,9 +94,14 @@ def expand_modes(modes: list[str], blocks, depths) -> list[str]:
 
 def decode_spec(mode: str) -> DecodeSpec | None:
     """An expanded mode of ours → how it decodes: ar, ngram, auto as such, dflash-b<N> → ("dflash", N), dflash-auto →
-    ("dflash", "auto"), mtp-d<N> → ("mtp", N); None for mlx-lm's own modes."""
+    ("dflash", "auto"), mtp-d<N> → ("mtp", N), a `-t<T>` suffix → the same with trees of T nodes; None for mlx-lm's
+    own modes."""
     if mode.startswith("mlx-lm"):
         return None
+    base, nodes = split_tree(mode)
+    if nodes is not None:
+        spec = decode_spec(base)
+        return DecodeSpec(spec.mode, spec.width, tree=nodes)
     if mode == "dflash-auto":
         return DecodeSpec("dflash", "auto")
     if mode.startswith("dflash-b"):

@@ -412,3 +412,19 @@ def test_metal_tree_kernel_matches_reference(case):
     ref = attention.block_attention_reference(q, k, v, scale=D**-0.5, qk=N - L, window=window, tree=tree)
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(ref.astype(mx.float32)),
                                atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.skipif(metal_available(), reason="checks the behaviour without Metal")
+def test_kernel_bench_times_the_tree_rows_without_metal():
+    """`glimmer bench kernels` with block_attention_tree: rows up to 32 nodes when it is the only kernel; without
+    Metal the kernel column is "no Metal" and SDPA with the tree mask and the reference are timed."""
+    from glimmer_mlx.bench import kernels as kb
+
+    res = kb.run_kernel_bench(rows=(4, 32), contexts=(96,), kernels=("block_attention_tree",), heads=4, kv_heads=2,
+                              head_dim=64, window=40, calls=2, windows=1, warmup=0)
+    assert res["kernel_status"] == {"block_attention_tree": "no Metal"} and res["settings"]["tree_kind"] == "wide"
+    assert [(r["kernel"], r["rows"], r["context"]) for r in res["results"]] == [
+        ("block_attention_tree", 4, 96), ("block_attention_tree", 32, 96)]
+    assert all(r["kernel_us"] is None and r["builtin_us"] > 0 and r["reference_us"] > 0 for r in res["results"])
+    with pytest.raises(ValueError, match="1..32 when block_attention_tree is the only kernel"):
+        kb.run_kernel_bench(rows=(32,), kernels=("block_attention", "block_attention_tree"))

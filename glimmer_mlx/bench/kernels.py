@@ -1,6 +1,6 @@
 """`glimmer bench kernels`: µs per call of each custom kernel vs the built-in MLX path vs our pure-MLX reference, in
 the same run, at k+1 ∈ {1, 2, 4, 8, 16} rows and (attention) context lengths {1k, 8k, 32k}, with Muse Glimmer's
-shapes.
+shapes; `block_attention_tree` times a token tree of that many nodes (up to 32 when it is the only kernel asked for).
 
 Timing (`kernels.time_calls`): each window issues `calls` calls back to back without a host synchronisation and
 evaluates all their outputs once at the end; the median of `windows` windows, divided by `calls`, is reported. So
@@ -17,6 +17,9 @@ Paths compared
                     residual, `mx.random.categorical`, all lazy) | reference (exp of the rows read, integer inverse CDF)
 - block_attention:  kernel (two passes) | built-in `mx.fast.scaled_dot_product_attention` with the block mask |
                     reference (masked float32 softmax)
+- block_attention_tree: the same three paths for a token tree's nodes (`attention.random_tree(kind="wide")`, seed
+                    `seed`: mostly long branches with forks) with the tree mask (`cache.tree_mask`); the kernel is the
+                    TREE variant (ancestor bits per row)
 - qmm:              kernel | built-in `mx.quantized_matmul` | reference (dequantize + float32 matmul)
 """
 
@@ -28,9 +31,10 @@ import numpy as np
 from ..kernels import accept, attention, metal_available, quantized, time_calls, verdict
 from ..machine import machine_info
 
-KERNELS = ("accept_greedy", "accept_sampling", "block_attention", "qmm")
+KERNELS = ("accept_greedy", "accept_sampling", "block_attention", "qmm", "block_attention_tree")
 REGISTRY_NAME = {"accept_greedy": "greedy_accept", "accept_sampling": "rejection_accept",
-                 "block_attention": "block_attention", "qmm": "qmm"}
+                 "block_attention": "block_attention", "qmm": "qmm", "block_attention_tree": "block_attention_tree"}
+TREE_KIND = "wide"
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
@@ -70,8 +74,9 @@ def run_kernel_bench(*, rows=(1, 2, 4, 8, 16), contexts=(1024, 8192, 32768), ker
         raise ValueError(f"unknown kernels {sorted(unknown)}; choose from {', '.join(KERNELS)}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}")
-    if any(not 1 <= r <= 16 for r in rows):
-        raise ValueError("rows (k+1) must be in 1..16")
+    max_rows = attention.TREE_MAX_ROWS if set(kernels) == {"block_attention_tree"} else 16
+    if any(not 1 <= r <= max_rows for r in rows):
+        raise ValueError("rows (k+1) must be in 1..16 (1..32 when block_attention_tree is the only kernel)")
     if calls < 1 or windows < 1:
         raise ValueError("calls and windows must be >= 1")
     dt = DTYPES[dtype]
@@ -140,11 +145,25 @@ def run_kernel_bench(*, rows=(1, 2, 4, 8, 16), contexts=(1024, 8192, 32768), ker
                     lambda aa=aa, kw=kw: attention.kernel_attention(*aa, **kw),
                     lambda aa=aa, kw=kw: attention.builtin_attention(*aa, **kw),
                     lambda aa=aa, kw=kw: attention.block_attention_reference(*aa, **kw))
+        if "block_attention_tree" in kernels:
+            tree = attention.tree_inputs(*attention.random_tree(np.random.default_rng(seed), r, TREE_KIND))
+            for n in contexts:
+                q = mx.array(rng.standard_normal((1, heads, r, head_dim)).astype(np.float32)).astype(dt)
+                kk = mx.array(rng.standard_normal((1, kv_heads, n, head_dim)).astype(np.float32)).astype(dt)
+                vv = mx.array(rng.standard_normal((1, kv_heads, n, head_dim)).astype(np.float32)).astype(dt)
+                mx.eval(q, kk, vv, *tree)
+                aa = (q, kk, vv)
+                kw = dict(scale=head_dim**-0.5, qk=n - r, window=window, tree=tree)
+                add("block_attention_tree", r, n,
+                    lambda aa=aa, kw=kw: attention.kernel_attention(*aa, **kw),
+                    lambda aa=aa, kw=kw: attention.builtin_attention(*aa, **kw),
+                    lambda aa=aa, kw=kw: attention.block_attention_reference(*aa, **kw))
     have_metal = metal_available()
     return {
         "machine": machine_info(),
         "settings": {"rows": list(rows), "contexts": list(contexts), "kernels": list(kernels), "vocab": vocab,
                      "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "window": window,
+                     "tree_kind": TREE_KIND if "block_attention_tree" in kernels else None,
                      "in_features": in_features, "out_features": out_features, "bits": bits,
                      "group_size": group_size, "dtype": dtype, "calls_per_window": calls, "windows": windows,
                      "warmup": warmup},

@@ -59,6 +59,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from .cache import DEFAULT_MAX_REWIND, KVCache
 from .loading import CheckpointError, load_model, parse_dtype, read_safetensors_header, resolve_path, weight_files
 from .models.glimmer import Model
 from .tokenizer import TokenizerError, load_tokenizer
@@ -348,13 +349,56 @@ def shard_model(model: Model, group, src=None) -> Model:
 # -- pipeline parallelism ------------------------------------------------------------------------------------------
 
 class RemoteLayer(nn.Module):
-    """A decoder layer another stage computes: no weights; its cache only counts positions (so `cache[0].offset`, the
-    engine's position, stays right on every rank, and rewinds work unchanged)."""
+    """A decoder layer another stage computes: no weights; its cache (a `PositionCache`) only counts positions (so
+    `cache[0].offset`, the engine's position, stays right on every rank, and rewinds work unchanged)."""
 
     def __call__(self, x, rope, cache=None, tree=None):
         if cache is not None:
-            cache.offset += x.shape[1]
+            if isinstance(cache, PositionCache):
+                cache.advance(x.shape[1])
+            else:
+                cache.offset += x.shape[1]
         return x
+
+
+class PositionCache(KVCache):
+    """The cache of a layer another stage computes: no rows, but the bookkeeping a `KVCache` of the same window
+    would do (the offset; for a sliding window, where compaction moves the buffer's start), so that every rank's
+    rewind and keep-path checks answer alike whichever layers it holds — a rank whose check alone failed would start
+    a conversation over while the others continue. A token tree's accepted path (`keep_rows`) only moves the offset."""
+
+    def __init__(self, window=None, max_rewind: int = DEFAULT_MAX_REWIND, first_position: int = 0):
+        super().__init__(window, max_rewind, first_position)
+        self.capacity = 0  # rows the real cache's buffer would hold
+
+    def advance(self, L: int) -> None:
+        """As `KVCache.append` of L rows would move offset, start and the buffer's capacity."""
+        n = self.rows
+        if n + L > self.capacity:
+            keep = n if self.retained is None else min(n, self.retained)
+            if keep + L > self.capacity:
+                self.capacity = ((keep + L + self.step - 1) // self.step) * self.step
+            self.start += n - keep
+        self.offset += L
+
+    def append(self, k, v) -> None:
+        self.advance(k.shape[2])
+
+    def keep_rows(self, offset: int, kept_rows: list[int]) -> None:
+        self.check_keep(offset, kept_rows)
+        self.offset = offset + len(kept_rows)
+
+
+def position_caches(model: Model) -> None:
+    """Make `model.make_cache` give its `RemoteLayer`s `PositionCache`s (the other layers' caches unchanged)."""
+    base = type(model).make_cache
+
+    def make_cache(max_rewind: int = DEFAULT_MAX_REWIND):
+        caches = base(model, max_rewind=max_rewind)
+        remote = [isinstance(getattr(layer, "layer", layer), RemoteLayer) for layer in model.model.layers]
+        return [PositionCache(c.window, c.max_rewind, c.origin) if r else c for c, r in zip(caches, remote)]
+
+    model.make_cache = make_cache
 
 
 class StageBoundary(nn.Module):
@@ -404,6 +448,7 @@ def pipeline_model(model: Model, group, src=None, taps=()) -> Model:
             layers.append(RemoteLayer())
     model.model.layers = layers
     model.pp_group = group
+    position_caches(model)
     expose_taps(model, taps)
     model.model.embed_tokens = shard_embedding(model.model.embed_tokens, src, group, model.args.vocab_size)
     if not model.args.tie_word_embeddings:

@@ -20,6 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [[11, 50, 77, 300, 21, 9, 402], [5, 90, 13, 13, 60, 7, 71, 200, 4]]
 N_TOKENS = 12
+TREE_PROMPT = [11, 50, 77, 300, 21, 9, 402, 50, 77, 300]
+TREE_TOKENS = 80
 
 
 def scenarios(m, d, random_model, quantized_model) -> dict:
@@ -37,6 +39,22 @@ def scenarios(m, d, random_model, quantized_model) -> dict:
     runs["random/1.0"] = generate(random_model, PROMPTS[0], max_tokens=N_TOKENS, temperature=1.0, seed=3).tokens
     if quantized_model is not None:
         runs["quantized"] = generate(quantized_model, PROMPTS[1], max_tokens=N_TOKENS).tokens
+    return runs
+
+
+def tree_runs(m, d) -> dict:
+    """Token trees (issue 23) on the embedded target, greedy DFlash / MTP / n-gram trees long enough that off-chain
+    paths are accepted (`cache.keep_path` moves rows: test_tree_scenarios_accept_off_chain_paths) and a seeded T = 1
+    DFlash tree."""
+    from glimmer_mlx.generate import generate
+    from glimmer_mlx.strategy import DecodeSpec
+
+    runs = {}
+    for mode, drafter, nodes in (("dflash", d.dflash, 16), ("mtp", d.mtp, 8),
+                                 ("ngram", d.select(DecodeSpec("ngram", None))[0], 6)):
+        runs[mode] = generate(m, TREE_PROMPT, max_tokens=TREE_TOKENS, drafter=drafter, tree=nodes).tokens
+    runs["dflash/1.0"] = generate(m, TREE_PROMPT, max_tokens=40, drafter=d.dflash, tree=16, temperature=1.0,
+                                  seed=5).tokens
     return runs
 
 
@@ -73,6 +91,14 @@ def run_scenarios(spec: dict, out: Path) -> None:
                     time.sleep(120)
         except DistributedError as e:
             res.update(error=str(e), seconds=time.monotonic() - t0)
+        (out / f"rank{g.rank()}.json").write_text(json.dumps(res))
+        return
+    if spec.get("trees"):  # token trees under tp and pp
+        for strategy in ("tp", "pp"):
+            m, _ = load_sharded(spec["target"], g, strategy=strategy)
+            d = load_drafters(m, embedded=True)
+            expose_taps(m, d.dflash.taps + d.mtp.taps)
+            res[strategy] = tree_runs(m, d)
         (out / f"rank{g.rank()}.json").write_text(json.dumps(res))
         return
     mx.reset_peak_memory()
@@ -121,7 +147,7 @@ LAUNCH = shutil.which("mlx.launch") or (str(Path(sys.executable).parent / "mlx.l
 pytestmark = pytest.mark.skipif(LAUNCH is None, reason="mlx.launch is not installed (MLX's distributed launcher)")
 
 
-def launch(spec: dict, out: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+def launch(spec: dict, out: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--", sys.executable, str(Path(__file__).resolve()), "worker",
            json.dumps(spec), str(out)]
@@ -203,6 +229,83 @@ def test_tp_replicates_a_kv_head_over_more_ranks_than_kv_heads(two_ranks):
         assert np.array_equal(np.array(k["v"], dtype=np.float32), np.array(a.v_proj.weight))
         assert np.array(k["k"]).shape == (a.head_dim, m.args.hidden_size)
         assert set(k["cache_heads"]) == {1}
+
+
+def test_tree_scenarios_accept_off_chain_paths(monkeypatch):
+    """The tree scenarios are not degenerate: on one process, DFlash and MTP trees accept paths that are not the
+    chain (rows moved by keep_path), which the 2-process runs must then reproduce."""
+    from glimmer_mlx import load
+    from glimmer_mlx.cache import KVCache
+    from glimmer_mlx.embedded import embedded_path
+    from glimmer_mlx.generate import generate
+    from glimmer_mlx.strategy import load_drafters
+
+    moved = []
+    real = KVCache.keep_rows
+    monkeypatch.setattr(KVCache, "keep_rows", lambda self, off, rows: (moved.append(rows != list(range(len(rows)))),
+                                                                        real(self, off, rows))[1])
+    m, _ = load(embedded_path("target"))
+    d = load_drafters(m, embedded=True)
+    for drafter, nodes in ((d.dflash, 16), (d.mtp, 8)):
+        moved.clear()
+        generate(m, TREE_PROMPT, max_tokens=TREE_TOKENS, drafter=drafter, tree=nodes)
+        assert any(moved), drafter.kind
+
+
+@pytest.mark.slow  # ~60-120 s: a launch decoding 4 trees per strategy on two ranks sharing two cores
+def test_token_trees_over_two_ranks_decode_exactly_as_one_process(tmp_path):
+    """`--tree` under tp and pp: each rank's tree verify forward (tree mask, per-node RoPE through the sharded
+    attention; under pp through RemoteLayer / StageBoundary) and its keep_path compaction (under pp the other
+    stage's layers keep `PositionCache` books) give the single process's tokens."""
+    from glimmer_mlx import load
+    from glimmer_mlx.embedded import embedded_path
+    from glimmer_mlx.strategy import load_drafters
+
+    r = launch({"target": str(embedded_path("target")), "trees": True}, tmp_path)
+    done = all((tmp_path / f"rank{i}.json").exists() for i in range(2))
+    assert r.returncode == 0 and done, r.stdout[-2000:] + r.stderr[-4000:]
+    m, _ = load(embedded_path("target"))
+    want = tree_runs(m, load_drafters(m, embedded=True))
+    assert all(len(v) for v in want.values())
+    for i in range(2):
+        res = json.loads((tmp_path / f"rank{i}.json").read_text())
+        for strategy in ("tp", "pp"):
+            assert res[strategy] == want, (i, strategy)
+
+
+def test_position_cache_keeps_the_books_of_a_real_cache():
+    """A pipeline rank's cache for another stage's layer (no rows) answers every rewind / keep-path check as a real
+    KVCache of the same window does, through appends, rewinds and tree compactions past the window."""
+    import random
+
+    import mlx.core as mx
+
+    from glimmer_mlx.cache import CacheRewindError, KVCache
+    from glimmer_mlx.distributed import PositionCache
+
+    rng = random.Random(0)
+    for window in (None, 8):
+        real, pos = KVCache(window, max_rewind=4), PositionCache(window, max_rewind=4)
+        for _ in range(300):
+            op = rng.choice(["append", "append", "rewind", "keep"])
+            if op == "append":
+                L = rng.choice([1, 1, 3, 9])
+                kv = mx.zeros((1, 1, L, 2))
+                real.append(kv, kv)
+                pos.advance(L)
+            else:
+                n = rng.randint(0, 7)
+                off = real.offset - n
+                rows = sorted(rng.sample(range(n), rng.randint(1, n))) if op == "keep" and n else None
+                verdicts = []
+                for c in (real, pos):
+                    try:
+                        c.keep_rows(off, rows) if rows else c.rewind(n)
+                        verdicts.append("ok")
+                    except (CacheRewindError, ValueError) as e:
+                        verdicts.append(str(e))
+                assert verdicts[0] == verdicts[1], (op, n, rows, verdicts)
+            assert (pos.offset, pos.start, pos.rows) == (real.offset, real.start, real.rows)
 
 
 class FakeGroup:

@@ -175,6 +175,12 @@ def test_tree_meta_is_the_block_part_of_the_cache_mask():
         want = np.array(tree_mask(tree[0], tree[1], 50, 40, window))[:, 10:]
         np.testing.assert_array_equal(got.astype(bool), want)
         assert meta[L:].tolist() == depths
+    # built once per (tree, window) for the layers of one forward; a new round's tree gets its own
+    a, b = attention.tree_inputs(*make_tree("star", 5, 0)), attention.tree_inputs(*make_tree("chain", 5, 0))
+    assert attention.shared_tree_meta(a, 3) is attention.shared_tree_meta(a, 3)
+    assert attention.shared_tree_meta(a, None) is not attention.shared_tree_meta(a, 3)
+    assert np.array(attention.shared_tree_meta(b, 3)).tolist() == np.array(attention.tree_meta(b, 3)).tolist()
+    assert np.array(attention.shared_tree_meta(a, 3)).tolist() != np.array(attention.shared_tree_meta(b, 3)).tolist()
 
 
 @needs_cxx

@@ -102,6 +102,23 @@ def tree_meta(tree, window: int | None) -> mx.array:
     return mx.concatenate([bits.astype(mx.uint32).view(mx.int32), depths.astype(mx.int32)])
 
 
+_recent_tree_meta: list = []  # [(tree, window, meta)]: the last trees seen, newest first
+
+
+def shared_tree_meta(tree, window: int | None) -> mx.array:
+    """`tree_meta`, built once per (tree object, window): every layer of one verify forward passes the same `tree`
+    tuple, so the few small ops that make the bits run once per layer type instead of once per layer. Keyed by
+    identity (the entries hold the tuple, so an id is never reused while cached); a tree's arrays are not to be
+    modified in place between calls (`TokenTree.attention_inputs` makes new ones per round)."""
+    for t, w, m in _recent_tree_meta:
+        if t is tree and w == window:
+            return m
+    m = tree_meta(tree, window)
+    _recent_tree_meta.insert(0, (tree, window, m))
+    del _recent_tree_meta[4:]
+    return m
+
+
 def block_attention_reference(q, k, v, *, scale: float, qk: int, window: int | None = None, tree=None) -> mx.array:
     """q [B, Hq, L, D], k/v [B, Hkv, N, D] → [B, Hq, L, D] in q's dtype; float32 softmax. tree: None (a chain) or
     (depths [L], ancestors [L, L]) of a token tree's flattened nodes (the mask is `attention_mask`)."""
@@ -153,7 +170,7 @@ def block_attention_calls(q, k, v, *, scale: float, qk: int, window: int | None 
     S = math.ceil(N / SS)
     meta = mx.array([N, qk, window or 0, SS, S], dtype=mx.int32)
     if tree is not None:
-        meta = mx.concatenate([meta, tree_meta(tree, window)])
+        meta = mx.concatenate([meta, shared_tree_meta(tree, window)])
     part = KernelCall(PARTIAL, [q[0], k[0], v[0], meta, mx.array([scale * LOG2E], dtype=mx.float32)],
                       output_shapes=[(Hkv, S, rp, D), (Hkv, S, rp, 2)], output_dtypes=[mx.float32, mx.float32],
                       grid=(32 * nsg, Hkv * rg, S), threadgroup=(32 * nsg, 1, 1),

@@ -143,6 +143,51 @@ class DraftAttention(nn.Module):
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B_, L, -1))
 
 
+    def batch(self, x, ctxs: list, positions: list[int], rope, caches: list) -> mx.array:
+        """`__call__` for R rows at once, each with its own context cache: x [R, L, D] the rows' normed blocks (row
+        r at positions positions[r]..), ctxs[r] its new context rows [n_r, D] (n_r may be 0). The new context K/V of
+        every row come from one projection and go into each row's own cache; the rows' cached keys are left-padded
+        to the longest and masked, so every row attends to exactly the keys it would alone."""
+        R, L, _ = x.shape
+        pos = mx.array(positions, dtype=mx.int32)
+        q = self.q_norm(self.q_proj(x).reshape(R, L, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
+        q = rope(q, pos)
+        kb, vb = self._kv(x, rope, pos)
+        sizes = [c.shape[0] for c in ctxs]
+        if sum(sizes):  # every row's new context in one projection (RoPE per row below, at its own positions)
+            kc_all, vc_all = self._kv(mx.concatenate([c for c in ctxs if c.shape[0]], axis=0)[None],
+                                      lambda t, _: t, 0)
+        views, a = [], 0
+        for r, (n, p0, cache) in enumerate(zip(sizes, positions, caches)):
+            if n:
+                cache.append(rope(kc_all[..., a:a + n, :], p0 - n), vc_all[..., a:a + n, :])
+                a += n
+            lo = 0 if self.window is None else p0 - self.reach
+            views.append(cache.view(lo) if cache.keys is not None else (kb[r:r + 1, :, :0], vb[r:r + 1, :, :0], p0))
+        N = max(v[0].shape[2] for v in views)
+        keys, values, masks = [], [], []
+        qpos = mx.arange(L)[:, None]
+        for r, (kc, vc, k0) in enumerate(views):
+            n, pad = kc.shape[2], N - kc.shape[2]
+            widths = [(0, 0), (0, 0), (pad, 0), (0, 0)]
+            keys.append(mx.concatenate([mx.pad(kc, widths), kb[r:r + 1]], axis=2))
+            values.append(mx.concatenate([mx.pad(vc, widths), vb[r:r + 1]], axis=2))
+            p0 = positions[r]
+            kpos = mx.concatenate([mx.full((pad,), -1, mx.int32), mx.arange(k0, k0 + n, dtype=mx.int32),
+                                   mx.arange(p0, p0 + L, dtype=mx.int32)])[None, :]
+            m = kpos >= 0  # the left padding is never seen
+            if self.window is not None:
+                near = mx.abs(qpos + p0 - kpos) <= self.reach
+                if self.window_rule == "strict":
+                    near = near | (kpos >= p0)
+                m = m & near
+            masks.append(m)
+        mask = mx.stack(masks)[:, None]  # [R, 1, L, N + L]
+        o = mx.fast.scaled_dot_product_attention(q, mx.concatenate(keys), mx.concatenate(values), scale=self.scale,
+                                                 mask=mask)
+        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(R, L, -1))
+
+
 class DraftLayer(nn.Module):
     def __init__(self, cfg: AssistantConfig, i: int):
         super().__init__()
@@ -153,6 +198,10 @@ class DraftLayer(nn.Module):
 
     def __call__(self, h, ctx, pos, rope, cache, ctx_mask=None):
         h = h + self.self_attn(self.input_layernorm(h), ctx, pos, rope, cache, ctx_mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def batch(self, h, ctxs, positions, rope, caches):
+        h = h + self.self_attn.batch(self.input_layernorm(h), ctxs, positions, rope, caches)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -196,6 +245,22 @@ class Assistant(nn.Module):
         h = noise_embeds
         for layer, lc in zip(self.layers, cache):
             h = layer(h, c, pos, self.rope, lc, ctx_mask)
+        return self.norm(h)
+
+    def batch(self, noise_embeds, ctx_taps: list, positions: list[int], caches: list) -> mx.array:
+        """`__call__` for R rows in one forward, each with its own cache (`DraftAttention.batch`): noise_embeds
+        [R, B, D]; ctx_taps[r]: row r's new context taps [1, n_r, k·D] or None; caches[r]: its per-layer caches.
+        Returns [R, B, D]."""
+        sizes = [0 if c is None else c.shape[1] for c in ctx_taps]
+        if sum(sizes):
+            enc = self.encoder(mx.concatenate([c for c in ctx_taps if c is not None and c.shape[1]], axis=1))[0]
+        ctxs, a = [], 0
+        for n in sizes:
+            ctxs.append(enc[a:a + n] if n else noise_embeds[0, :0])
+            a += n
+        h = noise_embeds
+        for i, layer in enumerate(self.layers):
+            h = layer.batch(h, ctxs, positions, self.rope, [c[i] for c in caches])
         return self.norm(h)
 
     def make_cache(self) -> list[KVCache]:

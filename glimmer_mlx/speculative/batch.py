@@ -35,6 +35,7 @@ from ..cache import KVCache, make_batch_cache
 from ..runtime.loop import GenerationChunk, GenerationStats, TokenStream
 from ..runtime.prefill import DEFAULT_PREFILL_STEP
 from ..sampling import Sampler, history_window
+from .dflash import batches_with, draft_hidden_batch
 from .protocol import Drafter
 from .verify import target_distribution, verify_greedy, verify_sampling
 
@@ -78,6 +79,25 @@ class BatchRequest:
     tag: object = None  # the caller's handle (a server job)
     auto: bool = False  # `auto`: the batch's chooser picks this row's drafter and width each step (no `drafter`)
     options: dict | None = None  # auto: its drafters by kind (default: `BatchAuto.options`)
+
+
+def batch_dflash_blocks(rows: list, plans: dict) -> dict:
+    """{row index: its DFlash block's hidden states} for the rows that draft with a DFlash v1 drafter this step
+    (`plans`: {row index: (drafter, k)}), in one drafter forward per assistant (`dflash.draft_hidden_batch`) when
+    two or more rows share it; the other rows draft on their own."""
+    groups: dict[int, list[int]] = {}
+    for b, (d, k) in plans.items():
+        if k > 0 and d is not None and d.kind == "dflash":
+            groups.setdefault(id(d.assistant), []).append(b)
+    hidden = {}
+    for members in groups.values():
+        members = [b for b in members if batches_with(plans[members[0]][0], plans[b][0])]
+        if len(members) < 2:
+            continue
+        hs = draft_hidden_batch([plans[b][0] for b in members], [rows[b].history[-1] for b in members],
+                                [len(rows[b].history) - 1 for b in members])
+        hidden.update(zip(members, hs))
+    return hidden
 
 
 class Row:
@@ -133,22 +153,28 @@ class Row:
             return list(self.options.values())
         return [] if self.drafter is None else [self.drafter]
 
-    def plan(self, choice: tuple | None = None) -> list[int]:
-        """What this row feeds the next forward: [last token] (a plain round) or [anchor, d1..dk]. choice: an auto
-        row's (option name, drafts) for this step (option None: plain)."""
-        anchor = self.history[-1]
-        drafter = self.drafter
+    def drafting(self, choice: tuple | None = None) -> tuple:
+        """(the drafter that drafts this step or None, drafts k): choice: an auto row's (option name, drafts) for
+        this step (option None: plain)."""
         if self.options is not None:
             name, k = choice if choice is not None else (None, 0)
             self.choice = None if name is None else (name, name.split("@")[0])
-            drafter = None if name is None else self.options[self.choice[1]]
-        else:
-            k = 0 if drafter is None else min(self.req.width, self.out.budget - 1)
+            return (None, 0) if name is None else (self.options[self.choice[1]], k)
+        return (None, 0) if self.drafter is None else (self.drafter, min(self.req.width, self.out.budget - 1))
+
+    def plan(self, drafter, k: int, hidden: mx.array | None = None) -> list[int]:
+        """What this row feeds the next forward: [last token] (a plain round: k 0) or [anchor, d1..dk] from
+        `drafter` (`drafting`); hidden: its DFlash block's hidden states when drafted with other rows'
+        (`dflash.draft_hidden_batch`)."""
+        anchor = self.history[-1]
         if k == 0:
             self.drafts, self.q = None, None
             return [anchor]
-        pos = len(self.history) - 1  # the anchor's position: the cache holds every committed token but the anchor
-        self.drafts, self.q = drafter.propose(anchor, pos, k, self.sampler, self.history)
+        if hidden is not None:
+            self.drafts, self.q = drafter.propose_hidden(hidden, k, self.sampler, self.history)
+        else:
+            pos = len(self.history) - 1  # the anchor's position: the cache holds every committed token but the anchor
+            self.drafts, self.q = drafter.propose(anchor, pos, k, self.sampler, self.history)
         return [anchor] + self.drafts
 
     def available(self, k_max: int) -> dict:
@@ -373,9 +399,15 @@ class BatchGenerator:
         this one feeds (every row plain): those rows' lengths are advanced now by the token that step commits."""
         rows = list(self.rows)
         choices = {} if after is not None else self._choose(rows)
-        parts, widths, drafting = [], [], 0.0
+        lazies = {b: after.tokens.get(id(r)) for b, r in enumerate(rows)} if after is not None else {}
+        plans = {b: r.drafting(choices.get(b)) for b, r in enumerate(rows) if lazies.get(b) is None}
+        t = time.perf_counter()
+        hidden = batch_dflash_blocks(rows, plans)
+        shared = (time.perf_counter() - t) / max(1, len(hidden))  # each batched row's share of that forward
+        drafting = shared * len(hidden)
+        parts, widths = [], []
         for b, r in enumerate(rows):
-            lazy = after.tokens.get(id(r)) if after is not None else None
+            lazy = lazies.get(b)
             if lazy is not None:
                 self.layout.commit(b, 1)
                 r.ahead = True
@@ -385,11 +417,11 @@ class BatchGenerator:
             else:
                 c = choices.get(b)
                 t = time.perf_counter()
-                f = r.plan(c)
+                f = r.plan(*plans[b], hidden.get(b))
                 if c is not None and c[0] is not None:  # what the chosen drafter's round measurably costs
                     spent = time.perf_counter() - t
                     drafting += spent
-                    self.auto.observe_draft(c[0], c[1], spent)
+                    self.auto.observe_draft(c[0], c[1], spent + (shared if b in hidden else 0.0))
                 parts.append(f)
                 widths.append(len(f))
         L = max(widths)

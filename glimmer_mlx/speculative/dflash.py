@@ -204,10 +204,36 @@ class DFlashDrafter:
         noise = self.target.embed_raw(ids)
         return self.assistant(noise, ctx_taps, pos, cache)[0, 1:]
 
+    def propose_hidden(self, h: mx.array, k: int, sampler, history: list[int]):
+        """`propose` from the block's hidden states already computed (`draft_hidden_batch`)."""
+        return draft_tokens(self.logits(h[:k]), sampler, history)
+
     def logits(self, h: mx.array) -> mx.array:
         if self.draft_logits == "raw":
             return self.target.lm_head_raw(h).astype(mx.float32)
         return self.target.logits(h)
+
+
+def batches_with(a: "DFlashDrafter", b: "DFlashDrafter") -> bool:
+    """Whether two drafters' blocks can be drafted in one forward (`draft_hidden_batch`): DFlash v1 drafters of the
+    same assistant (forks of one drafter: batch rows), each with its own started state."""
+    return (type(a) is DFlashDrafter and type(b) is DFlashDrafter and a.assistant is b.assistant
+            and a.target is b.target and a.cache is not None and b.cache is not None)
+
+
+def draft_hidden_batch(drafters: list["DFlashDrafter"], anchors: list[int], positions: list[int]) -> list[mx.array]:
+    """The blocks of several DFlash v1 drafters (rows of a batch, `batches_with` each other) in one assistant
+    forward: row r's block [anchors[r], mask…] at positions[r], its pending context into its own cache. Returns each
+    row's hidden states [block−1, D], as its own `draft_hidden` gives them (`Assistant.batch`); their pending
+    contexts are consumed."""
+    first = drafters[0]
+    B = first.block_size
+    ids = mx.array([[a] + [first.config.mask_token_id] * (B - 1) for a in anchors], dtype=mx.int32)
+    h = first.assistant.batch(first.target.embed_raw(ids), [d.ctx for d in drafters], positions,
+                              [d.cache for d in drafters])
+    for d in drafters:
+        d.ctx = None  # consumed: its K/V now live in the drafter's cache
+    return [h[r, 1:] for r in range(len(drafters))]
 
 
 def grow_tree(anchor: int, chain: list[int], chain_lp: list[float], depth: int, budget: int, children) -> TokenTree:

@@ -1072,3 +1072,16 @@ def test_auto_tree_rounds_sample_the_target_distribution(small_vocab_auto, bug, 
     counts = _spec_counts(model, auto, prompt, params, n)
     worst = _marginal_tests(counts, _exact_joint(model, prompt, params), n)
     assert (worst > 1.0) if bug else (worst < 1.0), worst
+
+
+def test_only_a_drafter_that_would_be_entered_keeps_its_taps_warm():
+    """`paying` (whose drafters a plain stretch keeps in step on the taps) uses the bar a plain stretch is left for
+    (`ENTER_GAIN`): a drafter 3 % better than plain is never entered from a plain stretch, so its taps would only
+    cost every plain token; one 10 % better is."""
+    for gain, warm in ((0.03, False), (0.10, True)):
+        ch = AutoChooser(flat(3))
+        opt = ch.add("d", 1, "free")
+        # 1 draft, free drafting, flat curve: rate = (1 + α) × plain's
+        opt.acceptance("greedy").set_alphas([gain])
+        assert ch.best({"d": 1})[0] == ("d" if warm else None)
+        assert ("d" in ch.paying()) == warm

@@ -1,21 +1,26 @@
 """Engine-level continuous batching (issue 24): aggregate tok/s of BatchGenerator with N rows (the shipped prompts
-under the chat template, 64 tokens, greedy, EOS honoured), ar rows vs auto rows, 3 interleaved repeats; no HTTP.
-Usage: python benchmarks/batch_engine.py 1,2,4,8,16"""
-import time, sys, json
+under the chat template, 64 tokens, greedy, EOS honoured), ar rows vs auto rows vs DFlash rows (their blocks drafted
+in one drafter forward per step), 3 interleaved repeats; no HTTP.
+Usage: python benchmarks/batch_engine.py 1,2,4,8,16 [MODES, default ar,auto,dflash]"""
+import time, sys
 from glimmer_mlx.session import load_session
 from glimmer_mlx.sampling import Sampler, SamplingParams
 from glimmer_mlx.speculative.batch import BatchGenerator, BatchRequest
 from glimmer_mlx.bench.settings import load_prompts
+from glimmer_mlx.strategy import DecodeSpec
 s = load_session(None)
 m, tok = s.model, s.tokenizer
 P = load_prompts(); cats = list(P)
 texts = [P[c][0] for c in cats] + [P[c][1 % len(P[c])] for c in cats]
 ids = [tok.apply_chat_template([{"role":"user","content":t}], add_generation_prompt=True, tokenize=True) for t in texts]
 ba = s.drafters.batch_auto()
+MODES = sys.argv[2].split(",") if len(sys.argv) > 2 else ["ar", "auto", "dflash"]
 def run(mode, N):
     g = BatchGenerator(m, auto=ba)
     for j in range(N):
-        g.add(BatchRequest(ids[j % len(ids)], Sampler(SamplingParams(), j), 64, set(tok.eos_token_ids), tok, auto=mode == "auto"))
+        d, k = s.drafters.resolve(DecodeSpec(mode)) if mode == "dflash" else (None, None)
+        g.add(BatchRequest(ids[j % len(ids)], Sampler(SamplingParams(), j), 64, set(tok.eos_token_ids), tok,
+                           auto=mode == "auto", drafter=None if d is None else d.fork(), width=k))
     while g.waiting: g.step()
     t = time.perf_counter(); n = 0; before = dict(ba.steps)
     while len(g):
@@ -23,8 +28,8 @@ def run(mode, N):
     spec = ba.steps["spec"] - before["spec"]
     return n / (time.perf_counter() - t), spec
 for N in (int(x) for x in sys.argv[1].split(",")):
-    res = {"ar": [], "auto": []}
+    res = {mode: [] for mode in MODES}
     for rep in range(3):
-        for mode in ("ar", "auto"):
+        for mode in MODES:
             res[mode].append(run(mode, N))
-    print(N, {k: [round(a, 1) for a, _ in v] for k, v in res.items()}, "spec steps", [s for _, s in res["auto"]], flush=True)
+    print(N, {k: [round(a, 1) for a, _ in v] for k, v in res.items()}, "auto spec steps", [s for _, s in res.get("auto", [])], flush=True)

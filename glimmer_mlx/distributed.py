@@ -61,7 +61,7 @@ from mlx.utils import tree_flatten
 
 from .cache import DEFAULT_MAX_REWIND, KVCache
 from .loading import CheckpointError, load_model, parse_dtype, read_safetensors_header, resolve_path, weight_files
-from .models.glimmer import Model
+from .models.glimmer import Model, TextModel
 from .tokenizer import TokenizerError, load_tokenizer
 
 STRATEGIES = ("tp", "pp")
@@ -424,12 +424,15 @@ def stage_of(layer: int, n_layers: int, n: int) -> int:
     return next(s for s in range(n) if bounds[s] <= layer < bounds[s + 1])
 
 
-def pipeline_model(model: Model, group, src=None, taps=()) -> Model:
+def pipeline_model(model: Model, group, src=None, taps=(), microbatch: int = 1) -> Model:
     """Pipeline-parallel `model` in place: rank r keeps only its stage's layers (`stage_of`); the others become
     `RemoteLayer`s; the residual stream passes stage to stage through a `StageBoundary` after each stage's last layer
     and after every layer in `taps` (a drafter's taps must be the full hidden state on every rank: `expose_taps`).
-    The embedding table and lm_head are vocab-split across the ranks as in `shard_model`, logits gathered."""
+    The embedding table and lm_head are vocab-split across the ranks as in `shard_model`, logits gathered.
+    microbatch: forwards of several rows run as up to this many micro-batches (`PipelinedTextModel`; 1: unsplit)."""
     n, r = group.size(), group.rank()
+    if not isinstance(microbatch, int) or isinstance(microbatch, bool) or not 1 <= microbatch <= 64:
+        raise ValueError(f"--pp-microbatch must be an integer in [1, 64], got {microbatch!r}")
     L = len(model.model.layers)
     if L < n:
         raise ValueError(f"pipeline parallelism over {n} ranks: the model has only {L} layers")
@@ -448,12 +451,87 @@ def pipeline_model(model: Model, group, src=None, taps=()) -> Model:
             layers.append(RemoteLayer())
     model.model.layers = layers
     model.pp_group = group
+    model.model.__class__ = PipelinedTextModel
+    model.model.pp_group, model.model.microbatch = group, microbatch
     position_caches(model)
     expose_taps(model, taps)
     model.model.embed_tokens = shard_embedding(model.model.embed_tokens, src, group, model.args.vocab_size)
     if not model.args.tie_word_embeddings:
         model.lm_head = VocabShardedHead(shard_linear(model.lm_head, "lm_head", "all-to-sharded", src, group), group)
     return model
+
+
+def microbatch_sizes(L: int, m: int) -> list[int]:
+    """`L` rows in min(m, L) consecutive micro-batches, as even as possible (the first ones take the remainder)."""
+    m = max(1, min(m, L))
+    return [L // m + (i < L % m) for i in range(m)]
+
+
+class PipelinedTextModel(TextModel):
+    """A pipelined text tower whose forwards of several rows run as micro-batches (`pipeline_model(microbatch=M)`):
+    the L rows of a verify block (or a prefill chunk) are split into M consecutive micro-batches and scheduled as a
+    wavefront, stage s working on micro-batch t − s at tick t. Each tick, every rank first computes its own stage's
+    layers for its micro-batch (evaluated), then all ranks hand over that tick's boundaries in one fixed order
+    (stage 0's first), so stage s + 1 works on micro-batch m − 1 while stage s works on m.
+
+    Why it is the unsplit forward: micro-batch m reaches layer i after micro-batch m − 1 went through it, so layer
+    i's cache then holds the committed context and every earlier row's K/V, and the causal mask of m's rows (from
+    the cache's offset) sees exactly the keys the unsplit block's mask gives those rows; RoPE positions come from the
+    same offsets. Only the floating-point grouping of the matrix products differs (fewer rows per product), as between
+    a verify block and plain decoding. Token trees run unsplit (a tree's later nodes see only their ancestors among
+    the earlier ones, not every earlier row)."""
+
+    microbatch = 1
+
+    def __call__(self, inputs, cache=None, *, input_embeddings=None, taps=(), rope=None, tree=None):
+        h = self.embed(inputs) if input_embeddings is None else input_embeddings
+        L = h.shape[1]
+        if self.microbatch <= 1 or tree is not None or cache is None or L < 2:
+            return super().__call__(inputs, cache, input_embeddings=h, taps=taps, rope=rope, tree=tree)
+        mx.eval(h)  # the embedding's all_sum first on every rank (the hand-overs below are evaluated one by one)
+        group = self.pp_group
+        r, n = group.rank(), group.size()
+        segments, start = [], 0  # runs of layers ending at a stage boundary: (first, last, owner stage)
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, StageBoundary):
+                segments.append((start, i, layer.owner))
+                start = i + 1
+        sizes = microbatch_sizes(L, self.microbatch)
+        bounds = np.cumsum([0] + sizes).tolist()
+        x = [h[:, bounds[m]:bounds[m + 1]] for m in range(len(sizes))]  # each micro-batch's current hidden state
+        out = {}  # (layer index, micro-batch) -> a boundary's output (the taps)
+        for t in range(len(sizes) + n - 1):
+            ticks = [(k, t - seg[2]) for k, seg in enumerate(segments) if 0 <= t - seg[2] < len(sizes)]
+            ticks.sort(key=lambda e: segments[e[0]][2])  # by stage, then by segment within the stage
+            y = {}
+            for k, m in ticks:  # this rank's compute first (a stage's segments of one micro-batch run in order)
+                first, last, owner = segments[k]
+                if owner != r:
+                    for i in range(first, last + 1):
+                        c = cache[i]
+                        c.advance(sizes[m]) if isinstance(c, PositionCache) else setattr(c, "offset",
+                                                                                          c.offset + sizes[m])
+                    continue
+                v = x[m]
+                for i in range(first, last + 1):
+                    layer = self.layers[i]
+                    v = (layer.layer if isinstance(layer, StageBoundary) else layer)(v, rope, cache[i])
+                if any(e[1] == m and e[0] > k and segments[e[0]][2] == r for e in ticks):
+                    x[m] = v  # the next segment of this stage (a tap inside it) runs after this boundary
+                y[k, m] = v
+            if y:
+                mx.eval(list(y.values()))
+            for k, m in ticks:  # the hand-overs, in the same order on every rank
+                first, last, owner = segments[k]
+                mine = y.get((k, m))
+                v = mine if mine is not None else mx.zeros(x[m].shape, x[m].dtype)
+                x[m] = mx.distributed.all_sum(v, group=group)
+                mx.eval(x[m])
+                out[last, m] = x[m]
+        last = len(self.layers) - 1
+        hs = self.norm(mx.concatenate(x, axis=1))
+        tapped = [hs if i == last else mx.concatenate([out[i, m] for m in range(len(sizes))], axis=1) for i in taps]
+        return hs, tapped
 
 
 def _unflatten(flat: dict) -> dict:
@@ -476,14 +554,16 @@ def expose_taps(model: Model, taps=()) -> None:
         model.model.layers[i] = StageBoundary(inner, stage_of(i, L, n), group) if i in want else inner
 
 
-def load_sharded(path_or_repo, group, dtype=None, strategy: str = "tp"):
+def load_sharded(path_or_repo, group, dtype=None, strategy: str = "tp", microbatch: int = 1):
     """(model, tokenizer) with this rank's part of the target only (its slices for "tp", its stage's layers for "pp"):
     lazy build and checks, the part read from the shards, the replicated rest evaluated. The MTP weights stay lazy
-    (the drafter loads them whole)."""
+    (the drafter loads them whole). microbatch: "pp" only (`pipeline_model`)."""
     path = resolve_path(path_or_repo)
     model = load_model(path, dtype, lazy=True)
+    if microbatch != 1 and strategy != "pp":
+        raise ValueError("--pp-microbatch needs --distributed pp (tensor parallelism has no stages to overlap)")
     if strategy == "pp":
-        pipeline_model(model, group, FileSlices(path, dtype))
+        pipeline_model(model, group, FileSlices(path, dtype), microbatch=microbatch)
     else:
         check_shardable(model, group.size())
         shard_model(model, group, FileSlices(path, dtype))
@@ -553,17 +633,17 @@ def start(strategy: str, backend: str = "any") -> mx.distributed.Group:
     return init_group(backend)
 
 
-def load_agreed(path_or_repo, group, dtype=None, strategy: str = "tp", **options):
+def load_agreed(path_or_repo, group, dtype=None, strategy: str = "tp", microbatch: int = 1, **options):
     """`load_sharded` after checking that every rank names the same checkpoint (`checkpoint_fingerprint`) and passes
     the same `options` (a rank that cannot read its checkpoint disagrees, so every rank fails with the same line)."""
     try:
         fp, problem = checkpoint_fingerprint(path_or_repo), None
     except (CheckpointError, OSError) as e:
         fp, problem = f"unreadable: {e}", e
-    check_same(group, model=fp, options=dict(options, strategy=strategy))
+    check_same(group, model=fp, options=dict(options, strategy=strategy, microbatch=microbatch))
     if problem is not None:
         raise CheckpointError(str(problem))
-    return load_sharded(path_or_repo, group, dtype, strategy)
+    return load_sharded(path_or_repo, group, dtype, strategy, microbatch)
 
 
 def check_mode(mode: str, width) -> None:

@@ -55,10 +55,17 @@ def generate(
     distributed: Optional[str] = typer.Option(None, "--distributed", help="tp (tensor parallelism) | pp (pipeline "
                                               "parallelism) over the ranks of `mlx.launch -n N --backend ring -- "
                                               "glimmer generate …` (only rank 0 prints)."),
+    pp_microbatch: int = typer.Option(1, "--pp-microbatch", help="--distributed pp: split each verify block / "
+                                      "prefill chunk into up to N micro-batches so stage s+1 works on one while "
+                                      "stage s works on the next (1: off; same output). Pays when a stage is "
+                                      "compute-bound, costs a weight read per micro-batch when it is "
+                                      "memory-bound (see BENCHMARKS)."),
 ):
     """Generate text from a prompt (optionally with images). Default mode: plain decoding; with --draft-model or
     --mtp-model, auto over the drafters loaded; --mode picks another."""
     group = None
+    if pp_microbatch != 1 and distributed != "pp":
+        fail("--pp-microbatch needs --distributed pp")
     if distributed is not None:
         try:
             group = dist.start(distributed)
@@ -91,7 +98,7 @@ def generate(
         if group is None:
             m, tok = load(path, dtype=dtype)
         else:
-            m, tok = dist.load_agreed(path, group, dtype, distributed, mode=mode, width=width,
+            m, tok = dist.load_agreed(path, group, dtype, distributed, pp_microbatch, mode=mode, width=width,
                                       draft_model=draft_model, mtp_model=mtp_model, max_tokens=max_tokens, temp=temp,
                                       top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
                                       stop=stop, tree=tree)

@@ -1,4 +1,4 @@
-"""DFlash v1 drafting for several batch rows in one drafter forward (`dflash.draft_hidden_batch`, issue 24): each
+"""DFlash (v1 and v2) drafting for several batch rows in one drafter forward (`dflash.draft_hidden_batch`, issue 24): each
 row's hidden states equal what its own `draft_hidden` gives (its own context cache, positions, sliding window),
 and a batch of DFlash rows decodes exactly as each request alone."""
 
@@ -19,11 +19,18 @@ def pair(tiny_checkpoint, tmp_path_factory):
     path, _ = tiny_checkpoint(seed=4)
     model, _ = glimmer_mlx.load(path)
     model.eos_token_ids = set()
+    from test_dflash2 import tiny_config, write_checkpoint
+
     out = {}
     for layers in (["sliding_attention", "sliding_attention"], ["full_attention", "sliding_attention"]):
         d = tmp_path_factory.mktemp("dflash_batch")
         build_hf_drafter({"layer_types": layers}, seed=7).save_pretrained(d)
         out[layers[0]] = glimmer_mlx.load_drafter(d, model)
+    raw = tiny_config()
+    raw["sliding_window"] = 3  # < the block of 4: the strict rule (every block key seen) matters
+    d2 = write_checkpoint(tmp_path_factory.mktemp("dflash2_batch"), raw, seed=3, code_scale=1.2)
+    out["dflash2"] = glimmer_mlx.load_drafter(d2, model)
+    assert out["dflash2"].variant == "dflash2"
     return model, out
 
 
@@ -35,10 +42,12 @@ def _started(model, drafter, ids):
     return d
 
 
-@pytest.mark.parametrize("first_layer", ["sliding_attention", "full_attention"])
-def test_batched_blocks_equal_each_rows_own(pair, first_layer):
+@pytest.mark.parametrize("variant", ["sliding_attention", "full_attention", "dflash2"])
+def test_batched_blocks_equal_each_rows_own(pair, variant):
+    """DFlash v1 with sliding and full context layers, and DFlash 2 (its block-local convolutions, strict window
+    rule)."""
     model, drafters = pair
-    base = drafters[first_layer]
+    base = drafters[variant]
     rng = np.random.default_rng(1)
     lengths = [3, 9, 14, 5]  # windows of 6: some rows' contexts reach past it, others not
     rows = [_started(model, base, rng.integers(10, 200, n).tolist()) for n in lengths]
@@ -59,3 +68,27 @@ def test_batched_blocks_equal_each_rows_own(pair, first_layer):
             r.accept([mx.array(rng.normal(size=(1, 3, model.args.hidden_size)).astype(np.float32))
                       for _ in r.taps], [1, 2, 3])
     assert batches_with(rows[0], rows[1]) and not batches_with(rows[0], base)  # base has no state
+    other = [d for name, d in drafters.items() if name != variant][0]
+    assert not batches_with(rows[0], _started(model, other, [20, 21, 22]))  # another drafter model
+
+
+def test_dflash2_rows_propose_from_batched_blocks_what_they_would_alone(pair):
+    """DFlash 2's selector walk from a batched block (`propose_hidden`, anchor = the history's last token) gives
+    the drafts and q of its own `propose`, greedy and sampled."""
+    from glimmer_mlx.sampling import Sampler, SamplingParams
+
+    model, drafters = pair
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(10, 200, n).tolist() for n in (4, 11, 7)]
+    for temp in (0.0, 1.0):
+        rows = [_started(model, drafters["dflash2"], p) for p in prompts]
+        solo = [r.copy_state() for r in rows]
+        for sl, r in zip(solo, rows):
+            sl.ctx = r.ctx
+        hs = draft_hidden_batch(rows, [p[-1] for p in prompts], [len(p) - 1 for p in prompts])
+        for i, (p, h) in enumerate(zip(prompts, hs)):
+            got = rows[i].propose_hidden(h, 3, Sampler(SamplingParams(temperature=temp), 5), p)
+            want = solo[i].propose(p[-1], len(p) - 1, 3, Sampler(SamplingParams(temperature=temp), 5), p)
+            assert got[0] == want[0]
+            if temp:
+                np.testing.assert_allclose(np.array(got[1]), np.array(want[1]), rtol=1e-5, atol=1e-5)

@@ -247,21 +247,12 @@ class Assistant(nn.Module):
             h = layer(h, c, pos, self.rope, lc, ctx_mask)
         return self.norm(h)
 
+    def encode(self, ctx_taps: mx.array) -> mx.array:
+        """Concatenated target taps [..., k·D] → the context rows the layers attend to [..., D]."""
+        return self.encoder(ctx_taps)
+
     def batch(self, noise_embeds, ctx_taps: list, positions: list[int], caches: list) -> mx.array:
-        """`__call__` for R rows in one forward, each with its own cache (`DraftAttention.batch`): noise_embeds
-        [R, B, D]; ctx_taps[r]: row r's new context taps [1, n_r, k·D] or None; caches[r]: its per-layer caches.
-        Returns [R, B, D]."""
-        sizes = [0 if c is None else c.shape[1] for c in ctx_taps]
-        if sum(sizes):
-            enc = self.encoder(mx.concatenate([c for c in ctx_taps if c is not None and c.shape[1]], axis=1))[0]
-        ctxs, a = [], 0
-        for n in sizes:
-            ctxs.append(enc[a:a + n] if n else noise_embeds[0, :0])
-            a += n
-        h = noise_embeds
-        for i, layer in enumerate(self.layers):
-            h = layer.batch(h, ctxs, positions, self.rope, [c[i] for c in caches])
-        return self.norm(h)
+        return batch_forward(self, noise_embeds, ctx_taps, positions, caches)
 
     def make_cache(self) -> list[KVCache]:
         """Context-only K/V per layer; a sliding layer keeps the W rows its window can still reach."""
@@ -271,3 +262,21 @@ class Assistant(nn.Module):
     @staticmethod
     def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
         return {(k[len("model."):] if k.startswith("model.") else k): v for k, v in weights.items()}
+
+
+def batch_forward(model, noise_embeds, ctx_taps: list, positions: list[int], caches: list) -> mx.array:
+    """A DFlash drafter's forward (`Assistant`, `dflash2.DFlash2`) for R rows at once, each with its own cache
+    (`DraftAttention.batch`): noise_embeds [R, B, D]; ctx_taps[r]: row r's new context taps [1, n_r, k·D] or None
+    (all rows' encoded in one call); caches[r]: its per-layer caches. Returns [R, B, D], each row as its own forward
+    gives it."""
+    sizes = [0 if c is None else c.shape[1] for c in ctx_taps]
+    if sum(sizes):
+        enc = model.encode(mx.concatenate([c for c in ctx_taps if c is not None and c.shape[1]], axis=1))[0]
+    ctxs, a = [], 0
+    for n in sizes:
+        ctxs.append(enc[a:a + n] if n else noise_embeds[0, :0])
+        a += n
+    h = noise_embeds
+    for i, layer in enumerate(model.layers):
+        h = layer.batch(h, ctxs, positions, model.rope, [c[i] for c in caches])
+    return model.norm(h)

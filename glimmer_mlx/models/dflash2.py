@@ -36,7 +36,7 @@ import mlx.nn as nn
 
 from ..cache import KVCache
 from ..config import ConfigError
-from .assistant import AssistantConfig, AssistantRMSNorm, DraftAttention, DraftRope
+from .assistant import AssistantConfig, AssistantRMSNorm, DraftAttention, DraftRope, batch_forward
 from .glimmer import MLP
 
 ARCHITECTURE = "DFlash2DraftModel"
@@ -159,6 +159,14 @@ class DFlash2Layer(nn.Module):
         x, d = self.mlp_conv.prepare(self.post_attention_layernorm(h))
         return h + self.mlp_conv.finish(self.mlp(x), d)
 
+    def batch(self, h, ctxs, positions, rope, caches):
+        """`__call__` for several rows' blocks, each with its own cache (`DraftAttention.batch`; the convolutions
+        never cross a block, so they run on the rows as they are)."""
+        x, d = self.attention_conv.prepare(self.input_layernorm(h))
+        h = h + self.attention_conv.finish(self.self_attn.batch(x, ctxs, positions, rope, caches), d)
+        x, d = self.mlp_conv.prepare(self.post_attention_layernorm(h))
+        return h + self.mlp_conv.finish(self.mlp(x), d)
+
 
 class CandidateSelector(nn.Module):
     """Top-k candidates per block position and the pairwise scores of a left-to-right path through them."""
@@ -204,8 +212,14 @@ class DFlash2(nn.Module):
         self.candidate_selector = CandidateSelector(cfg)
         self.rope = DraftRope(cfg)
 
+    def encode(self, ctx_taps: mx.array) -> mx.array:
+        return self.hidden_norm(self.fc(ctx_taps))
+
+    def batch(self, noise_embeds, ctx_taps: list, positions: list[int], caches: list) -> mx.array:
+        return batch_forward(self, noise_embeds, ctx_taps, positions, caches)
+
     def __call__(self, noise_embeds, ctx_taps, pos: int, cache=None, ctx_mask=None):
-        c = self.hidden_norm(self.fc(ctx_taps))
+        c = self.encode(ctx_taps)
         cache = cache if cache is not None else [None] * len(self.layers)
         h = noise_embeds
         for layer, lc in zip(self.layers, cache):

@@ -82,9 +82,9 @@ class BatchRequest:
 
 
 def batch_dflash_blocks(rows: list, plans: dict) -> dict:
-    """{row index: its DFlash block's hidden states} for the rows that draft with a DFlash v1 drafter this step
-    (`plans`: {row index: (drafter, k)}), in one drafter forward per assistant (`dflash.draft_hidden_batch`) when
-    two or more rows share it; the other rows draft on their own."""
+    """{row index: its DFlash block's hidden states} for the rows that draft with a DFlash drafter (v1 or v2) this
+    step (`plans`: {row index: (drafter, k)}), in one drafter forward per drafter model (`dflash.draft_hidden_batch`)
+    when two or more rows share it; the other rows draft on their own."""
     groups: dict[int, list[int]] = {}
     for b, (d, k) in plans.items():
         if k > 0 and d is not None and d.kind == "dflash":

@@ -205,7 +205,8 @@ class DFlashDrafter:
         return self.assistant(noise, ctx_taps, pos, cache)[0, 1:]
 
     def propose_hidden(self, h: mx.array, k: int, sampler, history: list[int]):
-        """`propose` from the block's hidden states already computed (`draft_hidden_batch`)."""
+        """`propose` from the block's hidden states already computed (`draft_hidden_batch`); the anchor is
+        history[-1]."""
         return draft_tokens(self.logits(h[:k]), sampler, history)
 
     def logits(self, h: mx.array) -> mx.array:
@@ -215,15 +216,15 @@ class DFlashDrafter:
 
 
 def batches_with(a: "DFlashDrafter", b: "DFlashDrafter") -> bool:
-    """Whether two drafters' blocks can be drafted in one forward (`draft_hidden_batch`): DFlash v1 drafters of the
-    same assistant (forks of one drafter: batch rows), each with its own started state."""
-    return (type(a) is DFlashDrafter and type(b) is DFlashDrafter and a.assistant is b.assistant
+    """Whether two drafters' blocks can be drafted in one forward (`draft_hidden_batch`): DFlash drafters (v1 or
+    v2) of the same assistant model (forks of one drafter: batch rows), each with its own started state."""
+    return (isinstance(a, DFlashDrafter) and type(a) is type(b) and a.assistant is b.assistant
             and a.target is b.target and a.cache is not None and b.cache is not None)
 
 
 def draft_hidden_batch(drafters: list["DFlashDrafter"], anchors: list[int], positions: list[int]) -> list[mx.array]:
-    """The blocks of several DFlash v1 drafters (rows of a batch, `batches_with` each other) in one assistant
-    forward: row r's block [anchors[r], mask…] at positions[r], its pending context into its own cache. Returns each
+    """The blocks of several DFlash drafters (rows of a batch, `batches_with` each other) in one drafter model
+    forward (`models.assistant.batch_forward`): row r's block [anchors[r], mask…] at positions[r], its pending context into its own cache. Returns each
     row's hidden states [block−1, D], as its own `draft_hidden` gives them (`Assistant.batch`); their pending
     contexts are consumed."""
     first = drafters[0]

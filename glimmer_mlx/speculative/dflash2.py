@@ -48,6 +48,9 @@ class DFlash2Drafter(DFlashDrafter):
         self.ctx = None  # consumed: its K/V now live in the drafter cache
         return self.select(anchor, h[:k], sampler, history)
 
+    def propose_hidden(self, h: mx.array, k: int, sampler, history: list[int]):
+        return self.select(history[-1], h[:k], sampler, history)
+
     def logits(self, h: mx.array) -> mx.array:
         return self.assistant.draft_logits(self.target.lm_head_raw(h))
 

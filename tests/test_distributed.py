@@ -58,6 +58,17 @@ def tree_runs(m, d) -> dict:
     return runs
 
 
+def microbatch_runs(m, d) -> dict:
+    """Plain (the 10-token prompt's prefill split too), DFlash and MTP greedy, DFlash seeded T = 1."""
+    from glimmer_mlx.generate import generate
+
+    runs = {"ar": generate(m, TREE_PROMPT, max_tokens=24).tokens}
+    for mode, drafter in (("dflash", d.dflash), ("mtp", d.mtp)):
+        runs[mode] = generate(m, TREE_PROMPT, max_tokens=40, drafter=drafter).tokens
+    runs["dflash/1.0"] = generate(m, TREE_PROMPT, max_tokens=40, drafter=d.dflash, temperature=1.0, seed=5).tokens
+    return runs
+
+
 def kv_runs(m) -> list:
     """Greedy decoding of both prompts (the KV-replicated checkpoint)."""
     from glimmer_mlx.generate import generate
@@ -91,6 +102,24 @@ def run_scenarios(spec: dict, out: Path) -> None:
                     time.sleep(120)
         except DistributedError as e:
             res.update(error=str(e), seconds=time.monotonic() - t0)
+        (out / f"rank{g.rank()}.json").write_text(json.dumps(res))
+        return
+    if spec.get("kv4"):  # KV-head replication over 4 real ranks: 1 and 2 KV heads, 4 query heads
+        for key, path in spec["kv4"].items():
+            km, _ = load_sharded(path, g)
+            a = km.model.layers[0].self_attn
+            cache = km.make_cache()
+            km(mx.array([PROMPTS[0]]), cache)
+            res[key] = {"runs": kv_runs(km), "n_kv": a.n_kv, "n_heads": a.n_heads,
+                        "k": np.array(a.k_proj.weight).tolist(), "cache_heads": [c.keys.shape[1] for c in cache]}
+        (out / f"rank{g.rank()}.json").write_text(json.dumps(res))
+        return
+    if spec.get("microbatch"):  # micro-batched pipeline forwards
+        for mb in spec["microbatch"]:
+            m, _ = load_sharded(spec["target"], g, strategy="pp", microbatch=mb)
+            d = load_drafters(m, embedded=True)
+            expose_taps(m, d.dflash.taps + d.mtp.taps)
+            res[str(mb)] = microbatch_runs(m, d)
         (out / f"rank{g.rank()}.json").write_text(json.dumps(res))
         return
     if spec.get("trees"):  # token trees under tp and pp
@@ -147,9 +176,9 @@ LAUNCH = shutil.which("mlx.launch") or (str(Path(sys.executable).parent / "mlx.l
 pytestmark = pytest.mark.skipif(LAUNCH is None, reason="mlx.launch is not installed (MLX's distributed launcher)")
 
 
-def launch(spec: dict, out: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+def launch(spec: dict, out: Path, timeout: float = 300, n: int = 2) -> subprocess.CompletedProcess:
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--", sys.executable, str(Path(__file__).resolve()), "worker",
+    cmd = [LAUNCH, "-n", str(n), "--backend", "ring", "--", sys.executable, str(Path(__file__).resolve()), "worker",
            json.dumps(spec), str(out)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -273,6 +302,68 @@ def test_token_trees_over_two_ranks_decode_exactly_as_one_process(tmp_path):
             assert res[strategy] == want, (i, strategy)
 
 
+@pytest.mark.slow  # ~40-90 s: a launch decoding 4 scenarios twice on two ranks
+def test_micro_batched_pipeline_decodes_exactly_as_one_process(tmp_path):
+    """--distributed pp --pp-microbatch 2 and 16 (a verify block of 9 or 16 rows split into 2 / one row each; the
+    prompt's prefill split too): greedy plain, DFlash and MTP and seeded T = 1 DFlash give the single process's
+    tokens."""
+    from glimmer_mlx import load
+    from glimmer_mlx.embedded import embedded_path
+    from glimmer_mlx.strategy import load_drafters
+
+    r = launch({"target": str(embedded_path("target")), "microbatch": [2, 16]}, tmp_path)
+    done = all((tmp_path / f"rank{i}.json").exists() for i in range(2))
+    assert r.returncode == 0 and done, r.stdout[-2000:] + r.stderr[-4000:]
+    m, _ = load(embedded_path("target"))
+    want = microbatch_runs(m, load_drafters(m, embedded=True))
+    assert all(len(v) for v in want.values())
+    for i in range(2):
+        res = json.loads((tmp_path / f"rank{i}.json").read_text())
+        for mb in ("2", "16"):
+            assert res[mb] == want, (i, mb)
+
+
+def test_micro_batches_in_process_equal_the_unsplit_forward(monkeypatch):
+    """One stage (the collectives the identity): a pipelined forward split into 3 or 6 micro-batches after a
+    4-token prefix gives the unsplit forward's logits and taps (fp32 rounding of smaller products only) and the same
+    cache; a forward of one row and a token tree run unsplit."""
+    import mlx.core as mx
+
+    from glimmer_mlx import load
+    from glimmer_mlx.distributed import expose_taps, microbatch_sizes, pipeline_model
+    from glimmer_mlx.embedded import embedded_path
+
+    monkeypatch.setattr(mx.distributed, "all_sum", lambda v, group=None, stream=None: v)
+    monkeypatch.setattr(mx.distributed, "all_gather", lambda v, group=None, stream=None: v)
+    assert microbatch_sizes(10, 3) == [4, 3, 3] and microbatch_sizes(2, 5) == [1, 1]
+    ids = mx.array([TREE_PROMPT])
+    got = {}
+    for mb in (1, 3, 6):
+        m, _ = load(embedded_path("target"))
+        pipeline_model(m, FakeGroup(0, 1), microbatch=mb)
+        expose_taps(m, [1, 3])
+        c = m.make_cache()
+        m(ids[:, :4], c)
+        logits, taps = m(ids[:, 4:], c, taps=[1, 3, 5])
+        got[mb] = (logits, taps, [(x.offset, x.keys) for x in c])
+    ref = got[1]
+    for mb in (3, 6):
+        logits, taps, caches = got[mb]
+        assert mx.abs(logits - ref[0]).max().item() < 1e-4
+        assert mx.array_equal(logits.argmax(-1), ref[0].argmax(-1)).item()
+        for a, b in zip(taps, ref[1]):
+            assert a.shape == b.shape and mx.abs(a - b).max().item() < 1e-4
+        for (o, k), (ro, rk) in zip(caches, ref[2]):
+            assert o == ro == len(TREE_PROMPT) and mx.abs(k - rk).max().item() < 1e-4
+
+
+def test_pp_microbatch_is_checked():
+    from glimmer_mlx.distributed import pipeline_model
+
+    with pytest.raises(ValueError, match=r"--pp-microbatch must be an integer in \[1, 64\], got 0"):
+        pipeline_model(None, FakeGroup(0, 2), microbatch=0)
+
+
 def test_position_cache_keeps_the_books_of_a_real_cache():
     """A pipeline rank's cache for another stage's layer (no rows) answers every rewind / keep-path check as a real
     KVCache of the same window does, through appends, rewinds and tree compactions past the window."""
@@ -306,6 +397,36 @@ def test_position_cache_keeps_the_books_of_a_real_cache():
                         verdicts.append(str(e))
                 assert verdicts[0] == verdicts[1], (op, n, rows, verdicts)
             assert (pos.offset, pos.start, pos.rows) == (real.offset, real.start, real.rows)
+
+
+@pytest.mark.slow  # ~30-90 s: four ranks on two cores
+def test_kv_head_replication_over_four_real_ranks(tiny_checkpoint, tmp_path):
+    """`mlx.launch -n 4 --backend ring` over loopback: 4 query heads with 1 KV head (each rank holds it) and with 2
+    (ranks 0-1 hold KV head 0, ranks 2-3 head 1): each rank's k_proj is its KV head's rows, its caches hold 1 head,
+    and greedy decoding of both prompts is the single process's (fp32)."""
+    import numpy as np
+
+    from glimmer_mlx import load
+
+    paths = {"kv1": str(tiny_checkpoint(seed=5, num_key_value_heads=1)[0]), "kv2": str(tiny_checkpoint(seed=3)[0])}
+    r = launch({"kv4": paths}, tmp_path, n=4)
+    done = all((tmp_path / f"rank{i}.json").exists() for i in range(4))
+    assert r.returncode == 0 and done, r.stdout[-2000:] + r.stderr[-4000:]
+    for key, path in paths.items():
+        m, _ = load(path)
+        a = m.model.layers[0].self_attn
+        hd, n_kv = a.head_dim, a.n_kv
+        assert a.n_heads == 4 and n_kv == int(key[-1])
+        want = kv_runs(m)
+        assert all(len(t) for t in want)
+        for i in range(4):
+            res = json.loads((tmp_path / f"rank{i}.json").read_text())
+            assert res["size"] == 4
+            got = res[key]
+            assert got["runs"] == want, (key, i)
+            assert got["n_kv"] == 1 and got["n_heads"] == 1 and set(got["cache_heads"]) == {1}
+            h = i // (4 // n_kv)  # the KV head rank i's query head uses
+            assert np.array_equal(np.array(got["k"], dtype=np.float32), np.array(a.k_proj.weight)[h * hd:(h + 1) * hd])
 
 
 class FakeGroup:

@@ -1,7 +1,18 @@
-"""Build the embedded default model set under models/: glimmer-tiny (target), glimmer-tiny-dflash, glimmer-tiny-mtp.
+"""Build the embedded default model set in glimmer_mlx/embedded/: glimmer-tiny (target), glimmer-tiny-dflash,
+glimmer-tiny-dflash2, glimmer-tiny-mtp.
 
-    python embedded/build_embedded.py                 # every stage, in order (≈ 1.5 h on 2 CPU cores)
-    python embedded/build_embedded.py --stage target  # one stage (data → tokenizer → target → dflash → mtp → measure)
+    python embedded/build_embedded.py                 # every stage, in order (≈ 3 h on 2 CPU cores)
+    python embedded/build_embedded.py --stage target  # one stage: data → tokenizer → target → target2 → distill →
+                                                      # drafters (dflash ∥ mtp, then dflash2) → publish → measure
+
+New drafters for the shipped target, without retraining it (how the published drafters were made):
+
+    python embedded/build_embedded.py --stage data --work W
+    python embedded/build_embedded.py --stage from-embedded --work W   # its tokenizer + transformers checkpoint
+    python embedded/build_embedded.py --stage distill --work W --distill-procs 2
+    python embedded/build_embedded.py --stage dflash --work W --dflash-init glimmer_mlx/embedded/glimmer-tiny-dflash
+    ...                                    # mtp (--mtp-init), dflash2 (from W/dflash), measure --measure-from work,
+    python embedded/build_embedded.py --stage publish --work W --publish dflash,mtp   # then measure
 
 Data (offline, deterministic): the Python standard library's source of the interpreter running the script (files
 hashed into train / held-out), and synthetic chat + agent conversations about that code (embedded/build/synthetic.py,
@@ -320,19 +331,62 @@ def save_target(model, tok, work: Path, history, n_params, seconds, steps) -> No
     log(f"target written to {final}")
 
 
+# -- stage: from-embedded (the drafters of an existing target) ------------------------------------------------------
+def stage_from_embedded(work: Path) -> None:
+    """work/tokenizer and work/target_hf from the *shipped* glimmer-tiny (its tokenizer files as they are, so the ids
+    match; its weights in transformers' full layout with this script's small vision stub, which the shipped config
+    leaves out), so that distill and the drafter stages can run again without retraining the target."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import MuseGlimmerForConditionalGeneration
+
+    src = MODELS / "glimmer-tiny"
+    (work / "tokenizer").mkdir(parents=True, exist_ok=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(src / f, work / "tokenizer" / f)
+    tok = load_tok(work)
+    model = MuseGlimmerForConditionalGeneration(hf_config(tok))
+    missing, unexpected = model.load_state_dict(load_file(src / "model.safetensors"), strict=False)
+    missing = [k for k in missing if "vision" not in k and "projector" not in k]
+    if missing or unexpected:
+        raise SystemExit(f"from-embedded: {src} does not match this script's target (missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]})")
+    tmp = work / "target_hf.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.eval()
+    with torch.no_grad():
+        model.save_pretrained(tmp, safe_serialization=True)
+    if (work / "target_hf").exists():
+        shutil.rmtree(work / "target_hf")
+    tmp.rename(work / "target_hf")
+    log(f"from-embedded: {work / 'tokenizer'}, {work / 'target_hf'}")
+
+
 # -- stage: distill (the target's own outputs, the drafters' training data) ------------------------------------------
-# chat: at most this many *distinct* first turns (the synthetic set has fewer); the counts used are in distill.jsonl
-DISTILL = dict(chat=3000, agent=1000, code=1200, code_prompt=160, max_new={"chat": 160, "agent": 160, "code": 192},
-               batch=96, seed=0)
+# Counts are caps; the counts actually drawn are in distill_summary.json. Every prompt comes from the *training*
+# splits (measure uses the held-out ones).
+#   chat:  distinct first user turns (the synthetic set has fewer), plus `chat2` second turns (the conversation's own
+#          first exchange, then its second user turn)
+#   agent: conversations cut before *each* assistant turn (a tool call, or the answer after tool results), prompt +
+#          reply within the drafters' 1024-token --max-length
+#   code:  per stdlib file, its opening plus cuts spread over the rest of the file (one per ~`code_every` tokens, at
+#          most `code_per_file` in all), each prompt the `code_len` tokens before its cut (length drawn per prompt);
+#          half of them start with BOS, half are raw text (both ways a completion prompt reaches the target)
+# Sized for ≈ 25 min of batched greedy generation on the 2 shared CPU cores (≈ 150 generated tok/s there); the
+# previous set (one 160-token prefix per file, one cut per agent conversation) is DISTILL_V1.
+DISTILL_V1 = dict(chat=3000, agent=1000, code=1200, code_prompt=160, max_new={"chat": 160, "agent": 160, "code": 192},
+                  batch=96, seed=0)
+DISTILL = dict(chat=1000, chat2=0, agent=1000, code=1600, code_every=350, code_len=(64, 384), code_per_file=5,
+               max_new={"chat": 160, "agent": 160, "code": 96}, max_length=1024, batch=64, seed=0)
 
 
 def distill_prompts(work: Path, tok) -> list[tuple[str, list[int]]]:
-    """(kind, prompt ids) from the *training* splits (measure uses the held-out ones): first user turns of chat
-    conversations (distinct ones), agent conversations cut before a random assistant turn (so the reply may be a tool
-    call or the answer after tool results), and stdlib code prefixes."""
+    """(kind, prompt ids) from the *training* splits, as DISTILL describes."""
     rng = np.random.RandomState(DISTILL["seed"])
-    out, seen = [], set()
-    for line in (work / "data" / "chat_train.jsonl").read_text(encoding="utf-8").splitlines():
+    out, seen, seconds = [], set(), []
+    lines = (work / "data" / "chat_train.jsonl").read_text(encoding="utf-8").splitlines()
+    for line in lines:
         msgs = json.loads(line)["messages"]
         first = [m for m in msgs if m["role"] == "user"][:1]
         if not first or first[0]["content"] in seen:
@@ -341,109 +395,246 @@ def distill_prompts(work: Path, tok) -> list[tuple[str, list[int]]]:
         out.append(("chat", tok.apply_chat_template(first, add_generation_prompt=True, tokenize=True)))
         if len(out) == DISTILL["chat"]:
             break
+    for line in lines if DISTILL["chat2"] else []:
+        msgs = [m for m in json.loads(line)["messages"] if m["role"] != "system"]
+        if len(msgs) >= 4 and msgs[0]["content"] in seen and msgs[2]["role"] == "user":
+            seconds.append(tok.apply_chat_template(msgs[:3], add_generation_prompt=True, tokenize=True))
+            if len(seconds) == DISTILL["chat2"]:
+                break
+    out += [("chat", ids) for ids in seconds]
     n = 0
+    room = DISTILL["max_length"] - DISTILL["max_new"]["agent"]
     for line in (work / "data" / "agent_train.jsonl").read_text(encoding="utf-8").splitlines():
         rec = json.loads(line)
-        turns = [i for i, m in enumerate(rec["messages"]) if m["role"] == "assistant"]
-        if not turns:
-            continue
-        cut = turns[rng.randint(len(turns))]
-        ids = tok.apply_chat_template(rec["messages"][:cut], tools=rec.get("tools"), add_generation_prompt=True,
-                                      tokenize=True)
-        if len(ids) > 1024 - DISTILL["max_new"]["agent"]:  # prompt + reply within the drafters' --max-length
-            continue
-        out.append(("agent", ids))
-        n += 1
+        for cut in (i for i, m in enumerate(rec["messages"]) if m["role"] == "assistant"):
+            ids = tok.apply_chat_template(rec["messages"][:cut], tools=rec.get("tools"), add_generation_prompt=True,
+                                          tokenize=True)
+            if len(ids) > room:  # later cuts are longer still
+                break
+            out.append(("agent", ids))
+            n += 1
+            if n == DISTILL["agent"]:
+                break
         if n == DISTILL["agent"]:
             break
     n = 0
     bos = tok.token_to_id("<|begin_of_text|>")
+    lo, hi = DISTILL["code_len"]
     for doc in (work / "data" / "code_train.txt").read_text(encoding="utf-8").split("\x00\n"):
-        ids = tok.encode(doc, add_special_tokens=False)
-        if len(ids) < DISTILL["code_prompt"] + 64:
+        if not doc.strip():
             continue
-        a = rng.randint(0, len(ids) - DISTILL["code_prompt"] - 63)
-        out.append(("code", [bos] + ids[a : a + DISTILL["code_prompt"]]))
-        n += 1
-        if n == DISTILL["code"]:
+        ids = tok.encode(doc, add_special_tokens=False)
+        first = min(len(ids) - 32, rng.randint(lo, hi + 1))  # the file's opening
+        if first < 32:
+            continue
+        m = min(DISTILL["code_per_file"], max(1, len(ids) // DISTILL["code_every"])) - 1
+        rest = sorted(rng.choice(np.arange(first + 1, len(ids) - 32), size=m, replace=False)) \
+            if m and len(ids) - 33 > first + m else []
+        for k, cut in enumerate([first] + [int(c) for c in rest]):
+            prompt = ids[max(0, cut - rng.randint(lo, hi + 1)) : cut] if k else ids[:cut]
+            out.append(("code", ([bos] if rng.rand() < 0.5 else []) + prompt))
+            n += 1
+        if n >= DISTILL["code"]:
             break
     return out
 
 
-def stage_distill(work: Path) -> None:
-    """Greedy continuations of the target (transformers' implementation, batched with left padding) →
-    work/distill/distill.jsonl, pre-tokenized `{"prompt_ids", "completion_ids"}` lines for `glimmer train --data`
-    (the loss falls on the target's own tokens only)."""
-    import torch
-    from transformers import MuseGlimmerForConditionalGeneration
-
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
-    tok = load_tok(work)
-    model = MuseGlimmerForConditionalGeneration.from_pretrained(work / "target_hf", dtype=torch.float32).eval()
-    pad = TARGET["pad_token_id"]
-    eos = [TARGET["eos_token_id"], tok.token_to_id("<|eot|>")]
-    prompts = distill_prompts(work, tok)
+def stage_distill(work: Path, max_seconds: float | None = None, procs: int = 1) -> None:
+    """`procs` processes (one torch thread each) generate disjoint shares of the batches (`distill_shard`), then
+    their parts are merged into work/distill/distill.jsonl and work/distill_summary.json."""
+    parts = work / "distill_parts"
+    if parts.exists():
+        shutil.rmtree(parts)
+    parts.mkdir()
+    if procs == 1:
+        distill_shard(work, 0, 1, max_seconds)
+    else:
+        cmd = [sys.executable, __file__, "--stage", "distill-shard", "--work", str(work), "--distill-procs", str(procs)]
+        if max_seconds is not None:
+            cmd += ["--distill-seconds", str(max_seconds)]
+        running = [subprocess.Popen(cmd + ["--distill-shard", str(i)]) for i in range(procs)]
+        if any(p.wait() for p in running):
+            raise SystemExit("a distill shard failed")
+    lines, summaries = [], []
+    for i in range(procs):
+        lines += (parts / f"part{i}.jsonl").read_text(encoding="utf-8").splitlines()
+        summaries.append(json.loads((parts / f"part{i}.json").read_text()))
+    rng = np.random.RandomState(DISTILL["seed"])
     out = work / "distill.tmp"
     if out.exists():
         shutil.rmtree(out)
     out.mkdir()
-    t0, done, generated = time.time(), 0, 0
-    lines = []
-    for kind in ("chat", "agent", "code"):
-        items = sorted((p for k, p in prompts if k == kind), key=len)  # similar lengths share a batch
-        for i in range(0, len(items), DISTILL["batch"]):
-            group = items[i : i + DISTILL["batch"]]
-            L = max(map(len, group))
-            ids = torch.tensor([[pad] * (L - len(p)) + p for p in group])
-            att = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in group])
-            with torch.no_grad():
-                gen = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=DISTILL["max_new"][kind],
-                                     do_sample=False, eos_token_id=eos, pad_token_id=pad)[:, L:].tolist()
-            for p, g in zip(group, gen):
-                g = [t for t in g if t != pad]  # generate pads the rows that stopped early
-                lines.append(json.dumps({"kind": kind, "prompt_ids": p, "completion_ids": g}))
-                generated += len(g)
-            done += len(group)
-            log(f"distill: {done}/{len(prompts)} prompts, {generated} tokens generated ({time.time() - t0:.0f} s)")
-    rng = np.random.RandomState(DISTILL["seed"])
     (out / "distill.jsonl").write_text("\n".join(lines[i] for i in rng.permutation(len(lines))) + "\n")
-    (work / "distill_summary.json").write_text(json.dumps(dict(DISTILL, prompts=len(prompts),
-                                                               generated_tokens=generated,
-                                                               seconds=round(time.time() - t0)), indent=2))
+    kinds = {k: {f: round(sum(sm["kinds"][k][f] for sm in summaries), 1) for f in ("prompts", "tokens", "seconds")}
+             for k in summaries[0]["kinds"]}
+    (work / "distill_summary.json").write_text(json.dumps(dict(
+        DISTILL, prompts=sum(sm["prompts"] for sm in summaries), prompts_planned=summaries[0]["prompts_planned"],
+        generated_tokens=sum(sm["generated_tokens"] for sm in summaries),
+        seconds=max(sm["seconds"] for sm in summaries), processes=procs,
+        stopped_at_max_seconds=any(sm["stopped_at_max_seconds"] for sm in summaries), max_seconds=max_seconds,
+        kinds=kinds), indent=2))
     final = work / "distill"
     if final.exists():
         shutil.rmtree(final)
     out.rename(final)
 
 
+def distill_shard(work: Path, shard: int, procs: int, max_seconds: float | None = None) -> None:
+    """Greedy continuations of the target (transformers' implementation, batched with left padding) →
+    work/distill/distill.jsonl, pre-tokenized `{"prompt_ids", "completion_ids"}` lines for `glimmer train --data`
+    (the loss falls on the target's own tokens only). Batches of similar prompt lengths, taken round-robin over the
+    kinds in a seeded order; max_seconds: stop starting batches after this long (the counts reached are in
+    distill_summary.json; without it every prompt is done and the set is deterministic)."""
+    import torch
+    from transformers import MuseGlimmerForConditionalGeneration
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // procs))
+    tok = load_tok(work)
+    model = MuseGlimmerForConditionalGeneration.from_pretrained(work / "target_hf", dtype=torch.float32).eval()
+    pad = TARGET["pad_token_id"]
+    eos = [TARGET["eos_token_id"], tok.token_to_id("<|eot|>")]
+    prompts = distill_prompts(work, tok)
+    rng = np.random.RandomState(DISTILL["seed"])
+    queues = {}
+    for kind in ("code", "agent", "chat"):
+        items = sorted((p for k, p in prompts if k == kind), key=len)  # similar lengths share a batch
+        groups = [items[i : i + DISTILL["batch"]] for i in range(0, len(items), DISTILL["batch"])]
+        queues[kind] = [groups[j] for j in rng.permutation(len(groups))]
+    order = [(kind, g) for r in range(max(map(len, queues.values())))
+             for kind in queues if r < len(queues[kind]) for g in [queues[kind][r]]][shard::procs]
+    t0, generated, stopped = time.time(), 0, False
+    lines, done, per_kind = [], 0, {k: {"prompts": 0, "tokens": 0, "seconds": 0.0} for k in queues}
+    for kind, group in order:
+        if max_seconds is not None and time.time() - t0 > max_seconds:
+            stopped = True
+            break
+        tb = time.time()
+        L = max(map(len, group))
+        ids = torch.tensor([[pad] * (L - len(p)) + p for p in group])
+        att = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in group])
+        with torch.no_grad():
+            gen = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=DISTILL["max_new"][kind],
+                                 do_sample=False, eos_token_id=eos, pad_token_id=pad)[:, L:].tolist()
+        n_tok = 0
+        for p, g in zip(group, gen):
+            g = [t for t in g if t != pad]  # generate pads the rows that stopped early
+            lines.append(json.dumps({"kind": kind, "prompt_ids": p, "completion_ids": g}))
+            n_tok += len(g)
+        generated += n_tok
+        done += len(group)
+        pk = per_kind[kind]
+        pk["prompts"] += len(group)
+        pk["tokens"] += n_tok
+        pk["seconds"] = round(pk["seconds"] + time.time() - tb, 1)
+        log(f"distill {shard + 1}/{procs}: {done} prompts ({kind} {pk['prompts']}), {generated} tokens generated "
+            f"({time.time() - t0:.0f} s)")
+    part = work / "distill_parts" / f"part{shard}"
+    atomic_write(part.with_suffix(".jsonl"), "".join(line + "\n" for line in lines))
+    atomic_write(part.with_suffix(".json"), json.dumps(dict(
+        prompts=done, prompts_planned=len(prompts), generated_tokens=generated, seconds=round(time.time() - t0),
+        stopped_at_max_seconds=stopped, kinds=per_kind), indent=2))
+
+
+def atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
 # -- stages: drafters, through our own CLI --------------------------------------------------------------------------
-def glimmer(*args) -> None:
+def glimmer(*args) -> str:
+    """Run `glimmer ARGS`; returns the command line (paths relative to the checkout where they are inside it)."""
     cmd = [sys.executable, "-m", "glimmer_mlx.cli", *map(str, args)]
-    log("$ glimmer " + " ".join(map(str, args)))
+
+    def rel(a):
+        try:
+            return str(Path(a).resolve().relative_to(ROOT)) if isinstance(a, Path) else str(a)
+        except ValueError:
+            return str(a)
+
+    line = "glimmer " + " ".join(map(rel, args))
+    log("$ " + line)
     subprocess.run(cmd, check=True)
+    return line
 
 
-def stage_dflash(work: Path, max_steps: int) -> None:
-    """One cosine schedule over `max_steps` optimizer steps of 32 anchor blocks (up to 32 per sequence)."""
+def write_recipe(out: Path, line: str, init: Path | None) -> None:
+    """out/build_recipe.json: the command that trained this drafter (shipped with it, read by the model card)."""
+    (out / "build_recipe.json").write_text(json.dumps(
+        {"command": line, "fine_tuned_from": None if init is None else Path(init).name,
+         "distill": json.loads((out.parent / "distill_summary.json").read_text())
+         if (out.parent / "distill_summary.json").exists() else None}, indent=2))
+
+
+# The drafters' recipes. `init`: fine-tune that drafter instead of starting fresh (the from-scratch path is the
+# default; the embedded set's published drafters were fine-tuned from the previous ones on the rebuilt distillation
+# set, see the model card). DFlash 2 always starts from the DFlash v1 drafter of the same build (its weights,
+# identity convolutions) unless given another `init`.
+DRAFTERS = dict(
+    dflash=dict(steps=2000, lr=2e-3, batch=32, anchors=32, save_every=100),
+    dflash2=dict(steps=1000, lr=1e-3, batch=32, anchors=16, save_every=250),
+    mtp=dict(steps=250, lr=1e-3, batch=8, max_length=1024, save_every=30),
+)
+DFLASH_SHAPE = ("--layers", 2, "--block-size", 16, "--target-layer-ids", "1,2,3,4,5")
+
+
+def stage_dflash(work: Path, steps: int, *, init: Path | None = None, lr: float | None = None,
+                 anchors: int | None = None) -> None:
+    """One cosine schedule over `steps` optimizer steps of 32 anchor blocks (up to `anchors` per sequence)."""
+    r = DRAFTERS["dflash"]
     out = work / "dflash"
     if out.exists():
         shutil.rmtree(out)
-    glimmer("train", "dflash", "--model", MODELS / "glimmer-tiny", "--out", out, "--data",
-            work / "distill" / "distill.jsonl", "--layers", 2, "--block-size", 16, "--target-layer-ids", "1,2,3,4,5",
-            "--max-length", 1024, "--batch-size", 32, "--anchors-per-seq", 32, "--lr", 2e-3, "--max-steps", max_steps,
-            "--epochs", 50, "--val-fraction", 0.01, "--save-every", 500)
-    publish(out, MODELS / "glimmer-tiny-dflash")
+    shape = ("--init", init) if init else DFLASH_SHAPE
+    line = glimmer("train", "dflash", "--model", MODELS / "glimmer-tiny", "--out", out, "--data",
+            work / "distill" / "distill.jsonl", *shape, "--max-length", 1024, "--batch-size", r["batch"],
+            "--anchors-per-seq", anchors or r["anchors"], "--lr", lr or r["lr"], "--max-steps", steps,
+            "--epochs", 50, "--val-fraction", 0.01, "--save-every", r["save_every"])
+    write_recipe(out, line, init)
 
 
-def stage_mtp(work: Path, max_steps: int) -> None:
+def stage_dflash2(work: Path, steps: int, *, init: Path | None = None, lr: float | None = None,
+                  anchors: int | None = None) -> None:
+    """DFlash 2 (same block size and taps as v1), from the v1 drafter of this build (work/dflash) by default."""
+    r = DRAFTERS["dflash2"]
+    init = init or work / "dflash"
+    if not (init / "config.json").exists():
+        raise SystemExit(f"dflash2 starts from a DFlash drafter: {init} has none (run --stage dflash first, or "
+                         "pass --dflash2-init)")
+    out = work / "dflash2"
+    if out.exists():
+        shutil.rmtree(out)
+    line = glimmer("train", "dflash2", "--model", MODELS / "glimmer-tiny", "--out", out, "--data",
+            work / "distill" / "distill.jsonl", "--init", init, "--max-length", 1024, "--batch-size", r["batch"],
+            "--anchors-per-seq", anchors or r["anchors"], "--lr", lr or r["lr"], "--max-steps", steps,
+            "--epochs", 50, "--val-fraction", 0.01, "--save-every", r["save_every"])
+    write_recipe(out, line, init)
+
+
+def stage_mtp(work: Path, steps: int, *, init: Path | None = None, lr: float | None = None) -> None:
+    """One MTP layer; --max-length 1024 so that the agent conversations (prompt + reply ≤ 1024) are kept."""
+    r = DRAFTERS["mtp"]
     out = work / "mtp"
     if out.exists():
         shutil.rmtree(out)
-    glimmer("train", "mtp", "--model", MODELS / "glimmer-tiny", "--out", out, "--data",
-            work / "distill" / "distill.jsonl", "--mtp-layers", 1, "--max-length", 384, "--batch-size", 8, "--lr", 1e-3,
-            "--max-steps", max_steps, "--epochs", 50, "--val-fraction", 0.01, "--save-every", 500,
-            "--eval-tokens", 32)
-    publish(out, MODELS / "glimmer-tiny-mtp")
+    shape = ("--init", init) if init else ("--mtp-layers", 1)
+    line = glimmer("train", "mtp", "--model", MODELS / "glimmer-tiny", "--out", out, "--data",
+            work / "distill" / "distill.jsonl", *shape, "--max-length", r["max_length"], "--batch-size", r["batch"],
+            "--lr", lr or r["lr"], "--max-steps", steps, "--epochs", 50, "--val-fraction", 0.01,
+            "--save-every", r["save_every"], "--eval-tokens", 32)
+    write_recipe(out, line, init)
+
+
+EMBEDDED_NAMES = {"dflash": "glimmer-tiny-dflash", "dflash2": "glimmer-tiny-dflash2", "mtp": "glimmer-tiny-mtp"}
+
+
+def stage_publish(work: Path, parts=("dflash", "dflash2", "mtp")) -> None:
+    """The drafters trained in work/ → glimmer_mlx/embedded/ (the shipped set)."""
+    for part in parts:
+        if not (work / part / "config.json").exists():
+            raise SystemExit(f"publish: {work / part} holds no trained {part} drafter")
+    for part in parts:
+        publish(work / part, MODELS / EMBEDDED_NAMES[part])
 
 
 def publish(src: Path, dst: Path) -> None:
@@ -465,15 +656,29 @@ def publish(src: Path, dst: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stage", default="all",
-                    choices=["all", "data", "tokenizer", "target", "target2", "distill", "dflash", "mtp", "drafters", "measure"])
+                    choices=["all", "data", "tokenizer", "target", "target2", "from-embedded", "distill", "distill-shard", "dflash", "dflash2", "mtp",
+                             "drafters", "publish", "measure"])
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "embedded")
     ap.add_argument("--target-steps", type=int, default=None)
     ap.add_argument("--target2-steps", type=int, default=None)
-    ap.add_argument("--dflash-steps", type=int, default=2000)
-    ap.add_argument("--mtp-steps", type=int, default=250)
+    ap.add_argument("--distill-procs", type=int, default=1, help="distill: processes generating in parallel")
+    ap.add_argument("--distill-shard", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--distill-seconds", type=float, default=None,
+                    help="distill: stop starting generation batches after this many seconds (default: all prompts)")
+    for d, r in DRAFTERS.items():
+        ap.add_argument(f"--{d}-steps", type=int, default=r["steps"])
+        ap.add_argument(f"--{d}-lr", type=float, default=None, help=f"default {r['lr']}")
+        ap.add_argument(f"--{d}-init", type=Path, default=None,
+                        help="fine-tune this drafter instead of a fresh one" + (
+                            " (default: this build's DFlash v1, work/dflash)" if d == "dflash2" else ""))
+    ap.add_argument("--anchors-per-seq", type=int, default=None, help="DFlash / DFlash 2 (default: their recipe's)")
+    ap.add_argument("--publish", default="dflash,dflash2,mtp", help="publish stage: which drafters")
+    ap.add_argument("--measure-from", choices=["embedded", "work"], default="embedded",
+                    help="measure: the published drafters, or the ones trained in --work (before publishing)")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    stages = ["data", "tokenizer", "target", "target2", "distill", "drafters", "measure"] if args.stage == "all" else [args.stage]
+    stages = (["data", "tokenizer", "target", "target2", "distill", "drafters", "publish", "measure"]
+              if args.stage == "all" else [args.stage])
     for s in stages:
         t = time.time()
         if s == "data":
@@ -484,21 +689,37 @@ def main() -> None:
             stage_target(args.work, args.target_steps)
         elif s == "target2":
             stage_target(args.work, args.target2_steps, phase=2)
+        elif s == "from-embedded":
+            stage_from_embedded(args.work)
         elif s == "distill":
-            stage_distill(args.work)
-        elif s == "drafters":  # both drafters at once, in two processes
-            procs = [subprocess.Popen([sys.executable, __file__, "--stage", d, "--work", str(args.work),
-                                       f"--{d}-steps", str(getattr(args, f"{d}_steps"))]) for d in ("dflash", "mtp")]
-            if any(p.wait() for p in procs):
+            stage_distill(args.work, args.distill_seconds, args.distill_procs)
+        elif s == "distill-shard":
+            distill_shard(args.work, args.distill_shard, args.distill_procs, args.distill_seconds)
+        elif s == "drafters":  # DFlash v1 and MTP at once, in two processes; then DFlash 2 from that v1
+            def sub(d):
+                cmd = [sys.executable, __file__, "--stage", d, "--work", str(args.work),
+                       f"--{d}-steps", str(getattr(args, f"{d}_steps"))]
+                for opt in ("lr", "init"):
+                    if getattr(args, f"{d}_{opt}") is not None:
+                        cmd += [f"--{d}-{opt}", str(getattr(args, f"{d}_{opt}"))]
+                if args.anchors_per_seq and d != "mtp":
+                    cmd += ["--anchors-per-seq", str(args.anchors_per_seq)]
+                return subprocess.Popen(cmd)
+
+            if any(p.wait() for p in [sub("dflash"), sub("mtp")]) or sub("dflash2").wait():
                 raise SystemExit("a drafter stage failed")
-        elif s == "dflash":
-            stage_dflash(args.work, args.dflash_steps)
+        elif s in ("dflash", "dflash2"):
+            (stage_dflash if s == "dflash" else stage_dflash2)(
+                args.work, getattr(args, f"{s}_steps"), init=getattr(args, f"{s}_init"), lr=getattr(args, f"{s}_lr"),
+                anchors=args.anchors_per_seq)
         elif s == "mtp":
-            stage_mtp(args.work, args.mtp_steps)
+            stage_mtp(args.work, args.mtp_steps, init=args.mtp_init, lr=args.mtp_lr)
+        elif s == "publish":
+            stage_publish(args.work, tuple(p for p in args.publish.split(",") if p))
         elif s == "measure":
             from measure_embedded import measure
 
-            measure(args.work)
+            measure(args.work, source=args.measure_from)
         log(f"stage {s}: {time.time() - t:.0f} s")
 
 

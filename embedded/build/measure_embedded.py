@@ -17,8 +17,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 MODELS = ROOT / "glimmer_mlx" / "embedded"
-MODES = [("ar", None, None), ("dflash-16", "dflash", 16), ("mtp-1", "mtp", 1), ("mtp-2", "mtp", 2),
-         ("mtp-3", "mtp", 3)]
+MODES = [("ar", None, None), ("dflash-8", "dflash", 8), ("dflash-16", "dflash", 16), ("dflash2-8", "dflash2", 8),
+         ("dflash2-16", "dflash2", 16), ("mtp-1", "mtp", 1), ("mtp-2", "mtp", 2), ("mtp-3", "mtp", 3)]
+PARTS = {"dflash": "glimmer-tiny-dflash", "dflash2": "glimmer-tiny-dflash2", "mtp": "glimmer-tiny-mtp"}
 
 
 def prompts(work: Path, tok, n: int = 8) -> dict[str, list[list[int]]]:
@@ -64,27 +65,36 @@ def verify_costs(model, sizes=(1, 2, 4, 8, 16), context: int = 256, repeats: int
     return {L: round(out[L] / out[1], 3) for L in sizes} | {"step_ms": round(out[1] * 1e3, 3)}
 
 
-def measure(work: Path, max_tokens: int = 96) -> dict:
+def drafter_folders(work: Path, source: str = "embedded") -> dict[str, Path]:
+    """{kind: folder} of the drafters to measure: the published ones (glimmer_mlx/embedded), or the ones trained in
+    `work` (before publishing); a kind without a folder is left out."""
+    folders = {k: (MODELS / name if source == "embedded" else work / k) for k, name in PARTS.items()}
+    return {k: f for k, f in folders.items() if (f / "config.json").exists()}
+
+
+def measure(work: Path, max_tokens: int = 96, source: str = "embedded", out: Path | None = None) -> dict:
     from glimmer_mlx import generate, load
     from glimmer_mlx.speculative import load_drafter
 
     model, tok = load(str(MODELS / "glimmer-tiny"))
-    dflash = load_drafter(str(MODELS / "glimmer-tiny-dflash"), model)
-    mtp = load_drafter(str(MODELS / "glimmer-tiny-mtp"), model)
+    folders = drafter_folders(work, source)
+    drafters = {k: load_drafter(str(f), model) for k, f in folders.items()}
+    modes = [m for m in MODES if m[1] is None or m[1] in drafters]
     sets = prompts(work, tok)
     log = json.loads((MODELS / "glimmer-tiny" / "training_log.json").read_text())
     results = {"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
                            "LD_PRELOAD": os.environ.get("LD_PRELOAD", "")},
                "heldout_loss": log["history"][-1]["heldout"], "parameters": log["parameters"],
                "max_tokens": max_tokens, "verify_cost_ratio": verify_costs(model), "runs": {},
+               "drafters": {k: str(f) for k, f in folders.items()}, "modes": [n for n, _, _ in modes],
                "prompts": {k: [tok.decode(p) for p in v] for k, v in sets.items()}}
     generate(model, sets["chat"][0], tokenizer=tok, max_tokens=16)  # warm up
     for temp in (0.0, 1.0):
         for cat, ps in sets.items():
-            rows = {name: {"tokens": 0, "time": 0.0, "rounds": 0, "tok_per_s": []} for name, _, _ in MODES}
+            rows = {name: {"tokens": 0, "time": 0.0, "rounds": 0, "tok_per_s": []} for name, _, _ in modes}
             for i, ids in enumerate(ps):
-                for name, kind, width in MODES:  # interleaved: every mode on the same prompt, back to back
-                    drafter = {"dflash": dflash, "mtp": mtp}.get(kind)
+                for name, kind, width in modes:  # interleaved: every mode on the same prompt, back to back
+                    drafter = drafters.get(kind)
                     r = generate(model, ids, tokenizer=tok, max_tokens=max_tokens, temperature=temp, seed=i,
                                  drafter=drafter, block_size=width)
                     s = r.stats
@@ -102,15 +112,17 @@ def measure(work: Path, max_tokens: int = 96) -> dict:
             results["runs"][f"{cat}/T={temp:g}"] = rows
             print(f"{cat} T={temp:g}: " + ", ".join(f"{n} τ {r['tau']} {r['speedup']}×" for n, r in rows.items()),
                   flush=True)
-    out = ROOT / "benchmarks" / "results" / "embedded_figures.json"
+    out = out or (ROOT / "benchmarks" / "results" / "embedded_figures.json" if source == "embedded"
+                  else work / "figures.json")
     out.write_text(json.dumps(results, indent=1))
     print(markdown(results))
-    print(f"model card: {write_card(work, results)}")
+    if source == "embedded":
+        print(f"model card: {write_card(work, results)}")
     return results
 
 
 def markdown(res: dict) -> str:
-    names = [n for n, _, _ in MODES]
+    names = res.get("modes") or [n for n, _, _ in MODES]
     lines = ["| prompts | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for key, rows in res["runs"].items():
         cells = [f"{rows[n]['tok_s']} tok/s" if n == "ar" else f"τ {rows[n]['tau']}, {rows[n]['speedup']}×"
@@ -125,6 +137,67 @@ def markdown(res: dict) -> str:
 
 def _size(folder: Path) -> str:
     return f"{sum(f.stat().st_size for f in folder.iterdir() if f.is_file()) / 1e6:.1f} MB"
+
+
+ROWS = {"dflash": "DFlash drafter (`muse_glimmer_assistant` layout): 2 layers, block 16, taps of layers 1–5",
+        "dflash2": "DFlash 2 drafter (published DFlash 2 layout: dynamic two-tap convolutions + pairwise path "
+                   "selector): 2 layers, block 16, taps of layers 1–5",
+        "mtp": "one MTP layer (transformers' `mtp.*` layout)"}
+
+
+def drafter_rows() -> str:
+    from glimmer_mlx.embedded import default_dflash
+
+    default = default_dflash().name
+    rows = []
+    for kind, name in PARTS.items():
+        if (MODELS / name / "config.json").exists():
+            note = " — **the embedded default DFlash drafter**" if name == default else ""
+            rows.append(f"| `{name}/` | {ROWS[kind]}{note} | {_size(MODELS / name)} |")
+    return "\n".join(rows)
+
+
+def drafter_recipes() -> str:
+    """One bullet per shipped drafter: its command (build_recipe.json), steps, minutes, validation loss."""
+    out = []
+    for kind, name in PARTS.items():
+        folder = MODELS / name
+        if not (folder / "config.json").exists():
+            continue
+        summ = json.loads((folder / "train_summary.json").read_text())
+        recipe = json.loads((folder / "build_recipe.json").read_text()) if (folder / "build_recipe.json").exists() \
+            else {"command": f"glimmer train {kind}", "fine_tuned_from": None}
+        init = recipe.get("fine_tuned_from")
+        how = f"fine-tuned from the previous `{init}` drafter" if init else "from scratch"
+        ev = summ.get("eval", {})
+        after = ev.get("after", {})
+        out.append(f"  * `{name}` ({how}): `{recipe['command']}` — {summ['steps']} steps, "
+                   f"{summ.get('train_seconds', 0) / 60:.0f} min, validation loss {summ['val_loss']:.3f}; "
+                   f"τ on its training-set eval prompts {after.get('tau_greedy', float('nan')):.2f} greedy / "
+                   f"{after.get('tau_t1', float('nan')):.2f} T=1 at width {ev.get('width')}")
+    return "\n".join(out)
+
+
+def before_after(res: dict) -> str:
+    """Held-out τ of the first embedded drafter set (embedded/build/figures_before_issue21.json, same prompts, same
+    measure) against this run's."""
+    path = Path(__file__).resolve().parent / "figures_before_issue21.json"
+    if not path.exists():
+        return ""
+    old = json.loads(path.read_text())["runs"]
+    lines = ["Held-out τ before (the first embedded drafters: one 160-token prefix per file, 398 code prompts, MTP "
+             "without agent data) and now, same prompts and measure:", "",
+             "| prompts | " + " | ".join(f"{m} before → now" for m in ("dflash-16", "mtp-1", "mtp-3")) + " | best now |",
+             "|---|---|---|---|---|"]
+    for key, rows in res["runs"].items():
+        cells = []
+        for m in ("dflash-16", "mtp-1", "mtp-3"):
+            b = old.get(key, {}).get(m, {}).get("tau")
+            cells.append(f"{b} → {rows[m]['tau']}" if m in rows else f"{b} → –")
+        best = max((r["tau"], n) for n, r in rows.items() if n != "ar")
+        cells.append(f"{best[1]} τ {best[0]}")
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def write_card(work: Path, res: dict) -> Path:
@@ -148,7 +221,6 @@ def write_card(work: Path, res: dict) -> Path:
                        "flattening but not flat: converged for the compute spent here, not for the model size — a "
                        "longer run would still lower it.")
     dfl = json.loads((MODELS / "glimmer-tiny-dflash" / "train_summary.json").read_text())
-    mtp = json.loads((MODELS / "glimmer-tiny-mtp" / "train_summary.json").read_text())
     dist = json.loads((work / "distill_summary.json").read_text())
     kinds = [json.loads(line)["kind"] for line in (work / "distill" / "distill.jsonl").read_text().splitlines()]
     dist.update({k: kinds.count(k) for k in ("chat", "agent", "code")})  # counts actually used (distinct chats)
@@ -166,7 +238,8 @@ def write_card(work: Path, res: dict) -> Path:
             "tok/s ÷ plain tok/s in the same run. Greedy speculative output is token-identical to plain (tested).")
     text = (MODELS / "build" / "model_card.md").read_text().format(
         params_m=f"{log['parameters'] / 1e6:.1f}", size_target=_size(MODELS / "glimmer-tiny"),
-        size_dflash=_size(MODELS / "glimmer-tiny-dflash"), size_mtp=_size(MODELS / "glimmer-tiny-mtp"),
+        drafter_rows=drafter_rows(), drafter_recipes=drafter_recipes(),
+        distill_min=f"{dist['seconds'] / 60:.0f}", before_after=before_after(res),
         layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"], heads=cfg["num_attention_heads"],
         kv_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"], inter=cfg["intermediate_size"],
         vocab=cfg["vocab_size"], layer_types=", ".join("F" if t == "full_attention" else "S"
@@ -177,10 +250,7 @@ def write_card(work: Path, res: dict) -> Path:
         train_min=f"{log['train_seconds'] / 60:.0f}", loss_table="\n".join(rows),
         steps1=n_phase[1], steps2=n_phase[2], convergence=convergence, n_prompts=dist["prompts"],
         n_chat=dist["chat"], n_agent=dist["agent"], n_code=dist["code"],
-        gen_k=f"{dist['generated_tokens'] / 1e3:.0f}", dflash_steps=dfl["steps"],
-        dflash_blocks=f"{dfl['steps'] * dfl['train_config']['batch_size'] / 1e3:.0f}",
-        dflash_min=f"{dfl.get('train_seconds', 0) / 60:.0f}", dflash_val=f"{dfl['val_loss']:.3f}",
-        mtp_steps=mtp["steps"], mtp_min=f"{mtp.get('train_seconds', 0) / 60:.0f}", mtp_val=f"{mtp['val_loss']:.3f}",
+        gen_k=f"{dist['generated_tokens'] / 1e3:.0f}",
         build_h=f"{(log['train_seconds'] + dist['seconds'] + dfl.get('train_seconds', 0)) / 3600 + 0.3:.1f}",
         tau_table=markdown(res).split("\n\nverify")[0],
         verify=verify, speed_note=note)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 EMBEDDED = "glimmer-tiny"
+DEFAULT_DFLASH = "dflash"  # the part a command without --draft-model uses as its DFlash drafter (the best one built)
 
 
 def models_dir() -> Path:
@@ -16,8 +17,9 @@ def models_dir() -> Path:
 
 
 def embedded_path(part: str = "target") -> Path:
-    """part: "target" | "dflash" | "mtp"."""
-    names = {"target": EMBEDDED, "dflash": f"{EMBEDDED}-dflash", "mtp": f"{EMBEDDED}-mtp"}
+    """part: "target" | "dflash" (v1) | "dflash2" | "mtp"."""
+    names = {"target": EMBEDDED, "dflash": f"{EMBEDDED}-dflash", "dflash2": f"{EMBEDDED}-dflash2",
+             "mtp": f"{EMBEDDED}-mtp"}
     if part not in names:
         raise ValueError(f"unknown embedded part {part!r}; one of {sorted(names)}")
     path = models_dir() / names[part]
@@ -26,6 +28,11 @@ def embedded_path(part: str = "target") -> Path:
             f"the embedded model is missing: {path} has no config.json. It ships in the package (glimmer_mlx/embedded; "
             f"rebuild it with `python embedded/build_embedded.py` in a source checkout); or pass --model.")
     return path
+
+
+def default_dflash() -> Path:
+    """The embedded default DFlash drafter's folder (`DEFAULT_DFLASH`)."""
+    return embedded_path(DEFAULT_DFLASH)
 
 
 _announced: set[str] = set()

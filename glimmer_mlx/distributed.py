@@ -30,9 +30,15 @@ Pipeline parallelism (`pipeline_model`, `--distributed pp`): rank r keeps only a
 (`stage_of`), the others are weightless `RemoteLayer`s whose caches only count positions; after each stage's last
 layer and after every layer a drafter taps (`expose_taps`), a `StageBoundary` hands the owner's residual stream to
 every rank (an all_sum of the owner's value and zeros: exact; N = 2 moves the same bytes as a send/recv pair, and the
-last stage's output must reach every rank anyway). The vocabulary is split as above. Stages run one after another
-(no micro-batching of the verify block). Every collective stays on one dependency chain on every rank, so all ranks
-run them in the same order.
+last stage's output must reach every rank anyway). The vocabulary is split as above. Stages run one after another,
+or, with `microbatch` > 1, a forward's rows run as a wavefront of micro-batches (`PipelinedTextModel`: stage s + 1
+works on micro-batch m − 1 while stage s works on m; the same output). Every collective stays on one dependency
+chain on every rank (the micro-batched forward evaluates its hand-overs one by one in a fixed order), so all ranks
+run them in the same order. Another stage's layers keep `PositionCache` books (no rows; the offset and a sliding
+window's compaction point as a real cache would move them), so rewinds and token trees' `keep_path` compactions are
+checked alike on every rank.
+
+Resident sessions (`glimmer chat|serve|agent --distributed`): `follower.py` (rank 0 leads, the others follow).
 
 Loading (`load_sharded`): the model is built lazily (`loading.load_model(lazy=True)`: every check, no data read), then
 each sharded parameter is read from its safetensors shard as only this rank's slice (a memory-mapped file, the slice

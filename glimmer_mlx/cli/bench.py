@@ -172,10 +172,12 @@ def bench_cmd(
 
 @bench_app.command("kernels")
 def bench_kernels_cmd(
-    rows: str = typer.Option("1,2,4,8,16", "--rows", help="Comma-separated k+1 row counts (1..16)."),
+    rows: str = typer.Option("1,2,4,8,16", "--rows", help="Comma-separated k+1 row counts (1..16; 1..32 for "
+                             "block_attention_tree alone)."),
     contexts: str = typer.Option("1024,8192,32768", "--contexts", help="Comma-separated KV lengths (attention)."),
     kernels: str = typer.Option("accept_greedy,accept_sampling,block_attention,qmm", "--kernels",
-                                help="Comma-separated subset of accept_greedy, accept_sampling, block_attention, qmm."),
+                                help="Comma-separated subset of accept_greedy, accept_sampling, block_attention, "
+                                "block_attention_tree, qmm."),
     vocab: int = typer.Option(202048, "--vocab", help="Vocabulary size (acceptance kernels)."),
     dtype: str = typer.Option("bfloat16", "--dtype", help="float32 | float16 | bfloat16 (attention, qmm)."),
     bits: int = typer.Option(4, "--bits", help="4 or 8 (qmm)."),

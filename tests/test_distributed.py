@@ -345,16 +345,19 @@ def test_micro_batches_in_process_equal_the_unsplit_forward(monkeypatch):
         c = m.make_cache()
         m(ids[:, :4], c)
         logits, taps = m(ids[:, 4:], c, taps=[1, 3, 5])
-        got[mb] = (logits, taps, [(x.offset, x.keys) for x in c])
+        tree = (mx.array([0, 1, 1, 2]), mx.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=mx.bool_))
+        tree_logits = m(mx.array([[5, 6, 7, 8]]), c, tree=tree)  # a tree: unsplit
+        got[mb] = (logits, taps, [(x.offset, x.keys) for x in c], tree_logits)
     ref = got[1]
     for mb in (3, 6):
-        logits, taps, caches = got[mb]
+        logits, taps, caches, tree_logits = got[mb]
+        assert mx.abs(tree_logits - ref[3]).max().item() < 1e-4
         assert mx.abs(logits - ref[0]).max().item() < 1e-4
         assert mx.array_equal(logits.argmax(-1), ref[0].argmax(-1)).item()
         for a, b in zip(taps, ref[1]):
             assert a.shape == b.shape and mx.abs(a - b).max().item() < 1e-4
         for (o, k), (ro, rk) in zip(caches, ref[2]):
-            assert o == ro == len(TREE_PROMPT) and mx.abs(k - rk).max().item() < 1e-4
+            assert o == ro == len(TREE_PROMPT) + 4 and mx.abs(k - rk).max().item() < 1e-4
 
 
 def test_pp_microbatch_is_checked():

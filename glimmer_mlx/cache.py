@@ -349,6 +349,50 @@ class BatchKVCache:
         return [] if self.keys is None else [self.keys, self.values]
 
 
+class RowsCache:
+    """Several rows' own `KVCache`s (one layer each) seen as one batch cache for a single forward (a drafter's rows
+    of a server batch: `speculative.mtp.propose_batch`). The forward's [B, L] inputs are right-padded: row b's first
+    lengths[b] new keys go into its own cache (the padding's never do); `update` returns every row's keys — its own
+    cache's view, padded at the end to the longest — with a [B, 1, L, N] mask from each row's own positions (causal,
+    the window), so each row attends exactly as alone. Padded queries see their row's keys (finite, unused)."""
+
+    batched = True
+
+    def __init__(self, caches: list[KVCache], lengths: list[int]):
+        self.caches, self.lengths = caches, list(lengths)
+        self.window = caches[0].window
+        self._q0 = [c.offset for c in caches]
+
+    @property
+    def offset(self) -> mx.array:
+        """[B] int32: each row's first new position (RoPE offsets)."""
+        return mx.array(self._q0, dtype=mx.int32)
+
+    def update(self, k: mx.array, v: mx.array, tree=None):
+        if tree is not None:
+            raise ValueError("token trees are not supported across rows")
+        B, _, L, _ = k.shape
+        views = []
+        for b, (c, n, q0) in enumerate(zip(self.caches, self.lengths, self._q0)):
+            c.append(k[b : b + 1, :, :n], v[b : b + 1, :, :n])
+            views.append(c.view(0 if self.window is None else q0 - self.window + 1))
+        N = max(kb.shape[2] for kb, _, _ in views)
+
+        def padded(x):
+            return x if x.shape[2] == N else mx.pad(x, [(0, 0), (0, 0), (0, N - x.shape[2]), (0, 0)])
+
+        keys = mx.concatenate([padded(kb) for kb, _, _ in views])
+        values = mx.concatenate([padded(vb) for _, vb, _ in views])
+        big = 1 << 30  # a padded key's position: after every query
+        kpos = mx.array([[k0 + i if i < kb.shape[2] else big for i in range(N)] for kb, _, k0 in views],
+                        dtype=mx.int32)[:, None, :]
+        qpos = (mx.array(self._q0, dtype=mx.int32)[:, None] + mx.arange(L, dtype=mx.int32)[None, :])[:, :, None]
+        mask = kpos <= qpos
+        if self.window is not None:
+            mask = mask & (kpos > qpos - self.window)
+        return keys, values, mask[:, None]
+
+
 def make_batch_cache(cfg) -> tuple[BatchLayout, list[BatchKVCache]]:
     """An empty batch (no rows) for a `TextConfig`: the shared layout and one cache per decoder layer."""
     layout = BatchLayout()

@@ -533,21 +533,23 @@ def test_auto_cost_model_observe_and_interpolate(ba):
     assert ba.steps == {"plain": 1, "spec": 1}
 
 
-def test_dflash_rows_draft_in_one_forward_exactly_what_they_would_alone(sess, ids, monkeypatch):
-    """DFlash rows draft their blocks in one drafter forward (`dflash.draft_hidden_batch`): each row's drafts are
-    its own — the same acceptance, round by round, as the request alone (a block drawn from another row's context,
-    or at another row's positions, would accept differently; greedy output alone could not tell)."""
+@pytest.mark.parametrize("mode, batched", [("dflash", "draft_hidden_batch"), ("mtp", "propose_batch")])
+def test_model_drafter_rows_draft_together_exactly_what_they_would_alone(sess, ids, monkeypatch, mode, batched):
+    """DFlash rows draft their blocks in one drafter forward (`dflash.draft_hidden_batch`), MTP rows with one
+    forward per depth (`mtp.propose_batch`): each row's drafts are its own — the same acceptance, round by round,
+    as the request alone (drafts from another row's context, or at another row's positions, would accept
+    differently; greedy output alone could not tell)."""
     import glimmer_mlx.speculative.batch as batch_mod
 
-    calls, real = [], batch_mod.draft_hidden_batch
-    monkeypatch.setattr(batch_mod, "draft_hidden_batch", lambda ds, a, p: (calls.append(len(ds)), real(ds, a, p))[1])
+    calls, real = [], getattr(batch_mod, batched)
+    monkeypatch.setattr(batch_mod, batched, lambda ds, *a: (calls.append(len(ds)), real(ds, *a))[1])
     gen = BatchGenerator(sess.model, prefill_step=16)
     picks, maxes = [0, 1, 5, 3], [24, 30, 20, 28]
-    plan = [(j, request(sess, ids[i], "dflash", params(), 0, maxes[j])) for j, i in enumerate(picks)]
+    plan = [(j, request(sess, ids[i], mode, params(), 0, maxes[j])) for j, i in enumerate(picks)]
     out, rows = run(gen, plan)
     assert calls and max(calls) == 4
     for j, i in enumerate(picks):
-        d, k = drafter_for(sess, "dflash")
+        d, k = drafter_for(sess, mode)
         st = GenerationStats()
         dec = build_decoder(sess.model, d, Sampler(params(), 0), drafts=k)
         r = collect(stream(dec, ids[i], max_tokens=maxes[j], eos=stop_ids(sess.model, sess.tokenizer), stats=st),

@@ -35,7 +35,10 @@ from ..cache import KVCache, make_batch_cache
 from ..runtime.loop import GenerationChunk, GenerationStats, TokenStream
 from ..runtime.prefill import DEFAULT_PREFILL_STEP
 from ..sampling import Sampler, history_window
-from .dflash import batches_with, draft_hidden_batch
+from .dflash import batches_with as dflash_batches
+from .dflash import draft_hidden_batch
+from .mtp import batches_with as mtp_batches
+from .mtp import propose_batch
 from .protocol import Drafter
 from .verify import target_distribution, verify_greedy, verify_sampling
 
@@ -81,23 +84,32 @@ class BatchRequest:
     options: dict | None = None  # auto: its drafters by kind (default: `BatchAuto.options`)
 
 
-def batch_dflash_blocks(rows: list, plans: dict) -> dict:
-    """{row index: its DFlash block's hidden states} for the rows that draft with a DFlash drafter (v1 or v2) this
-    step (`plans`: {row index: (drafter, k)}), in one drafter forward per drafter model (`dflash.draft_hidden_batch`)
-    when two or more rows share it; the other rows draft on their own."""
-    groups: dict[int, list[int]] = {}
+def batch_drafts(rows: list, plans: dict) -> dict:
+    """{row index: (drafts, q)} for the rows that draft together this step (`plans`: {row index: (drafter, k)}):
+    the DFlash rows (v1 or v2) of one drafter model in one drafter forward (`dflash.draft_hidden_batch`), the MTP
+    rows of one set of layers at one depth with one forward per depth (`mtp.propose_batch`), wherever two or more
+    rows share it. Each row's drafts are drawn with its own sampler, as alone; the other rows draft on their own."""
+    groups: dict[tuple, list[int]] = {}
     for b, (d, k) in plans.items():
-        if k > 0 and d is not None and d.kind == "dflash":
-            groups.setdefault(id(d.assistant), []).append(b)
-    hidden = {}
-    for members in groups.values():
-        members = [b for b in members if batches_with(plans[members[0]][0], plans[b][0])]
+        if k > 0 and d is not None and d.kind in ("dflash", "mtp"):
+            model = d.assistant if d.kind == "dflash" else d.head
+            groups.setdefault((d.kind, id(model)), []).append(b)
+    out = {}
+    for (kind, _), members in groups.items():
+        together = dflash_batches if kind == "dflash" else mtp_batches
+        members = [b for b in members if together(plans[members[0]][0], plans[b][0])]
         if len(members) < 2:
             continue
-        hs = draft_hidden_batch([plans[b][0] for b in members], [rows[b].history[-1] for b in members],
-                                [len(rows[b].history) - 1 for b in members])
-        hidden.update(zip(members, hs))
-    return hidden
+        ds = [plans[b][0] for b in members]
+        anchors, positions = [rows[b].history[-1] for b in members], [len(rows[b].history) - 1 for b in members]
+        if kind == "dflash":
+            for b, d, h in zip(members, ds, draft_hidden_batch(ds, anchors, positions)):
+                out[b] = d.propose_hidden(h, plans[b][1], rows[b].sampler, rows[b].history)
+        else:
+            out.update(zip(members, propose_batch(ds, anchors, positions, [plans[b][1] for b in members],
+                                                  [rows[b].sampler for b in members],
+                                                  [rows[b].history for b in members])))
+    return out
 
 
 class Row:
@@ -162,16 +174,15 @@ class Row:
             return (None, 0) if name is None else (self.options[self.choice[1]], k)
         return (None, 0) if self.drafter is None else (self.drafter, min(self.req.width, self.out.budget - 1))
 
-    def plan(self, drafter, k: int, hidden: mx.array | None = None) -> list[int]:
+    def plan(self, drafter, k: int, drafted: tuple | None = None) -> list[int]:
         """What this row feeds the next forward: [last token] (a plain round: k 0) or [anchor, d1..dk] from
-        `drafter` (`drafting`); hidden: its DFlash block's hidden states when drafted with other rows'
-        (`dflash.draft_hidden_batch`)."""
+        `drafter` (`drafting`); drafted: its (drafts, q) when drafted together with other rows' (`batch_drafts`)."""
         anchor = self.history[-1]
         if k == 0:
             self.drafts, self.q = None, None
             return [anchor]
-        if hidden is not None:
-            self.drafts, self.q = drafter.propose_hidden(hidden, k, self.sampler, self.history)
+        if drafted is not None:
+            self.drafts, self.q = drafted
         else:
             pos = len(self.history) - 1  # the anchor's position: the cache holds every committed token but the anchor
             self.drafts, self.q = drafter.propose(anchor, pos, k, self.sampler, self.history)
@@ -402,9 +413,9 @@ class BatchGenerator:
         lazies = {b: after.tokens.get(id(r)) for b, r in enumerate(rows)} if after is not None else {}
         plans = {b: r.drafting(choices.get(b)) for b, r in enumerate(rows) if lazies.get(b) is None}
         t = time.perf_counter()
-        hidden = batch_dflash_blocks(rows, plans)
-        shared = (time.perf_counter() - t) / max(1, len(hidden))  # each batched row's share of that forward
-        drafting = shared * len(hidden)
+        drafted = batch_drafts(rows, plans)
+        shared = (time.perf_counter() - t) / max(1, len(drafted))  # each batched row's share of the drafting
+        drafting = shared * len(drafted)
         parts, widths = [], []
         for b, r in enumerate(rows):
             lazy = lazies.get(b)
@@ -417,11 +428,11 @@ class BatchGenerator:
             else:
                 c = choices.get(b)
                 t = time.perf_counter()
-                f = r.plan(*plans[b], hidden.get(b))
+                f = r.plan(*plans[b], drafted.get(b))
                 if c is not None and c[0] is not None:  # what the chosen drafter's round measurably costs
                     spent = time.perf_counter() - t
                     drafting += spent
-                    self.auto.observe_draft(c[0], c[1], spent + (shared if b in hidden else 0.0))
+                    self.auto.observe_draft(c[0], c[1], spent + (shared if b in drafted else 0.0))
                 parts.append(f)
                 widths.append(len(f))
         L = max(widths)

@@ -22,7 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..prompt_cache import copy_cache
-from ..cache import CacheRewindError
+from ..cache import CacheRewindError, RowsCache
 from ..config import ConfigError
 from ..loading import CheckpointError, check_weights, load_weights, parse_dtype, quantize_like, read_json, resolve_path
 from ..models.mtp import MTPHead, mtp_text_config
@@ -191,46 +191,109 @@ class MTPDrafter:
 
     def draft_chain(self, anchor: int, pos: int, k: int, sampler, history: list[int]):
         """(drafts, their q rows [1, V] each (none at greedy), the raw draft logits [1, V] at each depth)."""
-        T = pos
-        if self.tokens[-1] != anchor or len(self.tokens) != T + 1:
-            raise RuntimeError("MTP drafter out of sync with the target (tokens and positions disagree)")
-        prev, prev_start = self.main, self.main_pos  # depth −1: target hidden rows from position main_pos
-        drafts, q_rows, logit_rows = [], [], []
+        chain = ChainRound(self, anchor, pos, k)
         for d in range(self.depth):
-            cache = self.caches[d]
-            first = cache.offset  # committed rows first..T, then n_draft rows over d_1..d_n_draft
-            n_draft = d if d < k else 0
-            skip = max(0, first - T - 1)  # a short prompt: this depth's first row lies beyond the anchor
-            toks = self.tokens[first:] + drafts[skip:n_draft]
-            n_draft = max(0, n_draft - skip)  # draft rows actually computed (rewound right after)
+            step = chain.inputs(d)
             out = None
-            if toks:
-                lo = first - 1 - prev_start
-                h_in = prev[:, lo : lo + len(toks)]
-                out = self.head.forward_depth(d, self.target.embed_raw(mx.array([toks], dtype=mx.int32)), h_in, cache)
-                if n_draft:
-                    cache.rewind(n_draft)
-            old_saved, old_start = self.saved[d], first - 1
-            if out is not None and len(toks) > n_draft:  # depth d's last committed row (position T), for next round
-                self.saved[d] = out[:, len(toks) - n_draft - 1 : len(toks) - n_draft]
-            if d < k and out is None:
-                k = d  # nothing to draft from at this depth yet (prompt shorter than the chain)
-            if d < k:
-                z = self.logits(out[0, -1:])
-                logit_rows.append(z)
-                dt, q = draft_tokens(z, sampler, history + drafts)
-                drafts.append(dt[0])
-                if q is not None:
-                    q_rows.append(q)
-            # depth d's outputs by position, for depth d+1: its old last committed row, then this round's rows
-            if out is None:
-                prev, prev_start = old_saved, old_start
-            elif old_saved is not None:
-                prev, prev_start = mx.concatenate([old_saved, out], axis=1), old_start
-            else:
-                prev, prev_start = out, first
-        self.main, self.main_pos = None, T  # consumed; the next accept brings the rows from position T on
-        return drafts, q_rows, logit_rows
+            if step is not None:
+                toks, h_in = step
+                out = self.head.forward_depth(d, self.target.embed_raw(mx.array([toks], dtype=mx.int32)), h_in,
+                                              self.caches[d])
+            chain.finish(d, out, sampler, history)
+        return chain.result()
+
+
+class ChainRound:
+    """One round of an MTP drafter's chain, depth by depth (`MTPDrafter.draft_chain`; `propose_batch` runs several
+    rows' rounds with one forward per depth): `inputs(d)` says what depth d runs on (its committed rows not yet
+    cached, then the drafted tokens), `finish(d, out, …)` takes its output, rewinds the draft rows and draws the
+    next draft."""
+
+    def __init__(self, drafter: MTPDrafter, anchor: int, pos: int, k: int):
+        if drafter.tokens[-1] != anchor or len(drafter.tokens) != pos + 1:
+            raise RuntimeError("MTP drafter out of sync with the target (tokens and positions disagree)")
+        self.drafter, self.T, self.k = drafter, pos, k
+        # depth −1: target hidden rows from position main_pos
+        self.prev, self.prev_start = drafter.main, drafter.main_pos
+        self.drafts, self.q_rows, self.logit_rows = [], [], []
+
+    def inputs(self, d: int):
+        """(tokens, depth d−1's outputs [1, n, D] at the positions before them) that depth d runs on, or None."""
+        first = self.drafter.caches[d].offset  # committed rows first..T, then n_draft rows over d_1..d_n_draft
+        n_draft = d if d < self.k else 0
+        skip = max(0, first - self.T - 1)  # a short prompt: this depth's first row lies beyond the anchor
+        toks = self.drafter.tokens[first:] + self.drafts[skip:n_draft]
+        self.first, self.n_tok = first, len(toks)
+        self.n_draft = max(0, n_draft - skip)  # draft rows actually computed (rewound right after)
+        if not toks:
+            return None
+        lo = first - 1 - self.prev_start
+        return toks, self.prev[:, lo : lo + len(toks)]
+
+    def finish(self, d: int, out: mx.array | None, sampler, history: list[int]) -> None:
+        """Depth d's output rows [1, n, D] (None: it had nothing to run on)."""
+        drafter, first, n_draft, n_tok = self.drafter, self.first, self.n_draft, self.n_tok
+        if out is not None and n_draft:
+            drafter.caches[d].rewind(n_draft)
+        old_saved, old_start = drafter.saved[d], first - 1
+        if out is not None and n_tok > n_draft:  # depth d's last committed row (position T), for next round
+            drafter.saved[d] = out[:, n_tok - n_draft - 1 : n_tok - n_draft]
+        if d < self.k and out is None:
+            self.k = d  # nothing to draft from at this depth yet (prompt shorter than the chain)
+        if d < self.k:
+            z = drafter.logits(out[0, -1:])
+            self.logit_rows.append(z)
+            dt, q = draft_tokens(z, sampler, history + self.drafts)
+            self.drafts.append(dt[0])
+            if q is not None:
+                self.q_rows.append(q)
+        # depth d's outputs by position, for depth d+1: its old last committed row, then this round's rows
+        if out is None:
+            self.prev, self.prev_start = old_saved, old_start
+        elif old_saved is not None:
+            self.prev, self.prev_start = mx.concatenate([old_saved, out], axis=1), old_start
+        else:
+            self.prev, self.prev_start = out, first
+
+    def result(self):
+        self.drafter.main, self.drafter.main_pos = None, self.T  # consumed; the next accept brings rows from T on
+        return self.drafts, self.q_rows, self.logit_rows
+
+
+def batches_with(a, b) -> bool:
+    """Whether two MTP drafters' rounds can share their forwards (`propose_batch`): the same layers at the same
+    depth (forks of one drafter: batch rows), each with its own started state."""
+    return (isinstance(a, MTPDrafter) and isinstance(b, MTPDrafter) and a.head is b.head and a.target is b.target
+            and a.depth == b.depth and a.caches is not None and b.caches is not None)
+
+
+def propose_batch(drafters: list[MTPDrafter], anchors: list[int], positions: list[int], ks: list[int], samplers,
+                  histories) -> list[tuple]:
+    """Several rows' `propose` (each with its own state, sampler and history) with one MTP-layer forward per depth
+    for all of them: the rows' inputs right-padded to the longest, each row's keys into its own per-depth cache
+    (`cache.RowsCache`). Returns each row's (drafts, q), as its own `propose` gives them."""
+    first = drafters[0]
+    chains = [ChainRound(dr, a, p, k) for dr, a, p, k in zip(drafters, anchors, positions, ks)]
+    for d in range(first.depth):
+        steps = [c.inputs(d) for c in chains]
+        active = [i for i, st in enumerate(steps) if st is not None]
+        outs = [None] * len(chains)
+        if active:
+            L = max(len(steps[i][0]) for i in active)
+            ids = mx.array([steps[i][0] + [0] * (L - len(steps[i][0])) for i in active], dtype=mx.int32)
+            h = mx.concatenate([mx.pad(steps[i][1], [(0, 0), (0, L - steps[i][1].shape[1]), (0, 0)])
+                                if steps[i][1].shape[1] < L else steps[i][1] for i in active], axis=0)
+            cache = RowsCache([drafters[i].caches[d] for i in active], [len(steps[i][0]) for i in active])
+            out = first.head.forward_depth(d, first.target.embed_raw(ids), h, cache)
+            for j, i in enumerate(active):
+                outs[i] = out[j : j + 1, : len(steps[i][0])]
+        for c, o, smp, hist in zip(chains, outs, samplers, histories):
+            c.finish(d, o, smp, hist)
+    res = []
+    for c in chains:
+        drafts, q_rows, _ = c.result()
+        res.append((drafts, mx.concatenate(q_rows) if q_rows else None))
+    return res
 
 
 def load_mtp(path_or_repo, target, *, depth=None, dtype=None, draft_logits: str = "target") -> MTPDrafter:

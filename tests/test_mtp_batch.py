@@ -1,0 +1,61 @@
+"""MTP drafting for several batch rows with one MTP-layer forward per depth (`mtp.propose_batch`, issue 24): each
+row's drafts and q equal its own `propose` (its own per-depth caches, positions, windows, a prompt shorter than the
+chain), round after round, and a batch of MTP rows accepts exactly as each request alone."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import glimmer_mlx
+from glimmer_mlx.sampling import Sampler, SamplingParams
+from glimmer_mlx.speculative.mtp import batches_with, propose_batch
+
+
+@pytest.fixture(scope="module")
+def mtp_rows(tiny_checkpoint):
+    from hf_fixtures import build_hf_mtp, save_mtp_weights
+
+    path, hf = tiny_checkpoint(seed=4, num_mtp_layers=2, mtp_layer_types=["sliding_attention", "full_attention"])
+    save_mtp_weights(build_hf_mtp(hf, 2, seed=1), path)
+    model, _ = glimmer_mlx.load(path)
+    model.eos_token_ids = set()
+    return model, glimmer_mlx.load_drafter(path, model)
+
+
+def _started(model, drafter, ids):
+    d = drafter.fork()
+    _, taps = model(mx.array([ids[:-1]], dtype=mx.int32), model.make_cache(), taps=d.taps)
+    d.start(list(taps), ids)
+    return d
+
+
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+def test_batched_rounds_equal_each_rows_own(mtp_rows, temp):
+    model, base = mtp_rows
+    base.set_depth(3)  # the last trained layer reused for depth 3
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(10, 500, n).tolist() for n in (2, 3, 9, 14)]  # 2-3: shorter than the chain
+    rows = [_started(model, base, p) for p in prompts]
+    hist = [list(p) for p in prompts]
+    for rnd in range(6):
+        ks = [3, 2, 3, 1] if rnd % 2 else [3, 3, 3, 3]
+        solo = [r.copy_state() for r in rows]
+        want = [s.propose(h[-1], len(h) - 1, k, Sampler(SamplingParams(temperature=temp), 10 * rnd + i), h)
+                for i, (s, h, k) in enumerate(zip(solo, hist, ks))]
+        got = propose_batch(rows, [h[-1] for h in hist], [len(h) - 1 for h in hist], ks,
+                            [Sampler(SamplingParams(temperature=temp), 10 * rnd + i) for i in range(len(rows))], hist)
+        for i, ((gd, gq), (wd, wq)) in enumerate(zip(got, want)):
+            assert gd == wd, (rnd, i)
+            if wq is not None:
+                np.testing.assert_allclose(np.array(gq), np.array(wq), rtol=1e-5, atol=1e-5)
+        for s, r in zip(solo, rows):
+            assert [c.offset for c in s.caches] == [c.offset for c in r.caches]
+        for i, r in enumerate(rows):  # commit 1..k+1 tokens (the anchor's row included), random target rows
+            n = int(rng.integers(1, ks[i] + 2))
+            new = rng.integers(10, 500, n).tolist()
+            r.accept([mx.array(rng.normal(size=(1, n, model.args.hidden_size)).astype(np.float32))], new)
+            hist[i] += new
+    assert batches_with(rows[0], rows[1]) and not batches_with(rows[0], base)
+    base.set_depth(2)

@@ -383,9 +383,10 @@ class RowsCache:
 
         keys = mx.concatenate([padded(kb) for kb, _, _ in views])
         values = mx.concatenate([padded(vb) for _, vb, _ in views])
-        big = 1 << 30  # a padded key's position: after every query
-        kpos = mx.array([[k0 + i if i < kb.shape[2] else big for i in range(N)] for kb, _, k0 in views],
-                        dtype=mx.int32)[:, None, :]
+        i = mx.arange(N, dtype=mx.int32)[None, :]
+        k0 = mx.array([k0 for _, _, k0 in views], dtype=mx.int32)[:, None]
+        n = mx.array([kb.shape[2] for kb, _, _ in views], dtype=mx.int32)[:, None]
+        kpos = mx.where(i < n, k0 + i, 1 << 30)[:, None, :]  # a padded key's position: after every query
         qpos = (mx.array(self._q0, dtype=mx.int32)[:, None] + mx.arange(L, dtype=mx.int32)[None, :])[:, :, None]
         mask = kpos <= qpos
         if self.window is not None:

@@ -230,8 +230,13 @@ class ChainRound:
         lo = first - 1 - self.prev_start
         return toks, self.prev[:, lo : lo + len(toks)]
 
-    def finish(self, d: int, out: mx.array | None, sampler, history: list[int]) -> None:
-        """Depth d's output rows [1, n, D] (None: it had nothing to run on)."""
+    def drafts_at(self, d: int, out: mx.array | None) -> bool:
+        """Whether depth d draws a draft from its output `out`."""
+        return out is not None and d < self.k
+
+    def finish(self, d: int, out: mx.array | None, sampler, history: list[int], z: mx.array | None = None) -> None:
+        """Depth d's output rows [1, n, D] (None: it had nothing to run on); z: the draft logits of its last row,
+        when already computed (`propose_batch`: every row's in one call)."""
         drafter, first, n_draft, n_tok = self.drafter, self.first, self.n_draft, self.n_tok
         if out is not None and n_draft:
             drafter.caches[d].rewind(n_draft)
@@ -241,7 +246,7 @@ class ChainRound:
         if d < self.k and out is None:
             self.k = d  # nothing to draft from at this depth yet (prompt shorter than the chain)
         if d < self.k:
-            z = drafter.logits(out[0, -1:])
+            z = drafter.logits(out[0, -1:]) if z is None else z
             self.logit_rows.append(z)
             dt, q = draft_tokens(z, sampler, history + self.drafts)
             self.drafts.append(dt[0])
@@ -287,8 +292,14 @@ def propose_batch(drafters: list[MTPDrafter], anchors: list[int], positions: lis
             out = first.head.forward_depth(d, first.target.embed_raw(ids), h, cache)
             for j, i in enumerate(active):
                 outs[i] = out[j : j + 1, : len(steps[i][0])]
-        for c, o, smp, hist in zip(chains, outs, samplers, histories):
-            c.finish(d, o, smp, hist)
+        drawing = [i for i, (c, o) in enumerate(zip(chains, outs)) if c.drafts_at(d, o)]
+        zs = [None] * len(chains)
+        if drawing:  # every drafting row's logits in one lm_head call
+            z = first.logits(mx.concatenate([outs[i][0, -1:] for i in drawing]))
+            for j, i in enumerate(drawing):
+                zs[i] = z[j : j + 1]
+        for c, o, smp, hist, zz in zip(chains, outs, samplers, histories, zs):
+            c.finish(d, o, smp, hist, zz)
     res = []
     for c in chains:
         drafts, q_rows, _ = c.result()

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
-from test_distributed_sessions import GLIMMER, LAUNCH, env, free_port, post, rank_pids, wait_health  # noqa: E402
+from test_distributed_sessions import (GLIMMER, LAUNCH, env, free_port, kill_launch, post, rank_pids,  # noqa: E402
+                                      wait_health)
 
 MODES = ("ar", "mtp", "dflash")
 
@@ -57,7 +58,7 @@ def run(setup: str, requests: int) -> dict:
         try:
             proc.communicate(timeout=60)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            kill_launch(proc)
     return res
 
 

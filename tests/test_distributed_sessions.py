@@ -257,7 +257,7 @@ def free_port() -> int:
 
 
 def rank_pids(launcher_pid: int) -> dict[int, int]:
-    """{rank: pid} of mlx.launch's local ranks (their MLX_RANK)."""
+    """{rank: pid} of mlx.launch's local ranks (its child processes, by their MLX_RANK)."""
     out = {}
     for p in Path("/proc").iterdir():
         if not p.name.isdigit():
@@ -268,9 +268,22 @@ def rank_pids(launcher_pid: int) -> dict[int, int]:
         except OSError:
             continue
         ranks = [e for e in environ if e.startswith(b"MLX_RANK=")]
-        if ranks and b"glimmer_mlx.cli" in (p / "cmdline").read_bytes():
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ranks and ppid == launcher_pid:  # this launcher's own children only
             out[int(ranks[0].split(b"=")[1])] = int(p.name)
     return out
+
+
+def kill_launch(proc) -> None:
+    """A launch that failed its test: its ranks first (killing mlx.launch alone leaves them running)."""
+    if proc.poll() is None:
+        for pid in rank_pids(proc.pid).values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.kill()
+        proc.wait()
 
 
 def post(url, body, timeout=120):
@@ -296,8 +309,8 @@ def wait_health(url, proc, timeout=120):
 @needs_launch
 @pytest.mark.parametrize("strategy", ["tp", "pp"])
 def test_cli_serve_over_two_ranks_answers_what_one_process_answers(strategy):
-    """Completions and chat completions in ar / MTP / DFlash (greedy) equal the single process's session; /health
-    says one request at a time; Ctrl-C on rank 0 stops every rank cleanly (exit 0, no error line)."""
+    """Completions and chat completions in ar / MTP / DFlash (greedy) equal the single process's session, also after
+    a streaming client left mid-answer; /health says one request at a time; Ctrl-C on rank 0 stops every rank cleanly (exit 0, no error line)."""
     from glimmer_mlx.session import load_session
 
     port = free_port()
@@ -319,6 +332,17 @@ def test_cli_serve_over_two_ranks_answers_what_one_process_answers(strategy):
         r = post(url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello there"}],
                                                 "max_tokens": 16})
         got["chat"] = r["choices"][0]["message"]["content"]
+        # a streaming client that leaves after 3 events: rank 0 stops the stream there, every rank with it, and the
+        # next request (which continues the cached prompt) is still the single process's answer
+        req = urllib.request.Request(url + "/v1/completions", data=json.dumps(
+            {"prompt": "Once upon a time", "max_tokens": 400, "stream": True, "glimmer": {"mode": "dflash"}}).encode(),
+            headers={"Content-Type": "application/json"})
+        resp = urllib.request.urlopen(req, timeout=120)
+        for _ in range(3):
+            resp.readline()
+        resp.close()
+        r = post(url + "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 20, "glimmer": {"mode": "mtp"}})
+        got["after_cancel"] = r["choices"][0]["text"]
         try:
             post(url + "/v1/completions", {"prompt": "x", "max_tokens": 4, "glimmer": {"mode": "auto"}})
             raise AssertionError("auto was accepted")
@@ -328,11 +352,10 @@ def test_cli_serve_over_two_ranks_answers_what_one_process_answers(strategy):
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 0 and "error: rank" not in err, err[-3000:]
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        kill_launch(proc)
     s = load_session(None)
     want = s.generate(s.tokenizer.encode("Once upon a time"), max_tokens=20)[1]
-    assert got["ar"] == got["mtp"] == got["dflash"] == want and want
+    assert got["ar"] == got["mtp"] == got["dflash"] == got["after_cancel"] == want and want
     ids = s.encode_messages([{"role": "user", "content": "Hello there"}])
     from glimmer_mlx.tool_calls import get_parser
 
@@ -384,8 +407,7 @@ def test_rank_0_killed_mid_chat_ends_the_follower_with_one_line():
         out, err = proc.communicate(timeout=60)
         took = time.monotonic() - t1
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        kill_launch(proc)
     lines = [x for x in err.splitlines() if x.startswith("error: rank 1:")]
     assert len(lines) == 1, err[-3000:]
     assert "lost contact" in lines[0] or "stopped by the launcher" in lines[0]

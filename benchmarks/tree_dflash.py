@@ -8,6 +8,8 @@ prefill's token counted as a round as everywhere else) and tok/s; plus the verif
 target forward of n rows — chain and tree mask — after the prompt, relative to a plain 1-row step).
 
     python benchmarks/tree_dflash.py [N_PROMPTS] [MAX_TOKENS]   -> benchmarks/results/issue23-dflash-trees.json
+    TREE_SET=DIR python benchmarks/tree_dflash.py ...   the trained tiny set (benchmarks/bench_tiny_set.py DIR; block 8:
+        no 16-row chain, tree paths <= 7 deep) -> ...issue23-dflash-trees-tiny-set*.json
     python benchmarks/tree_dflash.py N MAXT SEEDS CONFIGS   (e.g. 2 96 1,2,3 chain16,tree16_d4,tree16_d8: T = 1 only,
         those seeds and configs, no cost curve) -> benchmarks/results/issue23-dflash-trees-t1-seeds.json
 """
@@ -39,11 +41,23 @@ TEMPS = (1.0,) if len(sys.argv) > 3 else (0.0, 1.0)
 OUT = ("benchmarks/results/issue23-dflash-trees-t1-seeds.json" if len(sys.argv) > 3
        else "benchmarks/results/issue23-dflash-trees.json")
 
-s = load_session(None)
-m, tok, d = s.model, s.tokenizer, s.drafters.dflash
+SET = os.environ.get("TREE_SET")  # a trained tiny set's folder (benchmarks/bench_tiny_set.py) instead of the embedded
+if SET:
+    import glimmer_mlx
+    from glimmer_mlx.bench.runner import encode_prompts
+    from glimmer_mlx.bench.settings import load_prompts
+
+    m, _ = glimmer_mlx.load(f"{SET}/target")
+    m.eos_token_ids = set()
+    tok, d = None, glimmer_mlx.load_drafter(f"{SET}/dflash", m)
+    encoded, _ = encode_prompts(load_prompts(), None, m.args.vocab_size)  # byte fallback, as glimmer bench
+    OUT = OUT.replace("issue23-dflash-trees", "issue23-dflash-trees-tiny-set")
+else:
+    s = load_session(None)
+    m, tok, d = s.model, s.tokenizer, s.drafters.dflash
 prompts = json.load(open("glimmer_mlx/bench/prompts/prompts.json"))
 cats = [c for c in prompts if isinstance(prompts[c], list)]
-eos = stop_ids(m, tok)
+eos = stop_ids(m, tok) if tok is not None else set()
 
 # (name, verify rows, tree nodes or None for a chain, max depth)
 CONFIGS = [("plain", 1, None, None), ("chain8", 8, None, 7)]
@@ -56,9 +70,14 @@ CONFIGS += [(f"tree32_d{dp}", 32, 31, dp) for dp in (6, 8)]
 CONFIGS += [("auto", 0, None, None)]
 if ONLY:
     CONFIGS = [c for c in CONFIGS if c[0] in ONLY]
+# a chain deeper than the drafter's block cannot run; a tree's paths are capped at the block's drafts
+CONFIGS = [c for c in CONFIGS if c[2] is not None or c[3] is None or c[3] <= d.max_drafts]
+CONFIGS = [(n, r, nd, dp if dp is None or nd is None else min(dp, d.max_drafts)) for n, r, nd, dp in CONFIGS]
 
 
 def ids_of(p):
+    if tok is None:
+        return next(e for c in cats for q, e in zip(prompts[c], encoded[c]) if q == p)
     return tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
 
 

@@ -276,13 +276,15 @@ def trap_termination(rank: int, grace: float = 2.0) -> None:
 
 # -- loading ---------------------------------------------------------------------------------------------------------
 
-def load_distributed_session(model: str | None, group, strategy: str, *, draft_model: str | None = None,
+def load_distributed_session(model: str | None, group, strategy: str, *, microbatch: int = 1,
+                             draft_model: str | None = None,
                              mtp_model: str | None = None, dtype: str | None = None, max_context: int | None = None,
                              announce=None, **options) -> Session:
     """This rank's part of the target (`distributed.load_agreed`: every rank must name the same checkpoint and pass
-    the same `options`), the drafters whole, the taps they read exposed across pipeline stages, in a `Session`."""
+    the same `options`), the drafters whole, the taps they read exposed across pipeline stages, in a `Session`.
+    microbatch: pipeline forwards in micro-batches (`distributed.pipeline_model`)."""
     path = resolve_model(model, announce=announce)
-    m, tok = load_agreed(path, group, dtype, strategy, draft_model=draft_model, mtp_model=mtp_model,
+    m, tok = load_agreed(path, group, dtype, strategy, microbatch, draft_model=draft_model, mtp_model=mtp_model,
                          max_context=max_context, weights_dtype=dtype, **options)
     drafters = load_drafters(m, dflash=draft_model, mtp=mtp_model, embedded=model is None, log=announce)
     expose_taps(m, [t for d in (drafters.dflash, drafters.mtp) if d is not None for t in d.taps])

@@ -212,6 +212,18 @@ def test_one_request_at_a_time_worker_answers_as_the_session_does(embedded_sessi
         w.submit(Req("x"))
 
 
+@pytest.mark.parametrize("args", [["chat", "--pp-microbatch", "2"], ["serve", "--pp-microbatch", "2"],
+                                  ["agent", "x", "--pp-microbatch", "2", "--distributed", "tp"],
+                                  ["chat", "--mode", "auto", "--distributed", "tp"]])
+def test_cli_options_that_cannot_run_distributed_fail_in_one_line(args):
+    r = subprocess.run(GLIMMER + args, capture_output=True, text=True, timeout=60, env=env(), stdin=subprocess.DEVNULL)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1
+    assert ("--pp-microbatch needs --distributed pp" in lines[0] if "--pp-microbatch" in args
+            else "no distributed backend could be initialised" in lines[0])
+
+
 # -- two processes ---------------------------------------------------------------------------------------------------
 
 needs_launch = pytest.mark.skipif(LAUNCH is None, reason="mlx.launch is not installed (MLX's distributed launcher)")
@@ -234,13 +246,13 @@ def run_chat(args, distributed=None, timeout=180):
 
 @pytest.mark.slow  # ~15-30 s each: a launch of two ranks
 @needs_launch
-@pytest.mark.parametrize("strategy", ["tp", "pp"])
-def test_cli_chat_over_two_ranks_prints_what_one_process_prints(strategy):
+@pytest.mark.parametrize("strategy, extra", [("tp", []), ("pp", []), ("pp", ["--pp-microbatch", "2"])])
+def test_cli_chat_over_two_ranks_prints_what_one_process_prints(strategy, extra):
     """Greedy, MTP then DFlash then n-gram turns, a /clear, a refused /mode auto: rank 0's terminal output is the
-    single process's, bar the modes line (no auto) and the refusal."""
+    single process's, bar the modes line (no auto) and the refusal; also with micro-batched pipeline forwards."""
     one = run_chat(["--mode", "mtp"])
     assert one.returncode == 0, one.stderr[-2000:]
-    two = run_chat(["--mode", "mtp"], strategy)
+    two = run_chat(["--mode", "mtp"] + extra, strategy)
     assert two.returncode == 0 and "error: rank" not in two.stderr, two.stderr[-3000:]
     want = one.stdout.replace("ar, dflash, mtp, ngram, auto", "ar, dflash, mtp, ngram")
     want = want.replace("you › mode auto\n", "you › error: --distributed: 'auto' chooses rounds from wall-clock "

@@ -32,12 +32,20 @@ Distributed = Annotated[Optional[str], typer.Option(
     "lockstep; modes ar|dflash|mtp|ngram (auto is refused; default ar).")]
 
 
+PpMicrobatch = Annotated[int, typer.Option(
+    "--pp-microbatch", help="--distributed pp: split each verify block / prefill chunk into up to N micro-batches "
+    "that overlap across stages (1: off; same output; pays where a stage is compute-bound, see BENCHMARKS).")]
+
+
 def open_session(model, draft_model, mtp_model, dtype=None, max_context=None, distributed=None, mode=None,
-                 width=None):
+                 width=None, pp_microbatch=1):
     """A session.Session for chat / serve / agent (errors → a clean exit). With `distributed`: rank 0 gets a
     `follower.LeaderSession`; every other rank follows it here and exits when rank 0 does."""
     if distributed is not None:
-        return open_distributed(model, draft_model, mtp_model, dtype, max_context, distributed, mode, width)
+        return open_distributed(model, draft_model, mtp_model, dtype, max_context, distributed, mode, width,
+                                pp_microbatch)
+    if pp_microbatch != 1:
+        fail("--pp-microbatch needs --distributed pp")
     try:
         return load_session(model, draft_model=draft_model, mtp_model=mtp_model, dtype=dtype, max_context=max_context,
                             announce=note)
@@ -45,7 +53,9 @@ def open_session(model, draft_model, mtp_model, dtype=None, max_context=None, di
         fail(str(e))
 
 
-def open_distributed(model, draft_model, mtp_model, dtype, max_context, strategy, mode, width):
+def open_distributed(model, draft_model, mtp_model, dtype, max_context, strategy, mode, width, pp_microbatch):
+    if pp_microbatch != 1 and strategy != "pp":
+        fail("--pp-microbatch needs --distributed pp")
     try:
         group = dist.start(strategy)
         dist.check_mode(mode or "ar", width)
@@ -59,7 +69,8 @@ def open_distributed(model, draft_model, mtp_model, dtype, max_context, strategy
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
         trap_termination(rank)
     try:
-        session = load_distributed_session(model, group, strategy, draft_model=draft_model, mtp_model=mtp_model,
+        session = load_distributed_session(model, group, strategy, microbatch=pp_microbatch,
+                                           draft_model=draft_model, mtp_model=mtp_model,
                                            dtype=dtype, max_context=max_context, announce=note)
     except (CheckpointError, FileNotFoundError, ValueError, dist.DistributedError) as e:
         fail(str(e))
@@ -92,6 +103,7 @@ def chat(
                                    "(32 tokens) for the speedup shown after speculative turns, if no ar turn ran."),
     stats: bool = typer.Option(True, "--stats/--no-stats", help="Print the stats line after each answer."),
     distributed: Distributed = None,
+    pp_microbatch: PpMicrobatch = 1,
 ):
     """Chat in the terminal: streaming answers, history, /commands (/help), prompt-cache reuse across turns.
     Default mode: auto when a drafter is loaded (the embedded model has two), else ar."""
@@ -102,7 +114,7 @@ def chat(
         SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty)
     except ValueError as e:
         fail(str(e))
-    session = open_session(model, draft_model, mtp_model, dtype, max_context, distributed, mode, width)
+    session = open_session(model, draft_model, mtp_model, dtype, max_context, distributed, mode, width, pp_microbatch)
     spec = check_spec(session.drafters, mode or session.default_mode(), width)
     try:
         app_ = Chat(session, mode=spec.mode, block_size=spec.width, temperature=temp, top_p=top_p, top_k=top_k,
@@ -141,6 +153,7 @@ def serve(
                                           "GLIMMER_API_KEY, which keeps the key out of the process list). Required "
                                           "for a --host other than loopback."),
     distributed: Distributed = None,
+    pp_microbatch: PpMicrobatch = 1,
 ):
     """A local OpenAI-compatible server: /v1/chat/completions (streaming, tools), /v1/completions, /v1/models,
     /health. One model resident, requests continuously batched (speculative modes included), a prompt cache across
@@ -152,7 +165,7 @@ def serve(
     if not is_loopback(host) and not api_key:  # before loading a model for nothing
         fail(f"refusing to listen on {host or 'every interface'} without an API key: pass --api-key (or set "
              "GLIMMER_API_KEY), or bind 127.0.0.1")
-    session = open_session(model, draft_model, mtp_model, dtype, max_context, distributed, mode, width)
+    session = open_session(model, draft_model, mtp_model, dtype, max_context, distributed, mode, width, pp_microbatch)
     spec = check_spec(session.drafters, mode or session.default_mode(), width)
     solo = None if distributed is None else (f"--distributed {distributed} over {session.group.size()} ranks: one "
                                              f"request decoded at a time (no batching across ranks)")
@@ -202,13 +215,16 @@ def agent(
     seed: Seed = None,
     timeout: float = typer.Option(120.0, "--timeout", help="Seconds a `run` command may take."),
     distributed: Distributed = None,
+    pp_microbatch: PpMicrobatch = 1,
 ):
     """An offline tool-using agent in a workspace: list/read/search files, write or patch them (diff shown, asks
     first), run commands (asks first), answer. Paths are confined to the workspace."""
     mode, width = decode_spec(mode, block_size)
-
+    if pp_microbatch != 1 and distributed != "pp":
+        fail("--pp-microbatch needs --distributed pp")
     if distributed is not None:  # every rank loads now; the followers stay in open_session
-        session = open_session(model, draft_model, mtp_model, distributed=distributed, mode=mode, width=width)
+        session = open_session(model, draft_model, mtp_model, distributed=distributed, mode=mode, width=width,
+                               pp_microbatch=pp_microbatch)
         try:
             built = MLXBackend(session, mode=mode or session.default_mode(), block_size=width, max_tokens=max_tokens,
                                temperature=temp, seed=seed)

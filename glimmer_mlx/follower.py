@@ -162,10 +162,11 @@ class LeaderSession:
         self.check_mode(kw.get("mode", "ar"), kw.get("block_size"))
         if kw.get("seed") is None:
             kw["seed"] = int.from_bytes(os.urandom(3), "little")
-        self._send({"op": "stream", "ids": ids, "kw": kw})
         return self._lead(ids, kw, stats)
 
     def _lead(self, ids, kw, stats) -> Iterator[GenerationChunk]:
+        # sent at the first next(): a stream never started (or closed before it started) sends nothing
+        self._send({"op": "stream", "ids": ids, "kw": kw})
         gen = lockstep(self.session.stream(ids, stats=stats, **kw), self.group, timeout=self.timeout)
         try:
             while True:

@@ -131,6 +131,7 @@ def test_the_follower_replays_exactly_what_rank_0_ran(embedded_sessions, monkeyp
     out.append(leader.generate(a, max_tokens=12, temperature=1.0)[0])
     out.append(leader.generate(a + out[2] + b, mode="ngram", max_tokens=12)[0])
     leader.calibrate_plain_rate(4)
+    leader.stream(a, mode="mtp").close()  # never started: nothing sent, nothing for the followers to run
     lead_keys = list(lead_s.keys)
     leader.close()
     assert leader.closed and lead_s.totals["turns"] == 4  # the bad request never started

@@ -39,7 +39,7 @@ from .runtime.loop import GenerationStats
 from .runtime.request import ContextLengthError
 from .sampling import RANGES, SamplingError
 from .session import Session
-from .strategy import MODES, DecodeSpec, ModeError
+from .strategy import MODES, DecodeSpec, ModeError, check_tree
 from .tool_calls import assistant_message, get_parser
 
 COMMANDS = [
@@ -49,6 +49,7 @@ COMMANDS = [
     ("/save FILE", "write the conversation and settings as JSON (asks before replacing an existing file)"),
     ("/load FILE", "replace the conversation by one saved with /save"),
     ("/mode [ar|dflash|mtp|auto] [WIDTH]", "show or switch the decoding mode (WIDTH: DFlash block size or MTP depth)"),
+    ("/tree [N|off]", "token trees of N draft nodes per round (dflash, mtp, ngram; WIDTH: the deepest path), or off"),
     ("/temp [T]", "show or set the sampling temperature (0 = greedy)"),
     ("/stats", "session statistics: last turn in detail, totals, cache, plain-decoding rate"),
     ("/exit", "leave (also /quit, Ctrl-D, or Ctrl-C at the prompt)"),
@@ -70,7 +71,7 @@ class Chat:
                  top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
                  seed: int | None = None, max_tokens: int = 1024, system_prompt: str | None = None,
                  calibrate: bool = True, show_stats: bool = True, console: Console | None = None,
-                 input_fn=input, out=None):
+                 input_fn=input, out=None, tree: int | None = None):
         if session.tokenizer is None:
             raise ValueError("chat needs a checkpoint with a tokenizer (tokenizer.json)")
         self.session = session
@@ -81,6 +82,9 @@ class Chat:
         self.block_size = block_size
         # a ModeError now, not at the first turn; `auto` is built (and calibrates, once per machine) before the prompt
         session.drafters.resolve(DecodeSpec(self.mode, block_size))
+        if tree is not None:
+            check_tree(self.mode, tree)
+        self.tree = tree
         self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                              repetition_penalty=repetition_penalty)
         self.seed = seed
@@ -189,6 +193,8 @@ class Chat:
             self.load(arg)
         elif name == "/mode":
             self.set_mode(arg)
+        elif name == "/tree":
+            self.set_tree(arg)
         elif name == "/temp":
             self.set_temp(arg)
         elif name == "/stats":
@@ -197,7 +203,25 @@ class Chat:
             raise ChatError(f"unknown command {name}; /help lists the commands (//text sends /text)")
 
     def mode_label(self) -> str:
-        return self.mode + ("" if self.block_size is None else f" {self.block_size}")
+        return (self.mode + ("" if self.block_size is None else f" {self.block_size}")
+                + ("" if self.tree is None else f", trees of {self.tree} nodes"))
+
+    def set_tree(self, arg: str) -> None:
+        if not arg:
+            self.info(f"mode {self.mode_label()}")
+            return
+        tree = None
+        if arg != "off":
+            try:
+                tree = int(arg)
+            except ValueError:
+                raise ChatError("usage: /tree N (draft nodes per round, 1..64) | off") from None
+            try:
+                check_tree(self.mode, tree)
+            except ModeError as e:
+                raise ChatError(str(e)) from None
+        self.tree = tree
+        self.info(f"mode {self.mode_label()}")
 
     def set_mode(self, arg: str) -> None:
         if not arg:
@@ -209,8 +233,10 @@ class Chat:
         try:
             spec = DecodeSpec.parse(parts[0], parts[1] if len(parts) == 2 else None, what="WIDTH")
             self.session.check_mode(spec.mode, spec.width)
+            if self.tree is not None:
+                check_tree(spec.mode, self.tree)
         except ModeError as e:
-            raise ChatError(str(e)) from None
+            raise ChatError(f"{e} (/tree off first)" if self.tree is not None else str(e)) from None
         self.mode, self.block_size = spec.mode, spec.width
         self.info(f"mode {self.mode_label()}")
 
@@ -331,8 +357,10 @@ class Chat:
         old = signal.signal(signal.SIGINT, self._on_sigint)
         it = None
         try:
+            trees = {} if self.tree is None else {"tree": self.tree}
             it = self.session.stream(ids, mode=self.mode, block_size=self.block_size, images=all_images or None,
-                                     max_tokens=self.max_tokens, seed=self.seed, stats=stats, **self.sampling)
+                                     max_tokens=self.max_tokens, seed=self.seed, stats=stats, **trees,
+                                     **self.sampling)
             for chunk in it:
                 raw += chunk.text
                 vis = self.parser.visible(raw)

@@ -61,7 +61,7 @@ __all__ = ["LeaderSession", "follow", "load_distributed_session", "broadcast_byt
 
 CONTINUE, STOP = 1, 2
 STREAM_KEYS = ("mode", "block_size", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-               "seed", "stop")
+               "seed", "stop", "tree")
 
 
 def lost(e: RuntimeError, group) -> RuntimeError:

@@ -37,7 +37,8 @@ from .runtime.plain import plain_token_seconds
 from .runtime.prefill import DEFAULT_PREFILL_STEP, prefill
 from .runtime.request import ContextLengthError, check_request, encode_prompt, fit_context
 from .sampling import Sampler, SamplingParams
-from .strategy import MAX_NGRAM_DRAFTS, MODES, DecodeSpec, Drafters, ModeError, build_decoder, load_drafters
+from .strategy import (MAX_NGRAM_DRAFTS, MODES, DecodeSpec, Drafters, ModeError, build_decoder, check_tree,
+                       load_drafters)
 
 __all__ = ["Session", "load_session", "common_prefix", "ContextLengthError", "ModeError", "MODES"]
 
@@ -63,6 +64,7 @@ class Prepared:
     budget: int  # max_tokens, clamped to the context
     stop: list[str] | None
     stats: GenerationStats
+    tree: int | None = None  # token-tree nodes per round (None: chains)
 
 
 @dataclass
@@ -190,14 +192,19 @@ class Session:
     def prepare(self, prompt, *, mode: str = "ar", block_size=None, images=None, max_tokens: int = 256,
                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
                 repetition_penalty: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
-                stats: GenerationStats | None = None) -> Prepared:
+                stats: GenerationStats | None = None, tree: int | None = None) -> Prepared:
         """A request checked and made ready to decode, without touching the cache: its ids (images expanded), the
-        per-position keys the prompt cache matches on, the sampler, the drafter and drafts per round, and the token
-        budget (max_tokens clamped to the context: `stats.extra["max_tokens_clamped"]`)."""
+        per-position keys the prompt cache matches on, the sampler, the drafter and drafts per round (paths at
+        most that deep with `tree` nodes of token trees per round: dflash, mtp, ngram), and the token budget
+        (max_tokens clamped to the context: `stats.extra["max_tokens_clamped"]`)."""
         ids = encode_prompt(prompt, self.tokenizer)
         check_request(ids, self.model.args.vocab_size, max_tokens=max_tokens, stop=stop, tokenizer=self.tokenizer)
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                 repetition_penalty=repetition_penalty)  # raises before the cache is touched
+        if tree is not None:
+            check_tree(mode, tree)
+            if block_size == "auto":
+                raise ModeError("with a tree, block_size is the most drafts per path: an integer, not 'auto'")
         drafter, drafts = self.drafters.resolve(DecodeSpec(mode, block_size))
         emb = None
         if images:
@@ -208,7 +215,7 @@ class Session:
         budget = fit_context(len(ids), max_tokens, self.max_context, clamp=True)
         if budget < max_tokens:
             stats.extra["max_tokens_clamped"] = budget
-        return Prepared(ids, keys, emb, Sampler(params, seed), mode, drafter, drafts, budget, stop, stats)
+        return Prepared(ids, keys, emb, Sampler(params, seed), mode, drafter, drafts, budget, stop, stats, tree)
 
     def stream(self, prompt, *, stats: GenerationStats | None = None, **kw) -> Iterator[GenerationChunk]:
         """Generate on the session's cache: prompt = token ids (or text, with a tokenizer); the keyword arguments
@@ -222,7 +229,7 @@ class Session:
         reuse, reason = self._reuse(keys, drafter)
         stats.extra.update(cache=reason, cached_tokens=reuse, prefilled_tokens=len(ids) - reuse)
         decoder = build_decoder(self.model, drafter, r.sampler, drafts=drafts,
-                                prefill_step=self.prefill_step, cache=self.cache)
+                                prefill_step=self.prefill_step, cache=self.cache, tree=r.tree)
         gen = stream(decoder, ids, max_tokens=budget, eos=stop_ids(self.model, self.tokenizer),
                      tokenizer=self.tokenizer, stop=stop, stats=stats, input_embeddings=emb, reuse=reuse)
         # until the generator stops at a chunk boundary the cache may be mid-step: unknown content

@@ -125,14 +125,27 @@ def prepare(target, drafter: Drafter, block_size) -> tuple[Drafter, int | None]:
 
 
 def build_decoder(model, drafter: Drafter | None, sampler: Sampler, *, drafts: int | None = None,
-                  prefill_step: int = DEFAULT_PREFILL_STEP, cache=None):
+                  prefill_step: int = DEFAULT_PREFILL_STEP, cache=None, tree: int | None = None):
     """The decoder for a prepared drafter (`prepare`, `Drafters.resolve`): None → plain decoding; an auto drafter →
-    `AutoDecoder`; else the speculative engine at `drafts` per round."""
+    `AutoDecoder`; else the speculative engine at `drafts` per round — token trees of `tree` nodes (`check_tree`),
+    paths at most `drafts` deep, when given."""
     if drafter is None:
         return PlainDecoder(model, sampler, prefill_step, cache=cache)
     if drafter.kind == "auto":
         return AutoDecoder(model, drafter, sampler, None, prefill_step, cache)
+    if tree is not None:
+        check_tree(drafter.kind, tree)
+        return TreeDecoder(model, drafter, sampler, tree, drafts, prefill_step, cache)
     return SpeculativeDecoder(model, drafter, sampler, drafts, prefill_step, cache)
+
+
+def check_tree(mode: str, nodes) -> None:
+    """ModeError unless token trees of `nodes` draft nodes can run in `mode`."""
+    if mode not in ("ngram", "mtp", "dflash"):
+        what = "auto (it chooses its own DFlash trees)" if mode == "auto" else repr(mode)
+        raise ModeError(f"token trees (tree nodes) are for modes dflash, mtp and ngram, not {what}")
+    if not is_int(nodes) or not 1 <= nodes <= MAX_NGRAM_DRAFTS:
+        raise ModeError(f"tree nodes must be an integer in [1, {MAX_NGRAM_DRAFTS}], got {nodes!r}")
 
 
 def make_decoder(model, drafter: Drafter | None, sampler: Sampler, *, block_size=None,
@@ -152,15 +165,13 @@ def make_tree_decoder(model, drafter: Drafter, sampler: Sampler, *, nodes: int, 
                       prefill_step: int = DEFAULT_PREFILL_STEP, cache=None):
     """Token-tree verification (`speculative.engine.TreeDecoder`): up to `nodes` draft nodes per round, each path at
     most `block_size` drafts deep (None: the drafter's most; for MTP, its depth). For n-gram lookup, MTP and DFlash
-    (v1 and v2); `auto` does not choose trees (a clean ModeError)."""
-    if drafter is None or getattr(drafter, "kind", None) not in ("ngram", "mtp", "dflash"):
-        what = "no drafter" if drafter is None else f"a {drafter.kind} drafter"
-        raise ModeError(f"token trees (tree nodes) are implemented for n-gram lookup, MTP and DFlash, got {what}")
+    (v1 and v2); `auto` chooses its own trees (a clean ModeError here)."""
+    if drafter is None:
+        raise ModeError("token trees (tree nodes) are for modes dflash, mtp and ngram, got no drafter")
+    check_tree(drafter.kind, nodes)
     if block_size == "auto":
         raise ModeError("with a tree, block_size is the most drafts per path: an integer, not 'auto'")
     drafter, block_size = prepare(model, drafter, block_size)  # an MTP depth is set on the drafter
-    if not is_int(nodes) or not 1 <= nodes <= MAX_NGRAM_DRAFTS:
-        raise ModeError(f"tree nodes must be an integer in [1, {MAX_NGRAM_DRAFTS}], got {nodes!r}")
     return TreeDecoder(model, drafter, sampler, nodes, block_size, prefill_step, cache)
 
 

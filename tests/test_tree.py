@@ -267,7 +267,7 @@ def test_greedy_identity_eos_and_max_tokens_inside_a_tree(model):
 def test_tree_mode_errors(model):
     from glimmer_mlx.strategy import make_tree_decoder
 
-    with pytest.raises(ModeError, match="token trees .*implemented for"):
+    with pytest.raises(ModeError, match="token trees .*for modes dflash, mtp and ngram"):
         glimmer_mlx.generate(model, [5, 6], max_tokens=3, tree=4)
     for bad in (0, 65, "x"):
         with pytest.raises(ModeError, match="tree nodes"):
@@ -756,3 +756,62 @@ def test_dflash_tree_sampling_matches_target_distribution(small_model, dflash_sm
     n = 1000
     worst = _dflash_tree_worst(small_model, dflash_small[variant], n)
     assert (worst > 1.0) if bug else (worst < 1.0), worst
+
+
+def test_session_turns_with_trees_equal_plain_and_reuse_the_cache():
+    """`Session.stream(tree=N)` (chat's `--tree`): two turns of one conversation with DFlash and n-gram trees,
+    the second continuing the first's cache (prefill of the new turn only), each equal to plain decoding's; trees
+    for auto / ar, 0 or 65 nodes, or block_size 'auto' are one clear ModeError before the cache is touched."""
+    from glimmer_mlx.session import load_session
+
+    s = load_session(None)
+    tok = s.tokenizer
+    turn1 = tok.apply_chat_template([{"role": "user", "content": "def add(a, b):"}], add_generation_prompt=True,
+                                    tokenize=True)
+    for mode, tree in (("dflash", 15), ("ngram", 8)):
+        s.reset()
+        plain = s.generate(turn1, mode="ar", max_tokens=24)[0]
+        s.reset()
+        t1, _, _, st1 = s.generate(turn1, mode=mode, tree=tree, block_size=6 if mode == "dflash" else None,
+                                   max_tokens=24)
+        assert t1 == plain and st1.extra["tree_nodes"] == tree
+        turn2 = turn1 + t1 + tok.encode(" and then")
+        t2, _, _, st2 = s.generate(turn2, mode=mode, tree=tree, max_tokens=16)
+        assert st2.extra["cached_tokens"] > len(turn1)  # the first turn's cache was continued
+        s.reset()
+        assert t2 == s.generate(turn2, mode="ar", max_tokens=16)[0]
+    for bad in (dict(mode="auto", tree=8), dict(mode="ar", tree=8), dict(mode="dflash", tree=0),
+                dict(mode="ngram", tree=65), dict(mode="dflash", tree=8, block_size="auto")):
+        with pytest.raises(ModeError):
+            s.generate(turn1, max_tokens=4, **bad)
+
+
+def test_chat_with_trees_answers_as_plain_and_its_tree_commands(tmp_path):
+    """`glimmer chat --tree N` (the Chat app in-process, scripted input): answers equal plain decoding's turn by
+    turn, `/tree` shows / sets / clears the trees, a mode trees cannot run in is refused while they are on."""
+    import io
+
+    from rich.console import Console
+
+    from glimmer_mlx.chat import Chat
+    from glimmer_mlx.session import load_session
+
+    s = load_session(None)
+    script = ["def add(a, b):", "and a docstring", "/tree", "/mode auto", "/tree 0", "/tree x", "/tree off",
+              "/mode auto", "/exit"]
+
+    def chat(mode, tree, lines):
+        s.reset()
+        feed, log = iter(lines), io.StringIO()
+        app = Chat(s, mode=mode, tree=tree, max_tokens=20, calibrate=False, show_stats=False,
+                   console=Console(file=log, width=200), input_fn=lambda _: next(feed), out=io.StringIO())
+        assert app.run() == 0
+        return [m["content"] for m in app.messages if m["role"] == "assistant"], log.getvalue(), app
+
+    plain, _, _ = chat("ar", None, script[:2] + ["/exit"])
+    answers, log, app = chat("ngram", 8, script)
+    assert answers == plain and len(answers) == 2
+    assert "trees of 8 nodes" in log and "/tree off first" in log and "usage: /tree N" in log
+    assert "tree nodes must be an integer in [1, 64]" in log and app.tree is None and app.mode == "auto"
+    with pytest.raises(ModeError):
+        Chat(s, mode="auto", tree=8, calibrate=False)

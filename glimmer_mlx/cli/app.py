@@ -49,8 +49,9 @@ Mode = Annotated[Optional[str], typer.Option("--mode", help=f"Decoding: {' | '.j
 BlockSize = Annotated[Optional[str], typer.Option("--block-size", help="Width: DFlash block size, MTP depth or n-gram "
                                                   "drafts per round, or 'auto' (per round); default: as trained.")]
 Tree = Annotated[Optional[int], typer.Option("--tree", help="Token-tree verification: up to N draft nodes per round, "
-                                             "several candidate continuations in one verify forward (--mode ngram "
-                                             "or mtp; --block-size is then the most drafts per path).")]
+                                             "several candidate continuations in one verify forward (--mode ngram, "
+                                             "mtp or dflash; --block-size is then the most drafts per path; auto "
+                                             "chooses its own DFlash trees).")]
 Dtype = Annotated[Optional[str], typer.Option("--dtype", help="bf16 | fp16 | fp32 (default: checkpoint dtype).")]
 MaxContext = Annotated[Optional[int], typer.Option("--max-context", help="Context limit in tokens (default: the "
                                                    "model's max_position_embeddings).")]

@@ -79,7 +79,7 @@ def generate(
     mode, width = decode_spec(mode, block_size, dflash=dflash, mtp=mtp, auto=auto, mtp_depth=mtp_depth)
     if tree is not None and mode not in ("ngram", "mtp", "dflash"):
         fail("--tree needs --mode ngram, mtp or dflash (token trees are implemented for n-gram lookup, MTP and "
-             "DFlash; auto does not choose trees)")
+             "DFlash; auto chooses its own DFlash trees)")
     if mode == "dflash" and draft_model is None and model is not None:
         fail("--mode dflash without --draft-model only works with the embedded default model; give --draft-model")
     embedded = model is None

@@ -22,7 +22,7 @@ from ..serve import GlimmerServer, is_loopback
 from ..session import load_session
 from ..strategy import ModeError
 from .app import (AutoFlag, BlockSize, DflashFlag, DraftModel, Dtype, MaxContext, MinP, Mode, Model, MtpFlag,
-                  MtpModel, RepetitionPenalty, Seed, SystemPrompt, Temp, TopK, TopP, app, check_spec, console,
+                  MtpModel, RepetitionPenalty, Seed, SystemPrompt, Temp, TopK, TopP, Tree, app, check_spec, console,
                   decode_spec, fail, note)
 
 
@@ -104,6 +104,7 @@ def chat(
     stats: bool = typer.Option(True, "--stats/--no-stats", help="Print the stats line after each answer."),
     distributed: Distributed = None,
     pp_microbatch: PpMicrobatch = 1,
+    tree: Tree = None,
 ):
     """Chat in the terminal: streaming answers, history, /commands (/help), prompt-cache reuse across turns.
     Default mode: auto when a drafter is loaded (the embedded model has two), else ar."""
@@ -119,7 +120,7 @@ def chat(
     try:
         app_ = Chat(session, mode=spec.mode, block_size=spec.width, temperature=temp, top_p=top_p, top_k=top_k,
                     min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, max_tokens=max_tokens,
-                    system_prompt=system_prompt, calibrate=calibrate, show_stats=stats)
+                    system_prompt=system_prompt, calibrate=calibrate, show_stats=stats, tree=tree)
     except (ModeError, ValueError) as e:
         fail(str(e))
     raise typer.Exit(app_.run())

@@ -1,8 +1,9 @@
-"""Batched drafting in a server batch (issue 24): N rows' drafts with one drafter forward (DFlash:
-`dflash.draft_hidden_batch`; MTP: one forward per depth, `mtp.propose_batch`) vs a forward per row (each row's own
-`draft_hidden` / `propose`), the embedded glimmer-tiny + its DFlash drafter (block 16, 15 drafts) and MTP layer
-(depth 1), the same row states each repeat (the shipped prompts under the chat template, each row with 4 positions
-of new context, as after a round of 3 accepted drafts), interleaved, median over repeats.
+"""Batched drafting in a server batch (issue 24): N rows' drafts (greedy, each row's full round: forward, logits,
+draws) with one drafter forward (DFlash: `dflash.propose_batch`; MTP: one forward per depth, `mtp.propose_batch`) vs
+a forward per row (each row's own `propose`), the embedded glimmer-tiny + its DFlash drafter (block 16, 15 drafts) and MTP layer
+(depth 1), the same row states each repeat (the shipped prompts under the chat template, each row caught up on its
+prompt and then given 4 positions of new context, as after a round of 3 accepted drafts), interleaved, median over
+repeats.
 Usage: python benchmarks/batch_drafting.py [N,N,...] [REPEATS] -> benchmarks/results/issue24-batched-drafting.json"""
 import json
 import os
@@ -15,7 +16,7 @@ import numpy as np
 from glimmer_mlx.bench.settings import load_prompts
 from glimmer_mlx.session import load_session
 from glimmer_mlx.sampling import Sampler, SamplingParams
-from glimmer_mlx.speculative.dflash import draft_hidden_batch
+from glimmer_mlx.speculative.dflash import propose_batch as dflash_propose_batch
 from glimmer_mlx.speculative.mtp import propose_batch
 
 SIZES = [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "1,2,4,8,16").split(",")]
@@ -33,27 +34,33 @@ for i in range(max(SIZES)):
     cache = m.make_cache()
     _, taps = m(mx.array([p[:-5]], dtype=mx.int32), cache, taps=d.taps)
     f.start(list(taps), p[:-4])
+    f.propose(p[-5], len(p) - 5, 1, Sampler(SamplingParams()), p[:-4])  # the prompt's context into its cache
     _, more = m(mx.array([p[-5:-1]], dtype=mx.int32), cache, taps=d.taps)  # 4 positions of new context
-    f.ctx = mx.concatenate([f.ctx, mx.concatenate(list(more), axis=-1)], axis=1)
+    f.ctx = mx.concatenate(list(more), axis=-1)
     mx.eval(f.ctx)
     rows.append((f, p[-1], len(p) - 1))
     g = mtp.fork()
     cache = m.make_cache()
     _, t0 = m(mx.array([p[:-5]], dtype=mx.int32), cache, taps=g.taps)
     g.start(list(t0), p[:-4])
+    g.propose(p[-5], len(p) - 5, g.depth, Sampler(SamplingParams()), p[:-4])  # the prompt's catch-up: steady after
     _, t1 = m(mx.array([p[-5:-1]], dtype=mx.int32), cache, taps=g.taps)
     g.accept(list(t1), p[-4:])
     mrows.append(g)
 
 
+K = d.max_drafts
+
+
 def per_row(states):
-    hs = [st.draft_hidden(a, st.ctx, pos, st.cache) for st, (_, a, pos) in zip(states, rows)]
-    mx.eval(hs)
+    for st, (_, a, pos) in zip(states, rows):
+        st.propose(a, pos, K, Sampler(SamplingParams()), [a])
 
 
 def batched(states):
-    hs = draft_hidden_batch(states, [a for _, a, _ in rows[:len(states)]], [pos for _, _, pos in rows[:len(states)]])
-    mx.eval(hs)
+    n = len(states)
+    dflash_propose_batch(states, [a for _, a, _ in rows[:n]], [pos for _, _, pos in rows[:n]], [K] * n,
+                         [Sampler(SamplingParams()) for _ in states], [[a] for _, a, _ in rows[:n]])
 
 
 def mtp_per_row(states):

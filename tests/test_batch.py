@@ -533,9 +533,9 @@ def test_auto_cost_model_observe_and_interpolate(ba):
     assert ba.steps == {"plain": 1, "spec": 1}
 
 
-@pytest.mark.parametrize("mode, batched", [("dflash", "draft_hidden_batch"), ("mtp", "propose_batch")])
+@pytest.mark.parametrize("mode, batched", [("dflash", "dflash_propose_batch"), ("mtp", "mtp_propose_batch")])
 def test_model_drafter_rows_draft_together_exactly_what_they_would_alone(sess, ids, monkeypatch, mode, batched):
-    """DFlash rows draft their blocks in one drafter forward (`dflash.draft_hidden_batch`), MTP rows with one
+    """DFlash rows draft their blocks in one drafter forward (`dflash.propose_batch`), MTP rows with one
     forward per depth (`mtp.propose_batch`): each row's drafts are its own — the same acceptance, round by round,
     as the request alone (drafts from another row's context, or at another row's positions, would accept
     differently; greedy output alone could not tell)."""

@@ -92,3 +92,27 @@ def test_dflash2_rows_propose_from_batched_blocks_what_they_would_alone(pair):
             assert got[0] == want[0]
             if temp:
                 np.testing.assert_allclose(np.array(got[1]), np.array(want[1]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+def test_propose_batch_draws_what_each_row_would_alone(pair, temp):
+    """`dflash.propose_batch` (one forward, DFlash v1's logits in one call, each row's own sampler): the drafts and
+    q of each row's own `propose`, rows of different budgets k."""
+    from glimmer_mlx.sampling import Sampler, SamplingParams
+    from glimmer_mlx.speculative.dflash import propose_batch
+
+    model, drafters = pair
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(10, 200, n).tolist() for n in (4, 11, 7)]
+    rows = [_started(model, drafters["sliding_attention"], p) for p in prompts]
+    solo = [r.copy_state() for r in rows]
+    for sl, r in zip(solo, rows):
+        sl.ctx = r.ctx
+    ks = [3, 1, 2]
+    got = propose_batch(rows, [p[-1] for p in prompts], [len(p) - 1 for p in prompts], ks,
+                        [Sampler(SamplingParams(temperature=temp), i) for i in range(3)], prompts)
+    for i, (p, k) in enumerate(zip(prompts, ks)):
+        want = solo[i].propose(p[-1], len(p) - 1, k, Sampler(SamplingParams(temperature=temp), i), p)
+        assert got[i][0] == want[0] and len(want[0]) == k
+        if temp:
+            np.testing.assert_allclose(np.array(got[i][1]), np.array(want[1]), rtol=1e-5, atol=1e-5)

@@ -36,9 +36,9 @@ from ..runtime.loop import GenerationChunk, GenerationStats, TokenStream
 from ..runtime.prefill import DEFAULT_PREFILL_STEP
 from ..sampling import Sampler, history_window
 from .dflash import batches_with as dflash_batches
-from .dflash import draft_hidden_batch
+from .dflash import propose_batch as dflash_propose_batch
 from .mtp import batches_with as mtp_batches
-from .mtp import propose_batch
+from .mtp import propose_batch as mtp_propose_batch
 from .protocol import Drafter
 from .verify import target_distribution, verify_greedy, verify_sampling
 
@@ -86,7 +86,7 @@ class BatchRequest:
 
 def batch_drafts(rows: list, plans: dict) -> dict:
     """{row index: (drafts, q)} for the rows that draft together this step (`plans`: {row index: (drafter, k)}):
-    the DFlash rows (v1 or v2) of one drafter model in one drafter forward (`dflash.draft_hidden_batch`), the MTP
+    the DFlash rows (v1 or v2) of one drafter model in one drafter forward (`dflash.propose_batch`), the MTP
     rows of one set of layers at one depth with one forward per depth (`mtp.propose_batch`), wherever two or more
     rows share it. Each row's drafts are drawn with its own sampler, as alone; the other rows draft on their own."""
     groups: dict[tuple, list[int]] = {}
@@ -100,15 +100,10 @@ def batch_drafts(rows: list, plans: dict) -> dict:
         members = [b for b in members if together(plans[members[0]][0], plans[b][0])]
         if len(members) < 2:
             continue
-        ds = [plans[b][0] for b in members]
-        anchors, positions = [rows[b].history[-1] for b in members], [len(rows[b].history) - 1 for b in members]
-        if kind == "dflash":
-            for b, d, h in zip(members, ds, draft_hidden_batch(ds, anchors, positions)):
-                out[b] = d.propose_hidden(h, plans[b][1], rows[b].sampler, rows[b].history)
-        else:
-            out.update(zip(members, propose_batch(ds, anchors, positions, [plans[b][1] for b in members],
-                                                  [rows[b].sampler for b in members],
-                                                  [rows[b].history for b in members])))
+        propose = dflash_propose_batch if kind == "dflash" else mtp_propose_batch
+        out.update(zip(members, propose([plans[b][0] for b in members], [rows[b].history[-1] for b in members],
+                                        [len(rows[b].history) - 1 for b in members], [plans[b][1] for b in members],
+                                        [rows[b].sampler for b in members], [rows[b].history for b in members])))
     return out
 
 

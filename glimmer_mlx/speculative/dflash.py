@@ -237,6 +237,18 @@ def draft_hidden_batch(drafters: list["DFlashDrafter"], anchors: list[int], posi
     return [h[r, 1:] for r in range(len(drafters))]
 
 
+def propose_batch(drafters: list["DFlashDrafter"], anchors: list[int], positions: list[int], ks: list[int], samplers,
+                  histories) -> list[tuple]:
+    """Several rows' `propose` (`batches_with` each other), their blocks in one drafter forward
+    (`draft_hidden_batch`) and, for DFlash v1, their draft logits in one lm_head call; each row draws its drafts with
+    its own sampler and history, as alone. Returns each row's (drafts, q)."""
+    hs = draft_hidden_batch(drafters, anchors, positions)
+    if type(drafters[0]) is not DFlashDrafter:  # DFlash 2: each row's selector walk from its block
+        return [d.propose_hidden(h, k, s, hist) for d, h, k, s, hist in zip(drafters, hs, ks, samplers, histories)]
+    z = drafters[0].logits(mx.stack([h[: max(ks)] for h in hs]))
+    return [draft_tokens(z[r, :k], s, hist) for r, (k, s, hist) in enumerate(zip(ks, samplers, histories))]
+
+
 def grow_tree(anchor: int, chain: list[int], chain_lp: list[float], depth: int, budget: int, children) -> TokenTree:
     """The chain (its first min(len, budget, depth) drafts; chain_lp[j]: draft j's log-probability given its parent),
     then best first by cumulative log-probability (the sum along the path) the frontier's nodes until `budget` draft

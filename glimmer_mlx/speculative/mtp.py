@@ -80,6 +80,11 @@ class MTPDrafter:
             d.saved, d.tokens = list(self.saved), list(self.tokens)
         return d  # main (an array, never written in place) is shared
 
+    @property
+    def backlog(self) -> int:
+        """Committed positions depth 0 has not run on yet (what its next round catches up on)."""
+        return len(self.tokens) - self.caches[0].offset if self.caches else 0
+
     # -- the drafter protocol (speculative.protocol.Drafter) -----------------------------------------------------
     def start(self, taps: list[mx.array], ids: list[int]) -> None:
         self.caches = self.head.make_cache(self.depth)
@@ -265,11 +270,17 @@ class ChainRound:
         return self.drafts, self.q_rows, self.logit_rows
 
 
+BATCH_BACKLOG = 16  # a row whose depth 0 is further behind (it just joined: its prompt) drafts on its own
+
+
 def batches_with(a, b) -> bool:
     """Whether two MTP drafters' rounds can share their forwards (`propose_batch`): the same layers at the same
-    depth (forks of one drafter: batch rows), each with its own started state."""
+    depth (forks of one drafter: batch rows), each with its own started state, neither catching up on more than
+    `BATCH_BACKLOG` positions (the batch's inputs are padded to the longest: a row that just joined, with its whole
+    prompt to run through depth 0, would make every row pay for it)."""
     return (isinstance(a, MTPDrafter) and isinstance(b, MTPDrafter) and a.head is b.head and a.target is b.target
-            and a.depth == b.depth and a.caches is not None and b.caches is not None)
+            and a.depth == b.depth and a.caches is not None and b.caches is not None
+            and max(a.backlog, b.backlog) <= BATCH_BACKLOG)
 
 
 def propose_batch(drafters: list[MTPDrafter], anchors: list[int], positions: list[int], ks: list[int], samplers,

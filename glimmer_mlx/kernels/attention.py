@@ -275,14 +275,19 @@ def selftest_inputs():
     return cases
 
 
-register_selftest(SelfTest(
-    "block_attention",
-    lambda cases: tuple(kernel_attention(q, k, v, **kw) for q, k, v, kw in cases),
-    lambda cases: tuple(block_attention_reference(q, k, v, **kw) for q, k, v, kw in cases),
-    selftest_inputs,
-    run_builtin=lambda cases: tuple(builtin_attention(q, k, v, **kw) for q, k, v, kw in cases),
-    builtin="mx.fast.scaled_dot_product_attention", sources=(PARTIAL.filename, COMBINE.filename),
-    rtol=2e-2, atol=2e-2))
+def register_attention_selftest(name: str, inputs) -> None:
+    """The kernel vs the reference (and the built-in's timing) on `inputs()`'s cases, as self-test `name`."""
+    register_selftest(SelfTest(
+        name,
+        lambda cases: tuple(kernel_attention(q, k, v, **kw) for q, k, v, kw in cases),
+        lambda cases: tuple(block_attention_reference(q, k, v, **kw) for q, k, v, kw in cases),
+        inputs,
+        run_builtin=lambda cases: tuple(builtin_attention(q, k, v, **kw) for q, k, v, kw in cases),
+        builtin="mx.fast.scaled_dot_product_attention", sources=(PARTIAL.filename, COMBINE.filename),
+        rtol=2e-2, atol=2e-2))
+
+
+register_attention_selftest("block_attention", selftest_inputs)
 
 
 def random_tree(rng, L: int, kind: str = "random") -> tuple[list[int], list[int]]:
@@ -333,11 +338,4 @@ def tree_selftest_inputs():
     return cases
 
 
-register_selftest(SelfTest(
-    "block_attention_tree",
-    lambda cases: tuple(kernel_attention(q, k, v, **kw) for q, k, v, kw in cases),
-    lambda cases: tuple(block_attention_reference(q, k, v, **kw) for q, k, v, kw in cases),
-    tree_selftest_inputs,
-    run_builtin=lambda cases: tuple(builtin_attention(q, k, v, **kw) for q, k, v, kw in cases),
-    builtin="mx.fast.scaled_dot_product_attention", sources=(PARTIAL.filename, COMBINE.filename),
-    rtol=2e-2, atol=2e-2))
+register_attention_selftest("block_attention_tree", tree_selftest_inputs)

@@ -12,7 +12,7 @@ import threading
 
 from ..runtime.loop import GenerationStats
 from .api import APIError, Request, shutting_down
-from .worker import Job
+from .worker import Job, refuse_waiting
 
 
 class SessionPromptCache:
@@ -104,9 +104,4 @@ class SoloWorker:
         """Refuse new jobs and answer the waiting ones with a 503."""
         with self._admit:
             self.stopped.set()
-        while True:
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
-                break
-            job.events.put(("error", shutting_down()))
+        refuse_waiting(self.jobs)

@@ -71,6 +71,16 @@ class Job:
                 return
 
 
+def refuse_waiting(jobs: queue.Queue) -> None:
+    """Answer every job still waiting in `jobs` with a 503 (the server is shutting down)."""
+    while True:
+        try:
+            job = jobs.get_nowait()
+        except queue.Empty:
+            break
+        job.events.put(("error", shutting_down()))
+
+
 def state_key(drafter) -> tuple:
     """Which drafter a state kept with a prompt-cache entry belongs to: its kind and (MTP) depth."""
     return (drafter.kind, getattr(drafter, "depth", None))
@@ -268,9 +278,4 @@ class Worker:
         """Refuse new jobs and answer the waiting ones with a 503 (instead of leaving them hanging)."""
         with self._admit:
             self.stopped.set()
-        while True:
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
-                break
-            job.events.put(("error", shutting_down()))
+        refuse_waiting(self.jobs)

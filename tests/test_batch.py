@@ -556,3 +556,22 @@ def test_model_drafter_rows_draft_together_exactly_what_they_would_alone(sess, i
                     st, False)
         assert out[j][0] == r.tokens
         assert {int(n): c for n, c in rows[j].hist.items()} == st.extra["acceptance_histogram"], j
+
+
+def test_a_new_auto_row_carries_only_drafters_that_pay_by_their_mean(ba):
+    """`BatchAuto.options`: a model drafter joins a new auto row only if it beats plain at the batch's size by its
+    mean estimate (what `choose` goes by); one that only its optimistic scenario makes pay would never draft and
+    would cost the row its taps and bookkeeping every step. n-gram lookup always joins."""
+    ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # flat: verification is free
+    ba.measured, ba.ratio = {}, None
+    pin(ba, "dflash", "greedy", 0.6)
+    pin(ba, "mtp", "greedy", 0.6)
+    assert set(ba.options("greedy", 4)) == {"ngram", "dflash", "mtp"}
+    ba.curve = {n: 0.01 * n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # compute-bound: nothing pays
+    assert set(ba.options("greedy", 4)) == {"ngram"}
+    # a weak mean with a wide spread: its optimistic scenario pays, its mean does not
+    ba.curve = {n: 0.01 * (1 + 0.15 * (n - 1)) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # each row +15 %
+    a = ba.acceptance("dflash", "greedy")
+    a.acc, a.tried = [0.05] + [0.0] * (len(a.acc) - 1), [1.0] + [0.0] * (len(a.tried) - 1)
+    assert ba.could_pay("dflash", "greedy", 1) and not ba.could_pay("dflash", "greedy", 1, optimistic=False)
+    assert "dflash" not in ba.options("greedy", 1)

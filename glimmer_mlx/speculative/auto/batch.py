@@ -41,11 +41,12 @@ class BatchAuto:
 
     def options(self, regime: str, batch: int = 1) -> dict:
         """A new auto row's own drafters: forks of the auto's (shared weights, empty state) — n-gram lookup always
-        (it costs nothing to keep in step), a model drafter only if it could pay in a batch of `batch` rows
-        (`could_pay`): every drafter of a row follows each of its steps (the taps of every committed position, its
-        own bookkeeping), so one that cannot win would only slow the row down."""
+        (it costs nothing to keep in step), a model drafter only if it could pay in a batch of `batch` rows by its
+        mean estimate (`could_pay`): every drafter of a row follows each of its steps (the taps of every committed
+        position, its own bookkeeping), and the batch's choice (`choose`) goes by the mean estimates, so one that
+        pays only in its optimistic scenario would never draft and only slow the row down."""
         return {kind: d.fork() for kind, d in self.auto.drafters.items()
-                if kind == "ngram" or self.could_pay(kind, regime, batch)}
+                if kind == "ngram" or self.could_pay(kind, regime, batch, optimistic=False)}
 
     def could_pay(self, name: str, regime: str, batch: int, optimistic: bool = True) -> bool:
         """Whether `name` beats plain decoding at some width in a batch of `batch` rows all drafting with it (the

@@ -17,7 +17,7 @@ import copy
 from dataclasses import dataclass
 from weakref import WeakKeyDictionary
 
-from .embedded import embedded_path, resolve_model
+from .embedded import DEFAULT_DFLASH, embedded_path, resolve_model
 from .loading import CheckpointError
 from .runtime.plain import PlainDecoder
 from .runtime.prefill import DEFAULT_PREFILL_STEP
@@ -281,7 +281,7 @@ def load_drafters(target, *, dflash=None, mtp=None, embedded: bool = False, want
     parts are announced (once per process) and `auto` says that it calibrates."""
     d = m = None
     if "dflash" in want and dflash != "none":
-        path = dflash if dflash is not None else (_embedded("dflash", log) if embedded else None)
+        path = dflash if dflash is not None else (_embedded(DEFAULT_DFLASH, log) if embedded else None)
         if path is not None:
             d = load_drafter(path, target)
             if d.kind != "dflash":  # MTP layers given as the drafter: use them as such

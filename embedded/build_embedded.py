@@ -657,7 +657,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stage", default="all",
                     choices=["all", "data", "tokenizer", "target", "target2", "from-embedded", "distill", "distill-shard", "dflash", "dflash2", "mtp",
-                             "drafters", "publish", "measure"])
+                             "drafters", "publish", "measure", "card"])
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "embedded")
     ap.add_argument("--target-steps", type=int, default=None)
     ap.add_argument("--target2-steps", type=int, default=None)
@@ -673,6 +673,7 @@ def main() -> None:
                             " (default: this build's DFlash v1, work/dflash)" if d == "dflash2" else ""))
     ap.add_argument("--anchors-per-seq", type=int, default=None, help="DFlash / DFlash 2 (default: their recipe's)")
     ap.add_argument("--publish", default="dflash,dflash2,mtp", help="publish stage: which drafters")
+    ap.add_argument("--figures", type=Path, default=None, help="card: the figures JSON (default WORK/figures.json)")
     ap.add_argument("--measure-from", choices=["embedded", "work"], default="embedded",
                     help="measure: the published drafters, or the ones trained in --work (before publishing)")
     args = ap.parse_args()
@@ -720,6 +721,10 @@ def main() -> None:
             from measure_embedded import measure
 
             measure(args.work, source=args.measure_from)
+        elif s == "card":  # the model card from a measure run's figures (default: --measure-from work's)
+            from measure_embedded import card_from
+
+            log(f"model card: {card_from(args.work, args.figures or args.work / 'figures.json')}")
         log(f"stage {s}: {time.time() - t:.0f} s")
 
 

@@ -48,7 +48,7 @@ def verify_costs(model, sizes=(1, 2, 4, 8, 16), context: int = 256, repeats: int
     import mlx.core as mx
 
     from glimmer_mlx.cache import rewind_cache
-    from glimmer_mlx.generate import prefill
+    from glimmer_mlx.runtime.prefill import prefill
 
     cache = model.make_cache()
     prefill(model, cache, list(range(10, 10 + context)))
@@ -67,9 +67,15 @@ def verify_costs(model, sizes=(1, 2, 4, 8, 16), context: int = 256, repeats: int
 
 def drafter_folders(work: Path, source: str = "embedded") -> dict[str, Path]:
     """{kind: folder} of the drafters to measure: the published ones (glimmer_mlx/embedded), or the ones trained in
-    `work` (before publishing); a kind without a folder is left out."""
-    folders = {k: (MODELS / name if source == "embedded" else work / k) for k, name in PARTS.items()}
-    return {k: f for k, f in folders.items() if (f / "config.json").exists()}
+    `work` (before publishing; a kind not trained there falls back to the published one); a kind with neither is
+    left out."""
+    out = {}
+    for k, name in PARTS.items():
+        for f in ([work / k] if source == "work" else []) + [MODELS / name]:
+            if (f / "config.json").exists():
+                out[k] = f
+                break
+    return out
 
 
 def measure(work: Path, max_tokens: int = 96, source: str = "embedded", out: Path | None = None) -> dict:
@@ -119,6 +125,15 @@ def measure(work: Path, max_tokens: int = 96, source: str = "embedded", out: Pat
     if source == "embedded":
         print(f"model card: {write_card(work, results)}")
     return results
+
+
+def card_from(work: Path, figures: Path) -> Path:
+    """The model card and benchmarks/results/embedded_figures.json from a measure run's figures (e.g. one that
+    measured the drafters in work/ before they were published: the same weights)."""
+    res = json.loads(figures.read_text())
+    (ROOT / "benchmarks" / "results" / "embedded_figures.json").write_text(json.dumps(res, indent=1))
+    print(markdown(res))
+    return write_card(work, res)
 
 
 def markdown(res: dict) -> str:
@@ -236,7 +251,7 @@ def write_card(work: Path, res: dict) -> Path:
             f"{len(res['prompts']['chat'])} held-out chat prompts, {res['max_tokens']} new tokens each, every mode "
             "run back to back on the same prompt; τ = tokens committed per target forward; speedup = generation "
             "tok/s ÷ plain tok/s in the same run. Greedy speculative output is token-identical to plain (tested).")
-    text = (MODELS / "build" / "model_card.md").read_text().format(
+    text = (Path(__file__).resolve().parent / "model_card.md").read_text().format(
         params_m=f"{log['parameters'] / 1e6:.1f}", size_target=_size(MODELS / "glimmer-tiny"),
         drafter_rows=drafter_rows(), drafter_recipes=drafter_recipes(),
         distill_min=f"{dist['seconds'] / 60:.0f}", before_after=before_after(res),

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 EMBEDDED = "glimmer-tiny"
-DEFAULT_DFLASH = "dflash"  # the part a command without --draft-model uses as its DFlash drafter (the best one built)
+DEFAULT_DFLASH = "dflash2"  # the part a command without --draft-model uses as its DFlash drafter (the best one built)
 
 
 def models_dir() -> Path:

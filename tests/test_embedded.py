@@ -120,3 +120,13 @@ def test_cli_defaults_to_embedded_model_and_says_so(monkeypatch):
     assert r.exit_code == 0, r.output
     assert r.output.count("no --model given: using the embedded") == 2  # target + MTP layer, each once
     assert "τ" in r.output
+
+
+def test_package_data_carries_every_shipped_folder():
+    """A wheel carries what ships: every glimmer-tiny* folder is named in pyproject's package-data."""
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["glimmer_mlx"]
+    shipped = {d.name for d in MODELS.iterdir() if d.is_dir() and (d / "config.json").exists()}
+    assert shipped and {f"embedded/{name}/*" for name in shipped} <= set(data), (shipped, data)

@@ -579,7 +579,7 @@ DFLASH_SHAPE = ("--layers", 2, "--block-size", 16, "--target-layer-ids", "1,2,3,
 
 
 def stage_dflash(work: Path, steps: int, *, init: Path | None = None, lr: float | None = None,
-                 anchors: int | None = None) -> None:
+                 anchors: int | None = None, seed: int = 0) -> None:
     """One cosine schedule over `steps` optimizer steps of 32 anchor blocks (up to `anchors` per sequence)."""
     r = DRAFTERS["dflash"]
     out = work / "dflash"
@@ -589,12 +589,13 @@ def stage_dflash(work: Path, steps: int, *, init: Path | None = None, lr: float 
     line = glimmer("train", "dflash", "--model", MODELS / "glimmer-tiny", "--out", out, "--data",
             work / "distill" / "distill.jsonl", *shape, "--max-length", 1024, "--batch-size", r["batch"],
             "--anchors-per-seq", anchors or r["anchors"], "--lr", lr or r["lr"], "--max-steps", steps,
-            "--epochs", 50, "--val-fraction", 0.01, "--save-every", r["save_every"])
+            "--epochs", 50, "--val-fraction", 0.01, "--save-every", r["save_every"],
+            *(("--seed", seed) if seed else ()))
     write_recipe(out, line, init)
 
 
 def stage_dflash2(work: Path, steps: int, *, init: Path | None = None, lr: float | None = None,
-                  anchors: int | None = None) -> None:
+                  anchors: int | None = None, seed: int = 0) -> None:
     """DFlash 2 (same block size and taps as v1), from the v1 drafter of this build (work/dflash) by default."""
     r = DRAFTERS["dflash2"]
     init = init or work / "dflash"
@@ -607,7 +608,8 @@ def stage_dflash2(work: Path, steps: int, *, init: Path | None = None, lr: float
     line = glimmer("train", "dflash2", "--model", MODELS / "glimmer-tiny", "--out", out, "--data",
             work / "distill" / "distill.jsonl", "--init", init, "--max-length", 1024, "--batch-size", r["batch"],
             "--anchors-per-seq", anchors or r["anchors"], "--lr", lr or r["lr"], "--max-steps", steps,
-            "--epochs", 50, "--val-fraction", 0.01, "--save-every", r["save_every"])
+            "--epochs", 50, "--val-fraction", 0.01, "--save-every", r["save_every"],
+            *(("--seed", seed) if seed else ()))
     write_recipe(out, line, init)
 
 
@@ -672,6 +674,9 @@ def main() -> None:
                         help="fine-tune this drafter instead of a fresh one" + (
                             " (default: this build's DFlash v1, work/dflash)" if d == "dflash2" else ""))
     ap.add_argument("--anchors-per-seq", type=int, default=None, help="DFlash / DFlash 2 (default: their recipe's)")
+    ap.add_argument("--drafter-seed", type=int, default=0,
+                    help="drafter stages: glimmer train --seed (another seed draws other anchors, e.g. for a continued "
+                         "fine-tune)")
     ap.add_argument("--publish", default="dflash,dflash2,mtp", help="publish stage: which drafters")
     ap.add_argument("--figures", type=Path, default=None, help="card: the figures JSON (default WORK/figures.json)")
     ap.add_argument("--measure-from", choices=["embedded", "work"], default="embedded",
@@ -712,7 +717,7 @@ def main() -> None:
         elif s in ("dflash", "dflash2"):
             (stage_dflash if s == "dflash" else stage_dflash2)(
                 args.work, getattr(args, f"{s}_steps"), init=getattr(args, f"{s}_init"), lr=getattr(args, f"{s}_lr"),
-                anchors=args.anchors_per_seq)
+                anchors=args.anchors_per_seq, seed=args.drafter_seed)
         elif s == "mtp":
             stage_mtp(args.work, args.mtp_steps, init=args.mtp_init, lr=args.mtp_lr)
         elif s == "publish":

@@ -658,7 +658,8 @@ def publish(src: Path, dst: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stage", default="all",
-                    choices=["all", "data", "tokenizer", "target", "target2", "from-embedded", "distill", "distill-shard", "dflash", "dflash2", "mtp",
+                    choices=["all", "data", "tokenizer", "target", "target2", "from-embedded", "distill",
+                             "distill-shard", "dflash", "dflash2", "mtp",
                              "drafters", "publish", "measure", "card"])
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "embedded")
     ap.add_argument("--target-steps", type=int, default=None)

@@ -196,9 +196,9 @@ def drafter_recipes(work: Path | None = None) -> str:
 
 def before_after(res: dict) -> str:
     """Held-out greedy / T=1 τ at width 16 of the first embedded drafter set
-    (embedded/build/figures_before_issue21.json), of the candidates trained on the rebuilt distillation set (figures_issue21_candidates.json: v1 and MTP fine-tuned
-    from the first ones, DFlash 2 from the first v1), and of the set shipped now (this run); same prompts, same
-    measure."""
+    (embedded/build/figures_before_issue21.json) and of the candidates trained on the rebuilt distillation set
+    (figures_issue21_candidates.json: v1 and MTP fine-tuned from the first ones, DFlash 2 from the first v1); same
+    prompts, same measure."""
     here = Path(__file__).resolve().parent
     before, cand = (here / "figures_before_issue21.json"), (here / "figures_issue21_candidates.json")
     if not (before.exists() and cand.exists()):

@@ -560,8 +560,10 @@ def glimmer(*args) -> str:
 
 def write_recipe(out: Path, line: str, init: Path | None) -> None:
     """out/build_recipe.json: the command that trained this drafter (shipped with it, read by the model card)."""
+    prior = Path(init) / "build_recipe.json" if init is not None else None
     (out / "build_recipe.json").write_text(json.dumps(
         {"command": line, "fine_tuned_from": None if init is None else Path(init).name,
+         "init_recipe": json.loads(prior.read_text()) if prior is not None and prior.exists() else None,
          "distill": json.loads((out.parent / "distill_summary.json").read_text())
          if (out.parent / "distill_summary.json").exists() else None}, indent=2))
 

@@ -186,7 +186,11 @@ def drafter_recipes(work: Path | None = None) -> str:
         how = f"fine-tuned from the previous `{init}` drafter" if init else "from scratch"
         ev = summ.get("eval", {})
         after = ev.get("after", {})
-        command = recipe["command"].replace(str(work), "WORK") if work is not None else recipe["command"]
+        chain, r = [], recipe
+        while r is not None:  # a fine-tune of a fine-tune: the commands in order
+            chain.insert(0, r["command"].replace(str(work), "WORK") if work is not None else r["command"])
+            r = r.get("init_recipe")
+        command = "`, then `".join(chain)
         out.append(f"  * `{name}` ({how}): `{command}` — {summ['steps']} steps, "
                    f"{summ.get('train_seconds', 0) / 60:.0f} min, validation loss {summ['val_loss']:.3f}; "
                    f"τ on its training-set eval prompts {after.get('tau_greedy', float('nan')):.2f} greedy / "
@@ -205,11 +209,13 @@ def before_after(res: dict) -> str:
         return ""
     old, new = json.loads(before.read_text())["runs"], json.loads(cand.read_text())["runs"]
     cols = [("dflash-16", old, "v1, first set"), ("dflash-16", new, "v1 fine-tuned on the new set"),
-            ("dflash2-16", new, "DFlash 2 on the new set"), ("mtp-3", old, "MTP-3, first set"),
+            ("dflash2-16", new, "DFlash 2 on the new set, 500 steps"),
+            ("dflash2-16", res["runs"], "DFlash 2 shipped (+250 steps)"), ("mtp-3", old, "MTP-3, first set"),
             ("mtp-3", new, "MTP-3 fine-tuned (60 steps, agent data kept)")]
     lines = ["Held-out τ of the candidates (width 16 for DFlash; same prompts and measure). Only DFlash 2 was better "
-             "than what shipped before, so only it was published; the v1 and MTP fine-tunes gained on code and lost "
-             "on chat (their new data had 1000 chat prompts instead of 3000):", "",
+             "than what shipped before, so only it was published (after 250 more steps at lr 5e-4, another anchor "
+             "seed); the v1 and MTP fine-tunes gained on code and lost on chat (their new data had 1000 chat prompts "
+             "instead of 3000):", "",
              "| prompts | " + " | ".join(c for _, _, c in cols) + " |", "|---|" + "---|" * len(cols)]
     for key in res["runs"]:
         cells = [str(src.get(key, {}).get(m, {}).get("tau", "–")) for m, src, _ in cols]

@@ -128,14 +128,7 @@ class SpeculativeDecoder:
             p = target_distribution(logits[0], self.sampler, self.history, drafts)
             n, nxt = verify_sampling(p, q, drafts, self.sampler)
         rewind_cache(self.cache, k - n)
-        new = drafts[:n] + [nxt]
-        self.history.extend(new)
-        self.drafter.accept(None if taps is None else [t[:, : n + 1] for t in taps], new)
-        t2 = time.perf_counter()
-        self.t_draft += t1 - t0
-        self.t_verify += t2 - t1
-        self.last_round = "spec"
-        return self._commit(new)
+        return self._close_round(drafts[:n] + [nxt], None if taps is None else [t[:, : n + 1] for t in taps], t0, t1)
 
     def _tree_round(self, tree: TokenTree, q, pos: int, t0: float, t1: float) -> list[int]:
         """Verify token tree `tree` (root = the anchor at position `pos`; q: `propose_tree`'s) in one target forward
@@ -153,14 +146,18 @@ class SpeculativeDecoder:
             path, nxt = verify_tree_sampling(p, tree, q, self.sampler)
         rows = [0] + path
         keep_path(self.cache, pos, rows)
-        new = [tree.tokens[i] for i in path] + [nxt]
-        self.history.extend(new)
         if taps:
             idx = mx.array(rows, dtype=mx.int32)
             taps = [mx.take(t, idx, axis=1) for t in taps]
-        self.drafter.accept(taps, new)
         self.tree_rows += len(tree)
         self.tree_rounds += 1
+        return self._close_round([tree.tokens[i] for i in path] + [nxt], taps, t0, t1)
+
+    def _close_round(self, new: list[int], taps, t0: float, t1: float) -> list[int]:
+        """Commit a speculative round's tokens (the caches already hold exactly them): the drafter gets their taps;
+        drafted between t0 and t1, verified since."""
+        self.history.extend(new)
+        self.drafter.accept(taps, new)
         self.t_draft += t1 - t0
         self.t_verify += time.perf_counter() - t1
         self.last_round = "spec"

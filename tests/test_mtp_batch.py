@@ -59,3 +59,30 @@ def test_batched_rounds_equal_each_rows_own(mtp_rows, temp):
             hist[i] += new
     assert batches_with(rows[0], rows[1]) and not batches_with(rows[0], base)
     base.set_depth(2)
+
+
+def test_a_just_joined_row_does_not_keep_the_others_from_batching(mtp_rows, monkeypatch):
+    """`batch.batch_drafts`: an MTP row still catching up on its prompt (backlog > BATCH_BACKLOG) drafts alone, and
+    the caught-up rows still share their forwards — also when the just-joined row comes first."""
+    from types import SimpleNamespace
+
+    import glimmer_mlx.speculative.batch as batch_mod
+    from glimmer_mlx.speculative.mtp import BATCH_BACKLOG
+
+    model, base = mtp_rows
+    rng = np.random.default_rng(5)
+    fresh = _started(model, base, rng.integers(10, 500, BATCH_BACKLOG + 10).tolist())  # nothing caught up yet
+    ready = []
+    for n in (5, 8):
+        ids = rng.integers(10, 500, n).tolist()
+        d = _started(model, base, ids)
+        d.propose(ids[-1], len(ids) - 1, base.depth, Sampler(SamplingParams()), ids)  # its prompt caught up
+        d.accept([mx.array(rng.normal(size=(1, 1, model.args.hidden_size)).astype(np.float32))], [11])
+        ready.append((d, ids + [11]))
+    assert fresh.backlog > BATCH_BACKLOG and all(d.backlog <= BATCH_BACKLOG for d, _ in ready)
+    rows = [SimpleNamespace(history=list(fresh.tokens), sampler=Sampler(SamplingParams()))]
+    rows += [SimpleNamespace(history=h, sampler=Sampler(SamplingParams())) for _, h in ready]
+    calls, real = [], batch_mod.mtp_propose_batch
+    monkeypatch.setattr(batch_mod, "mtp_propose_batch", lambda ds, *a: (calls.append(len(ds)), real(ds, *a))[1])
+    out = batch_mod.batch_drafts(rows, {0: (fresh, 1), 1: (ready[0][0], 1), 2: (ready[1][0], 1)})
+    assert calls == [2] and set(out) == {1, 2}

@@ -97,7 +97,8 @@ def batch_drafts(rows: list, plans: dict) -> dict:
     out = {}
     for (kind, _), members in groups.items():
         together = dflash_batches if kind == "dflash" else mtp_batches
-        members = [b for b in members if together(plans[members[0]][0], plans[b][0])]
+        members = [b for b in members if together(plans[b][0], plans[b][0])]  # each fit to batch at all
+        members = [b for b in members if together(plans[members[0]][0], plans[b][0])] if members else []
         if len(members) < 2:
             continue
         propose = dflash_propose_batch if kind == "dflash" else mtp_propose_batch

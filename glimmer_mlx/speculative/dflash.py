@@ -224,9 +224,9 @@ def batches_with(a: "DFlashDrafter", b: "DFlashDrafter") -> bool:
 
 def draft_hidden_batch(drafters: list["DFlashDrafter"], anchors: list[int], positions: list[int]) -> list[mx.array]:
     """The blocks of several DFlash drafters (rows of a batch, `batches_with` each other) in one drafter model
-    forward (`models.assistant.batch_forward`): row r's block [anchors[r], mask…] at positions[r], its pending context into its own cache. Returns each
-    row's hidden states [block−1, D], as its own `draft_hidden` gives them (`Assistant.batch`); their pending
-    contexts are consumed."""
+    forward (`models.assistant.batch_forward`): row r's block [anchors[r], mask…] at positions[r], its pending
+    context into its own cache. Returns each row's hidden states [block−1, D], as its own `draft_hidden` gives them;
+    their pending contexts are consumed."""
     first = drafters[0]
     B = first.block_size
     ids = mx.array([[a] + [first.config.mask_token_id] * (B - 1) for a in anchors], dtype=mx.int32)

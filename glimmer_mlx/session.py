@@ -202,9 +202,7 @@ class Session:
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                 repetition_penalty=repetition_penalty)  # raises before the cache is touched
         if tree is not None:
-            check_tree(mode, tree)
-            if block_size == "auto":
-                raise ModeError("with a tree, block_size is the most drafts per path: an integer, not 'auto'")
+            check_tree(mode, tree, block_size)
         drafter, drafts = self.drafters.resolve(DecodeSpec(mode, block_size))
         emb = None
         if images:

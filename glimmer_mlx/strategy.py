@@ -139,13 +139,15 @@ def build_decoder(model, drafter: Drafter | None, sampler: Sampler, *, drafts: i
     return SpeculativeDecoder(model, drafter, sampler, drafts, prefill_step, cache)
 
 
-def check_tree(mode: str, nodes) -> None:
-    """ModeError unless token trees of `nodes` draft nodes can run in `mode`."""
+def check_tree(mode: str, nodes, block_size=None) -> None:
+    """ModeError unless token trees of `nodes` draft nodes, paths at most `block_size` deep, can run in `mode`."""
     if mode not in ("ngram", "mtp", "dflash"):
         what = "auto (it chooses its own DFlash trees)" if mode == "auto" else repr(mode)
         raise ModeError(f"token trees (tree nodes) are for modes dflash, mtp and ngram, not {what}")
     if not is_int(nodes) or not 1 <= nodes <= MAX_NGRAM_DRAFTS:
         raise ModeError(f"tree nodes must be an integer in [1, {MAX_NGRAM_DRAFTS}], got {nodes!r}")
+    if block_size == "auto":
+        raise ModeError("with a tree, block_size is the most drafts per path: an integer, not 'auto'")
 
 
 def make_decoder(model, drafter: Drafter | None, sampler: Sampler, *, block_size=None,
@@ -168,9 +170,7 @@ def make_tree_decoder(model, drafter: Drafter, sampler: Sampler, *, nodes: int, 
     (v1 and v2); `auto` chooses its own trees (a clean ModeError here)."""
     if drafter is None:
         raise ModeError("token trees (tree nodes) are for modes dflash, mtp and ngram, got no drafter")
-    check_tree(drafter.kind, nodes)
-    if block_size == "auto":
-        raise ModeError("with a tree, block_size is the most drafts per path: an integer, not 'auto'")
+    check_tree(drafter.kind, nodes, block_size)
     drafter, block_size = prepare(model, drafter, block_size)  # an MTP depth is set on the drafter
     return TreeDecoder(model, drafter, sampler, nodes, block_size, prefill_step, cache)
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from ..config import ConfigError
 from ..loading import CheckpointError, load_weights
@@ -68,6 +69,8 @@ class DFlash2Drafter(DFlashDrafter):
         sel = self.assistant.candidate_selector
         params = sampler.params
         V, cand, unary, hp, succ = parts if parts is not None else self.selector_parts(h)
+        if params.greedy and params.repetition_penalty == 1.0 and h.shape[0]:
+            return self.greedy_walk(anchor, cand, self.pair_tables(anchor, cand, unary, hp, succ)), None
         prev = mx.array([anchor], dtype=mx.int32)
         picks, rows = [], []
         for j in range(h.shape[0]):
@@ -88,6 +91,34 @@ class DFlash2Drafter(DFlashDrafter):
         mx.eval([drafts] + ([q] if q is not None else []))
         return drafts.tolist(), q
 
+    def pair_tables(self, anchor: int, cand: mx.array, unary: mx.array, hp: mx.array, succ: mx.array) -> mx.array:
+        """Every pairwise score of the block in one batched op: [1 + (k−1)·top_k, top_k] (fp32), row 0 the scores
+        S_1(anchor, ·) of position 1's candidates, row 1 + (j−1)·top_k + a the scores S_{j+1}(cand[j−1][a], ·) of
+        position j+1's candidates after position j's candidate a."""
+        sel = self.assistant.candidate_selector
+        tables = [sel.scores(unary[:1], hp[:1], succ[:1], mx.array([anchor], dtype=mx.int32))]  # [1, top_k]
+        if cand.shape[0] > 1:  # [k−1, top_k (predecessor: position j's candidates), top_k (position j+1's)]
+            pairs = sel.scores(unary[1:, None, :], hp[1:, None, :], succ[1:, None], cand[:-1])
+            tables.append(pairs.reshape(-1, cand.shape[-1]))
+        return mx.concatenate(tables)
+
+    @staticmethod
+    def greedy_walk(anchor: int, cand: mx.array, s: mx.array) -> list[int]:
+        """The greedy path through `pair_tables`' scores s: at each position the best-scoring candidate after the
+        previous pick (ties: the lowest token id, as an argmax over the dense vocabulary row picks). One read-back;
+        the walk itself is k look-ups on the host. The same drafts as the dense walk of `select` without penalties."""
+        mx.eval(s, cand)
+        rows, cl = np.asarray(s), np.asarray(cand)
+        top_k = cl.shape[1]
+        out, r = [], 0
+        for j in range(cl.shape[0]):
+            row = rows[r]
+            best = row == row.max()
+            a = int(np.flatnonzero(best)[np.argmin(cl[j][best])])
+            out.append(int(cl[j][a]))
+            r = 1 + j * top_k + a
+        return out
+
     def propose_tree(self, anchor: int, pos: int, depth: int, budget: int, sampler, history: list[int]):
         """As v1's (`DFlashDrafter.propose_tree`), the children of every node scored by the selector given that
         node's token (module docstring). Returns (tree, q): q[c] the q row chain node c was sampled from (T > 0),
@@ -96,15 +127,13 @@ class DFlash2Drafter(DFlashDrafter):
         h = self.draft_hidden(anchor, self.ctx, pos, self.cache)[:k]
         self.ctx = None  # consumed: its K/V now live in the drafter cache
         parts = self.selector_parts(h)
-        drafts, q = self.select(anchor, h, sampler, history, parts)
-        sel = self.assistant.candidate_selector
         _, cand, unary, hp, succ = parts
-        first = sel.scores(unary[:1], hp[:1], succ[:1], mx.array([anchor], dtype=mx.int32))  # [1, top_k]
-        tables = [first]
-        if k > 1:  # [k−1, top_k (predecessor: position j's candidates), top_k (position j+1's)]
-            tables.append(sel.scores(unary[1:, None, :], hp[1:, None, :], succ[1:, None], cand[:-1]).reshape(-1,
-                                                                                                   cand.shape[-1]))
-        s = mx.concatenate(tables)  # row 0: after the anchor; row 1 + (j−1)·top_k + a: after cand[j−1][a]
+        s = self.pair_tables(anchor, cand, unary, hp, succ)
+        params = sampler.params
+        if params.greedy and params.repetition_penalty == 1.0:
+            drafts, q = self.greedy_walk(anchor, cand, s), None
+        else:
+            drafts, q = self.select(anchor, h, sampler, history, parts)
         lp = s - mx.logsumexp(s, axis=-1, keepdims=True)
         order = mx.argsort(-lp, axis=-1)
         rows_pos = mx.array([0] + [j for j in range(1, k) for _ in range(cand.shape[-1])], dtype=mx.int32)

@@ -4,6 +4,7 @@ AutoDecoder on tiny models (every sub-drafter kept in sync, output identical to 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -474,8 +475,9 @@ def test_calibration_is_cached_per_machine_and_model(tiny, tmp_path, monkeypatch
     assert saved["taps"] == [1, 3] and set(saved["costs_s"]) == {"1", "2", "3", "4", "5"}
     # the staleness check (a plain token measured now, off by 2x: its own test below) would fire on a loaded machine
     import importlib
-    monkeypatch.setattr(importlib.import_module("glimmer_mlx.speculative.auto.calibrate"), "check_plain_token",
-                        lambda m: info["plain_token_s"])
+    cal = importlib.import_module("glimmer_mlx.speculative.auto.calibrate")
+    monkeypatch.setattr(cal, "check_plain_token", lambda m: info["plain_token_s"])
+    monkeypatch.setattr(cal, "check_shape", lambda m, taps, rows: costs[rows] / costs[1])
     again, info2 = load_or_calibrate(model, (1, 3), 5)
     assert info2["cached"] and again == costs
     _, info3 = load_or_calibrate(model, (1, 3), 7)  # a longer curve than cached: measured again
@@ -495,12 +497,55 @@ def test_a_stale_cached_calibration_is_measured_again(tiny, tmp_path, monkeypatc
     _, info = load_or_calibrate(model, (1,), 4)
     plain = info["plain_token_s"]
     monkeypatch.setattr(cal, "check_plain_token", lambda m: 1.2 * plain)
+    shape = {"now": None}  # C(4) / C(1) "measured now" (None: the cached curve's own)
+    monkeypatch.setattr(cal, "check_shape", lambda m, taps, rows: shape["now"] or costs_of(rows))
+
+    def costs_of(rows):
+        c = {int(L): v for L, v in json.loads(next(tmp_path.glob("costs-*.json")).read_text())["costs_s"].items()}
+        return c[rows] / c[1]
+
     assert load_or_calibrate(model, (1,), 4)[1]["cached"]
     calls, real = [], cal.calibrate
     monkeypatch.setattr(cal, "calibrate", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     monkeypatch.setattr(cal, "check_plain_token", lambda m: plain / 2.5)
     _, info2 = load_or_calibrate(model, (1,), 4)
     assert not info2["cached"] and calls == [1]
+
+
+def test_a_cached_calibration_with_the_wrong_shape_is_measured_again(tiny, tmp_path, monkeypatch):
+    """A cached curve can keep a plausible plain token and still be wrong: flat (calibrated under a burst of load: a
+    file once said 1..8 rows cost the same 16 ms next to a 6.7 ms plain token, and auto priced every draft as
+    free), or with a 1-row forward far dearer than its own plain token. Both are measured again; a curve whose
+    shape holds now is used."""
+    import importlib
+
+    cal = importlib.import_module("glimmer_mlx.speculative.auto.calibrate")
+    model, _, _ = tiny
+    monkeypatch.setenv("GLIMMER_MLX_CACHE_DIR", str(tmp_path))
+    _, info = load_or_calibrate(model, (1,), 6)
+    path = Path(info["path"])
+    monkeypatch.setattr(cal, "check_plain_token", lambda m: plain)
+    calls, real = [], cal.calibrate
+    monkeypatch.setattr(cal, "calibrate", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+
+    def write(costs, plain_s):
+        path.write_text(json.dumps({"costs_s": {str(L): c for L, c in costs.items()}, "plain_token_s": plain_s,
+                                    "plain_taps": False}))
+
+    plain = 0.004
+    steep = {L: plain * (1 + 0.25 * (L - 1)) for L in range(1, 7)}  # C(6) / C(1) = 2.25
+    monkeypatch.setattr(cal, "check_shape", lambda m, taps, rows: 2.25 * (1 + 0.1 * (rows != 6)))
+    write(steep, plain)
+    costs, got = load_or_calibrate(model, (1,), 6)
+    assert got["cached"] and costs == steep and calls == [] and got["checked_shape"]["rows"] == 6
+    write({L: plain for L in range(1, 7)}, plain)  # flat: every verify as cheap as a plain step
+    costs, got = load_or_calibrate(model, (1,), 6)
+    assert not got["cached"] and calls == [1]
+    write({L: 2.4 * plain * (1 + 0.25 * (L - 1)) for L in range(1, 7)}, plain)  # 1-row forward 2.4x its plain token
+    monkeypatch.setattr(cal, "check_shape", lambda m, taps, rows: 2.25)
+    logs = []
+    _, got = load_or_calibrate(model, (1,), 6, log=logs.append)
+    assert not got["cached"] and calls == [1, 1] and "timed under load" in logs[0]
 
 
 # -- the drafter and decoder ---------------------------------------------------------------------------------------

@@ -87,6 +87,15 @@ def calibrate(model, taps, max_len: int, context: int = CALIBRATION_CONTEXT,
 # speed scale corrects drift only from plain tokens, and a plain cost calibrated 2.5x too high once made auto draft
 # every round with nothing it ever measured saying otherwise
 STALE = (0.5, 2.0)
+# ... and while its shape holds: the verify of SHAPE_ROWS rows over a 1-row forward, measured now, within these bounds
+# of the cached curve's ratio. A curve calibrated under a burst of load can keep a plausible plain token yet be flat
+# (a cached file once said 1..8 rows cost the same, 16 ms, with a 6.7 ms plain token: auto then priced every draft
+# as free and explored drafters that lost)
+SHAPE = (0.67, 1.5)
+SHAPE_ROWS = 9
+# a 1-row forward with taps (unpipelined) that costs more than this many pipelined plain tokens of the same
+# calibration means one of the two was timed under load: the file is not used
+CONSISTENT = 1.6
 
 
 def check_plain_token(model, context: int = 32) -> float:
@@ -95,6 +104,43 @@ def check_plain_token(model, context: int = 32) -> float:
     cache = model.make_cache()
     mx.eval(prefill(model, cache, scratch_ids(model, context)))
     return plain_token_seconds(model, cache, n=8)
+
+
+def check_shape(model, taps, rows: int, context: int = 32, repeats: int = 3) -> float:
+    """C(rows) / C(1) measured now on a short scratch context (min over `repeats` alternating passes, after a
+    warm-up pass): what a cached curve's shape is checked against."""
+    cache = model.make_cache()
+    logits, tapped = prefill(model, cache, scratch_ids(model, context), taps=tuple(taps))
+    mx.eval(logits, tapped)
+    best = {1: float("inf"), rows: float("inf")}
+    for r in range(repeats + 1):
+        for L in best:
+            t0 = time.perf_counter()
+            mx.eval(model(mx.zeros((1, L), dtype=mx.int32), cache, taps=tuple(taps)))
+            if r:
+                best[L] = min(best[L], time.perf_counter() - t0)
+            rewind_cache(cache, L)
+    return best[rows] / best[1]
+
+
+def cached_problem(model, taps, costs: dict[int, float], plain: float) -> tuple[str | None, dict]:
+    """Why a cached curve (costs, plain token) should not be used now (None: use it), and what was measured."""
+    if costs[1] > CONSISTENT * plain:
+        return (f"its 1-row forward ({1000 * costs[1]:.2f} ms) is {costs[1] / plain:.1f}x its plain token "
+                f"({1000 * plain:.2f} ms): one of them was timed under load"), {}
+    now = check_plain_token(model)
+    if not STALE[0] <= now / plain <= STALE[1]:
+        return (f"its plain token ({1000 * plain:.2f} ms) is off from one measured now ({1000 * now:.2f} ms)",
+                {"checked_plain_token_s": now})
+    rows = min(SHAPE_ROWS, max(costs))
+    measured = {"checked_plain_token_s": now}
+    if rows > 1:
+        ratio, cached = check_shape(model, taps, rows), costs[rows] / costs[1]
+        measured["checked_shape"] = {"rows": rows, "now": round(ratio, 3), "cached": round(cached, 3)}
+        if not SHAPE[0] <= ratio / cached <= SHAPE[1]:
+            return (f"its {rows}-row verify costs {cached:.2f}x a 1-row forward, {ratio:.2f}x measured now",
+                    measured)
+    return None, measured
 
 
 def load_or_calibrate(model, taps, max_len: int, *, directory=None, recalibrate: bool = False,
@@ -115,12 +161,11 @@ def load_or_calibrate(model, taps, max_len: int, *, directory=None, recalibrate:
             # (files from before the plain token was timed without taps are measured again)
             if all(L in costs for L in range(1, max_len + 1)) and raw.get("plain_taps") is False:
                 plain = float(raw["plain_token_s"])
-                now = check_plain_token(model)
-                if STALE[0] <= now / plain <= STALE[1]:
-                    return costs, {**info, "cached": True, "plain_token_s": plain, "checked_plain_token_s": now}
+                problem, measured = cached_problem(model, taps, costs, plain)
+                if problem is None:
+                    return costs, {**info, "cached": True, "plain_token_s": plain, **measured}
                 if log:  # measured while the machine was busy (or on other hardware): the whole curve is suspect
-                    log(f"the cached calibration's plain token ({1000 * plain:.2f} ms) is off from one measured now "
-                        f"({1000 * now:.2f} ms): measuring it again")
+                    log(f"the cached calibration is not used: {problem}; measuring it again")
         except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
             pass  # unreadable, too short or a zero plain token: measure again
     if log:

@@ -35,6 +35,7 @@ from rich.syntax import Syntax
 from .runtime.loop import GenerationStats
 from .sandbox import ToolError, Workspace, visible
 from .session import load_session
+from .strategy import check_tree
 from .tool_calls import (ToolCall, ToolParser, assistant_message, get_parser, neutralize_special_tokens,
                          tool_result_message)
 from .tools import TOOL_SPECS, ToolBox, coerce_arguments
@@ -321,15 +322,18 @@ class Agent:
 class MLXBackend:
     """A glimmer-mlx model as an agent backend, through a `session.Session`: the prompt cache is reused across
     steps (each step prefills only the new tool results), in any decoding mode the session has drafters for
-    ("ar", "dflash", "mtp", "auto"; speculative modes give the same text)."""
+    ("ar", "dflash", "mtp", "auto"; speculative modes give the same text), with token trees (`tree` draft nodes per
+    round: dflash, mtp, ngram) as `glimmer chat --tree`."""
 
     def __init__(self, session, *, mode: str = "ar", block_size=None, max_tokens: int = 1024,
-                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None):
+                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, tree: int | None = None):
         tok = session.tokenizer
         if tok is None or not tok.chat_template:
             raise ValueError("the agent needs a model with a tokenizer and a chat template")
         session.check_mode(mode, block_size)  # ModeError (a ValueError) now, not at the first step
-        self.session, self.mode, self.block_size = session, mode, block_size
+        if tree is not None:
+            check_tree(mode, tree, block_size)  # the same check a step's `Session.prepare` makes, before the first
+        self.session, self.mode, self.block_size, self.tree = session, mode, block_size, tree
         self.max_tokens, self.temperature, self.top_p, self.seed = max_tokens, temperature, top_p, seed
         self.chat_template = tok.chat_template
         self.max_context = session.max_context  # the agent sizes tool results to it
@@ -341,7 +345,7 @@ class MLXBackend:
         parts = []
         for chunk in self.session.stream(ids, mode=self.mode, block_size=self.block_size, max_tokens=self.max_tokens,
                                          temperature=self.temperature, top_p=self.top_p, seed=self.seed,
-                                         stats=stats):
+                                         stats=stats, tree=self.tree):
             parts.append(chunk.text)
             if on_text is not None and chunk.text:
                 on_text(chunk.text)

@@ -537,6 +537,43 @@ def test_mlx_backend_on_a_tiny_model(tiny_checkpoint, tmp_path, ws):
 
 
 
+def test_mlx_backend_with_token_trees(tiny_checkpoint, tmp_path):
+    """`glimmer agent --tree N`: the backend's steps verify token trees (n-gram lookup here) and the text is still
+    exactly plain greedy generation, prompt cache reused; a tree with a mode that has none is refused up front,
+    and the CLI turns that into one line and a non-zero exit."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from glimmer_mlx import generate, load
+    from glimmer_mlx.agent import MLXBackend
+    from glimmer_mlx.cli import app
+    from glimmer_mlx.session import Session
+    from glimmer_mlx.strategy import ModeError
+
+    src, _ = tiny_checkpoint(tokenizer=True)
+    path = tmp_path / "ckpt"
+    shutil.copytree(src, path)
+    (path / "chat_template.jinja").write_text(MUSE_TEMPLATE)
+    model, tok = load(path)
+    session = Session(model, tok)
+    backend = MLXBackend(session, mode="ngram", block_size=3, tree=6, max_tokens=24)
+    msgs = [{"role": "system", "content": DEFAULT_SYSTEM}, {"role": "user", "content": "List the files. " * 6}]
+    ids = tok.apply_chat_template(msgs, tools=TOOL_SPECS, add_generation_prompt=True, tokenize=True)
+    assert backend(msgs, TOOL_SPECS) == generate(model, ids, tokenizer=tok, max_tokens=24).text
+    assert backend.last_stats.extra.get("tree_rounds", 0) >= 1 and backend.last_stats.mode == "ngram"
+    msgs2 = msgs + [{"role": "assistant", "content": "README.md and src/."}, {"role": "user", "content": "Again."}]
+    ids2 = tok.apply_chat_template(msgs2, tools=TOOL_SPECS, add_generation_prompt=True, tokenize=True)
+    assert backend(msgs2, TOOL_SPECS) == generate(model, ids2, tokenizer=tok, max_tokens=24).text
+    assert backend.last_stats.extra["cached_tokens"] > 0
+    for mode, msg in (("auto", "auto .it chooses its own DFlash trees."), ("ar", "not 'ar'")):
+        with pytest.raises(ModeError, match=msg):
+            MLXBackend(session, mode=mode, tree=6)
+    r = CliRunner().invoke(app, ["agent", "--model", str(path), "--mode", "ar", "--tree", "6", "-w", str(tmp_path),
+                                 "--transcript", str(tmp_path / "t.jsonl"), "List"])
+    assert r.exit_code != 0 and "token trees" in r.output and "Traceback" not in r.output
+
+
 def _embedded():
     try:
         from glimmer_mlx.embedded import embedded_path

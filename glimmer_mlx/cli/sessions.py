@@ -217,6 +217,7 @@ def agent(
     timeout: float = typer.Option(120.0, "--timeout", help="Seconds a `run` command may take."),
     distributed: Distributed = None,
     pp_microbatch: PpMicrobatch = 1,
+    tree: Tree = None,
 ):
     """An offline tool-using agent in a workspace: list/read/search files, write or patch them (diff shown, asks
     first), run commands (asks first), answer. Paths are confined to the workspace."""
@@ -228,7 +229,7 @@ def agent(
                                pp_microbatch=pp_microbatch)
         try:
             built = MLXBackend(session, mode=mode or session.default_mode(), block_size=width, max_tokens=max_tokens,
-                               temperature=temp, seed=seed)
+                               temperature=temp, seed=seed, tree=tree)
         except ValueError as e:
             fail(str(e))
 
@@ -236,7 +237,7 @@ def agent(
         if distributed is not None:
             return built
         return load_backend(model, mode=mode, block_size=width, draft_model=draft_model, mtp_model=mtp_model,
-                            announce=note, max_tokens=max_tokens, temperature=temp, seed=seed)
+                            announce=note, max_tokens=max_tokens, temperature=temp, seed=seed, tree=tree)
 
     try:
         res = run_command(task, backend_factory=backend, workspace=workspace, yes=yes, allow=allow,

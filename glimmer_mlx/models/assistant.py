@@ -16,7 +16,7 @@ import mlx.nn as nn
 
 from ..cache import KVCache
 from ..config import ConfigError, normalize_rope_parameters
-from .glimmer import MLP, rms
+from .glimmer import MLP, norm_then_gain
 
 
 @dataclass
@@ -79,7 +79,7 @@ class AssistantRMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x):
-        return self.weight * rms(x, self.eps)
+        return norm_then_gain(x, self.weight, self.eps)
 
 
 class DraftAttention(nn.Module):

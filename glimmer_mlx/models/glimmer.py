@@ -43,6 +43,12 @@ def rms_scaled(x: mx.array, eps: float, scale: float) -> mx.array:
 
 
 @compiled
+def norm_then_gain(x: mx.array, w: mx.array, eps: float) -> mx.array:
+    """Llama-style RMSNorm: normalise in fp32, cast to the input dtype, then multiply by the gain (one fused kernel)."""
+    return w * mx.fast.rms_norm(x.astype(F32), None, eps).astype(x.dtype)
+
+
+@compiled
 def gain_norm(x: mx.array, w: mx.array, eps: float) -> mx.array:
     return mx.fast.rms_norm(x.astype(F32), w.astype(F32), eps).astype(x.dtype)
 

@@ -473,6 +473,9 @@ def test_calibration_is_cached_per_machine_and_model(tiny, tmp_path, monkeypatch
     assert len(files) == 1 and info["machine"] in files[0].name and info["model"] in files[0].name
     saved = json.loads(files[0].read_text())
     assert saved["taps"] == [1, 3] and set(saved["costs_s"]) == {"1", "2", "3", "4", "5"}
+    # the compute-bound point: a forward over 128 positions, never cheaper than the widest verify
+    assert saved["wide_forward_s"]["rows"] == 128 and saved["wide_forward_s"]["seconds"] >= costs[5]
+    assert info["wide_forward_s"] == saved["wide_forward_s"]
     # the staleness check (a plain token measured now, off by 2x: its own test below) would fire on a loaded machine
     import importlib
     cal = importlib.import_module("glimmer_mlx.speculative.auto.calibrate")
@@ -530,7 +533,7 @@ def test_a_cached_calibration_with_the_wrong_shape_is_measured_again(tiny, tmp_p
 
     def write(costs, plain_s):
         path.write_text(json.dumps({"costs_s": {str(L): c for L, c in costs.items()}, "plain_token_s": plain_s,
-                                    "plain_taps": False}))
+                                    "plain_taps": False, "wide_forward_s": {"rows": 128, "seconds": 0.1}}))
 
     plain = 0.004
     steep = {L: plain * (1 + 0.25 * (L - 1)) for L in range(1, 7)}  # C(6) / C(1) = 2.25

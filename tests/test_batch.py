@@ -533,6 +533,30 @@ def test_auto_cost_model_observe_and_interpolate(ba):
     assert ba.steps == {"plain": 1, "spec": 1}
 
 
+def test_auto_prices_wide_batches_from_the_calibrations_compute_bound_point(ba, monkeypatch):
+    """A big batch's speculative step feeds far more positions than the verify curve covers (16 rows x 9 = 144 vs
+    16). The curve's end is nearly flat (a verify of 15 drafts cost what 14 did: noise kept monotone), so its last
+    slope says 144 positions are nearly free; the calibration's forward over 128 positions says they are not.
+    BatchAuto interpolates toward that point and decodes the batch plainly. Catches: the wide point ignored (the
+    last slope extrapolated: speculation chosen at N = 16), the point not read from the calibration."""
+    from glimmer_mlx.speculative.auto.batch import BatchAuto
+
+    auto = ba.auto
+    curve = {L: 0.004 * (1 + 0.07 * (L - 1)) for L in range(1, 16)}
+    curve[16] = curve[15]  # flat end
+    monkeypatch.setattr(auto.chooser, "costs", curve)
+    monkeypatch.setattr(auto, "calibration", {**auto.calibration, "wide_forward_s": {"rows": 128, "seconds": 0.12}})
+    b = BatchAuto(auto)
+    b.draft_cost = lambda name, k: 1e-5 * k
+    pin(b, "dflash", "greedy", 0.7)
+    assert b.curve[128] == 0.12 and b.calibrated(72) == pytest.approx(curve[16] + (0.12 - curve[16]) * 56 / 112)
+    rows = [("greedy", 100, {"dflash": 15})] * 16
+    assert b.choose(rows, 0, 1, 0.0, 15)[0] == 0  # 16 rows: plain
+    assert b.choose(rows[:1], 0, 1, 0.0, 15)[0] > 0  # one row: verification is cheap, it speculates
+    del b.curve[128]  # what the old extrapolation (the curve's last slope) would have said
+    assert b.choose(rows, 0, 1, 0.0, 15)[0] > 0
+
+
 @pytest.mark.parametrize("mode, batched", [("dflash", "dflash_propose_batch"), ("mtp", "mtp_propose_batch")])
 def test_model_drafter_rows_draft_together_exactly_what_they_would_alone(sess, ids, monkeypatch, mode, batched):
     """DFlash rows draft their blocks in one drafter forward (`dflash.propose_batch`), MTP rows with one

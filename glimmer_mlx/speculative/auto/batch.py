@@ -10,7 +10,8 @@ per second:
   fixed mode counts its own width's expectation; a plain row 1.
 - T(n): seconds of one batched step feeding n = B·L positions (B rows, padded to the widest block L), measured:
   every step's time updates an EMA per n; an n not measured yet is the solo calibration's forward cost C(n) (the
-  cost curve `auto` measured for this machine and model) times the measured/calibrated ratio of the steps seen.
+  cost curve `auto` measured for this machine and model, up to its widest verify, then toward the calibration's
+  forward over 128 positions) times the measured/calibrated ratio of the steps seen.
   At a small batch verification is nearly free and drafting pays; as B·L grows the step becomes compute-bound, T
   grows with n, and plain steps win — then `auto` chooses them.
 - draft_r(k): the option's measured seconds per round (`DraftCost`, calibrated units × the measured scale).
@@ -34,6 +35,9 @@ class BatchAuto:
         self.auto = auto
         self.chooser = auto.chooser
         self.curve = dict(sorted(auto.chooser.costs.items()))  # L -> calibrated seconds of a forward over L tokens
+        wide = (auto.calibration or {}).get("wide_forward_s")  # the calibration's compute-bound point
+        if wide and wide["rows"] > max(self.curve):
+            self.curve[int(wide["rows"])] = max(float(wide["seconds"]), self.curve[max(self.curve)])
         self.measured: dict[int, float] = {}  # n positions -> EMA seconds of a step
         self.ratio: float | None = None  # measured / calibrated step time, EMA over every step
         self.steps = {"plain": 0, "spec": 0}

@@ -20,6 +20,10 @@ from ...runtime.prefill import prefill
 from ...sampling import Sampler, SamplingParams
 
 CALIBRATION_CONTEXT = 128  # prompt tokens in the cache while the verify cost curve is measured
+# the calibration also times one forward over this many positions (its scratch context, fed again): where a batch's
+# step over B·L positions goes past the curve's widest verify, its cost is interpolated toward this compute-bound
+# point instead of extrapolated from the curve's last (noisy, nearly flat) slope
+WIDE_ROWS = CALIBRATION_CONTEXT
 
 
 def model_fingerprint(model) -> str:
@@ -58,14 +62,28 @@ def measure_verify_costs(model, cache, taps, max_k: int, repeats: int = 3) -> di
     return costs
 
 
+def wide_forward_seconds(model, cache, ids: list[int], taps, repeats: int = 2) -> float:
+    """Seconds of one forward over the len(ids) positions the cache holds last (rewound and fed again; min of
+    `repeats`): the compute-bound end of the cost curve."""
+    best = float("inf")
+    for _ in range(repeats):
+        rewind_cache(cache, len(ids))
+        t0 = time.perf_counter()
+        mx.eval(model(mx.array([ids], dtype=mx.int32), cache, taps=tuple(taps)))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def calibrate(model, taps, max_len: int, context: int = CALIBRATION_CONTEXT,
-              repeats: int = 5) -> tuple[dict[int, float], float]:
+              repeats: int = 5) -> tuple[dict[int, float], float, float]:
     """({L: seconds of a target forward over L tokens (with `taps`)}, seconds per pipelined plain token without
-    taps), both after `context` cached tokens."""
+    taps, seconds of a forward over `context` (= WIDE_ROWS) positions), the first two after `context` cached
+    tokens."""
     cache = model.make_cache()
     ids = scratch_ids(model, context)
     logits, tapped = prefill(model, cache, ids, taps=tuple(taps))
     mx.eval(logits, tapped)
+    wide = wide_forward_seconds(model, cache, ids, taps)
     measure_verify_costs(model, cache, tuple(taps), max_len - 1, repeats=1)  # warm-up (first calls build kernels)
     # passes over every L, min per L: a burst of load from another process hits one pass of every L rather than
     # every repeat of one L (which would bend the curve's shape)
@@ -79,7 +97,7 @@ def calibrate(model, taps, max_len: int, context: int = CALIBRATION_CONTEXT,
         costs[L] = top
     # plain stretches compute no taps (a drafter catches up when it next drafts): the plain token is timed without
     plain = min(plain_token_seconds(model, cache) for _ in range(2))
-    return costs, min(plain, costs[1])
+    return costs, min(plain, costs[1]), max(wide, costs[max(costs)])
 
 
 # a cached curve is used while a plain token measured now is within these bounds of the cached one (x now / cached);
@@ -159,24 +177,29 @@ def load_or_calibrate(model, taps, max_len: int, *, directory=None, recalibrate:
             raw = json.loads(path.read_text())
             costs = {int(L): float(c) for L, c in raw["costs_s"].items()}
             # (files from before the plain token was timed without taps are measured again)
-            if all(L in costs for L in range(1, max_len + 1)) and raw.get("plain_taps") is False:
+            # (files from before the wide forward was timed, too)
+            if (all(L in costs for L in range(1, max_len + 1)) and raw.get("plain_taps") is False
+                    and "wide_forward_s" in raw):
                 plain = float(raw["plain_token_s"])
+                wide = {"rows": int(raw["wide_forward_s"]["rows"]), "seconds": float(raw["wide_forward_s"]["seconds"])}
                 problem, measured = cached_problem(model, taps, costs, plain)
                 if problem is None:
-                    return costs, {**info, "cached": True, "plain_token_s": plain, **measured}
+                    return costs, {**info, "cached": True, "plain_token_s": plain, "wide_forward_s": wide,
+                                   **measured}
                 if log:  # measured while the machine was busy (or on other hardware): the whole curve is suspect
                     log(f"the cached calibration is not used: {problem}; measuring it again")
         except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
             pass  # unreadable, too short or a zero plain token: measure again
     if log:
         log(f"calibrating the verify cost curve (L = 1..{max_len}) for this machine and model → {path}")
-    costs, plain = calibrate(model, taps, max_len)
+    costs, plain, wide_s = calibrate(model, taps, max_len)
+    wide = {"rows": WIDE_ROWS, "seconds": wide_s}
     write_atomic(path, json.dumps({"machine": machine, "model": mod, "taps": taps, "context": CALIBRATION_CONTEXT,
                                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                    "costs_s": {str(L): c for L, c in costs.items()}, "plain_token_s": plain,
-                                   "plain_taps": False},
+                                   "plain_taps": False, "wide_forward_s": wide},
                                   indent=2))
-    return costs, {**info, "cached": False, "plain_token_s": plain}
+    return costs, {**info, "cached": False, "plain_token_s": plain, "wide_forward_s": wide}
 
 
 

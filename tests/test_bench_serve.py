@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 
 from glimmer_mlx.bench.serve import (CHART_SIZE, RequestRecord, ServeBenchError, ServeBenchSettings, ServerProcess,
                                      free_port, parse_sse, percentile, prompt_for, render_serve_table, request_body,
-                                     run_level, stream_request, summarize, table_rows, write_json, write_serve_chart)
+                                     balanced_level, run_level, stream_request, summarize, table_rows, write_json,
+                                     write_serve_chart)
 from glimmer_mlx.cli import app
 
 
@@ -36,6 +37,33 @@ def test_percentile_hand_computed():
 def _rec(index, sent, ttft, latency, tokens, error=None, src="usage"):
     return RequestRecord(index=index, sent=sent, ttft=ttft, latency=latency, completion_tokens=tokens,
                          tokens_from=src, done=True, finish_reason="length", error=error)
+
+
+def test_balanced_level_order_cancels_a_drifting_server():
+    """Modes of one server share a level in the order A B C, then C B A (half the rounds each): on a server that
+    gets slower with every pass (drift: a warmer cache, a fuller prompt cache, another process), two identical
+    modes measure the same aggregate tok/s; measured one after the other they would not. The wall time is the sum
+    of each mode's passes (not the span that holds the other modes' passes too); records merge by index."""
+    calls = []
+
+    def run(mode, rounds, first):
+        i = len(calls)
+        calls.append((mode, rounds, first))
+        t = 1.0 + 0.2 * i  # each pass 20 % slower than the one before
+        start = 10.0 * i
+        return [_rec(r * 2 + c, start, 0.1, t, 8) for r in range(first, first + rounds) for c in range(2)]
+
+    out = balanced_level(["a", "b", "c"], 4, run, clients=2)
+    assert calls == [("a", 2, 0), ("b", 2, 0), ("c", 2, 0), ("c", 2, 2), ("b", 2, 2), ("a", 2, 2)]
+    assert out["a"]["aggregate_tps"] == pytest.approx(out["b"]["aggregate_tps"]) == pytest.approx(
+        out["c"]["aggregate_tps"])  # 64 tokens over passes 0+5, 1+4, 2+3: 1 + 2 = 1.2 + 1.8 = 1.4 + 1.6 s
+    assert out["a"]["wall_s"] == pytest.approx(3.0) and out["a"]["completion_tokens"] == 64
+    assert [r["index"] for r in out["b"]["runs"]] == list(range(8))
+    assert (out["a"]["order"], out["c"]["order"]) == ([0, 2], [2, 0])
+    calls.clear()
+    one = balanced_level(["a", "b"], 1, run, clients=2)  # one round: one pass, in order
+    assert calls == [("a", 1, 0), ("b", 1, 0)] and one["b"]["order"] == [1]
+    assert one["a"]["aggregate_tps"] > one["b"]["aggregate_tps"]  # what an unbalanced order measures
 
 
 def test_summarize_hand_computed():

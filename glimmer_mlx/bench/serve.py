@@ -234,6 +234,17 @@ def run_level(host: str, port: int, clients: int, requests_per_client: int, prom
     """`clients` threads, each sending `requests_per_client` requests one after another; request k of client c is
     the level's request r·clients + c (its prompt: `prompt_for`; its seed: seed + index, none if seed is None).
     Returns the level's summary (`summarize`) with every request's record. Any thread may call it."""
+    return summarize(run_requests(host, port, clients, requests_per_client, prompts, max_tokens=max_tokens,
+                                  temperature=temperature, seed=seed, mode=mode, timeout=timeout,
+                                  on_request=on_request), clients)
+
+
+def run_requests(host: str, port: int, clients: int, requests_per_client: int, prompts: dict[str, list[str]], *,
+                 max_tokens: int = 64, temperature: float = 0.0, seed: int | None = 0, mode: str | None = None,
+                 timeout: float = 300.0, on_request: Callable[[RequestRecord], None] | None = None,
+                 first_round: int = 0) -> list[RequestRecord]:
+    """`run_level`'s requests (their records, by index); first_round: the level's rounds before this call's (its
+    requests are the level's r·clients + c for r from first_round on: a second pass continues the first)."""
     records: list[RequestRecord] = []
     lock = threading.Lock()
     start = threading.Barrier(clients)
@@ -243,7 +254,7 @@ def run_level(host: str, port: int, clients: int, requests_per_client: int, prom
             start.wait(timeout=30)
         except threading.BrokenBarrierError:
             pass
-        for r in range(requests_per_client):
+        for r in range(first_round, first_round + requests_per_client):
             index = r * clients + c
             cat, j, text = prompt_for(index, prompts)
             s = None if seed is None else seed + index
@@ -266,18 +277,24 @@ def run_level(host: str, port: int, clients: int, requests_per_client: int, prom
     for t in threads:
         t.join()
     records.sort(key=lambda r: r.index)
-    return summarize(records, clients)
+    return records
 
 
-def summarize(records: list[RequestRecord], clients: int) -> dict:
-    """One level: aggregate tok/s = the completion tokens of every well-formed request / the wall time from the
-    first request sent to the last one finished; the median per-request tok/s; TTFT and latency p50/p95 (ms) over
-    the well-formed requests; errors (count and the first messages)."""
-    ok = [r for r in records if r.ok]
-    bad = [r for r in records if not r.ok]
+def pass_wall(records: list[RequestRecord]) -> float:
+    """Seconds from the first request of a pass sent to its last one finished."""
     t0 = min((r.sent for r in records), default=0.0)
     t1 = max((r.sent + (r.latency or 0.0) for r in records), default=0.0)
-    wall = t1 - t0
+    return t1 - t0
+
+
+def summarize(records: list[RequestRecord], clients: int, passes: list[list[RequestRecord]] | None = None) -> dict:
+    """One level: aggregate tok/s = the completion tokens of every well-formed request / the wall time from the
+    first request sent to the last one finished (with `passes`, the level's requests ran in several passes with
+    other modes in between: the sum of each pass's wall time); the median per-request tok/s; TTFT and latency
+    p50/p95 (ms) over the well-formed requests; errors (count and the first messages)."""
+    ok = [r for r in records if r.ok]
+    bad = [r for r in records if not r.ok]
+    wall = sum(pass_wall(p) for p in passes) if passes else pass_wall(records)
     tokens = sum(r.completion_tokens or 0 for r in ok)
     tps = [r.tps for r in ok if r.tps is not None]
     src = {}
@@ -565,14 +582,18 @@ def _run_serve_bench(settings: ServeBenchSettings, *, model, draft_model, mtp_mo
     targets: dict[str, dict] = {}
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
 
-    def level(mode_label: str, port: int, n: int, mode: str | None, seed: int | None) -> dict:
+    def requests(mode_label: str, port: int, n: int, mode: str | None, seed: int | None, rounds: int,
+                 first_round: int = 0) -> list[RequestRecord]:
         def on_request(rec):
             done[0] += 1
             step(f"{mode_label}, {n} client(s): request {rec.index + 1}/{per_level[n]}", done[0], total)
 
-        return run_level(host, port, n, settings.requests, prompts, max_tokens=settings.max_tokens,
-                         temperature=settings.temperature, seed=seed, mode=mode,
-                         timeout=settings.request_timeout, on_request=on_request)
+        return run_requests(host, port, n, rounds, prompts, max_tokens=settings.max_tokens,
+                            temperature=settings.temperature, seed=seed, mode=mode,
+                            timeout=settings.request_timeout, on_request=on_request, first_round=first_round)
+
+    def level(mode_label: str, port: int, n: int, mode: str | None, seed: int | None) -> dict:
+        return summarize(requests(mode_label, port, n, mode, seed, settings.requests), n)
 
     def skip_all(label: str, why: str) -> None:
         skipped[label] = why
@@ -606,8 +627,9 @@ def _run_serve_bench(settings: ServeBenchSettings, *, model, draft_model, mtp_mo
                 warm_prompts(host, srv.port, settings, prompts, m)
                 runnable.append(m)
             for n in settings.clients:
-                for m in runnable:
-                    results.setdefault(m, {})[str(n)] = level(m, srv.port, n, m, settings.seed)
+                for m, summary in balanced_level(runnable, settings.requests, lambda m, rounds, first: requests(
+                        m, srv.port, n, m, settings.seed, rounds, first), n).items():
+                    results.setdefault(m, {})[str(n)] = summary
         finally:
             srv.stop()
     if lm:
@@ -655,6 +677,9 @@ def _run_serve_bench(settings: ServeBenchSettings, *, model, draft_model, mtp_mo
         "model": {"target": str(path), "embedded": model is None, "draft_model": draft_model, "mtp_model": mtp_model},
         "settings": {**settings.as_dict(), "categories": list(prompts),
                      "protocol": "closed loop: each client sends its next request when its last one finished; "
+                                 "our modes run each level in a balanced order (half their rounds in the listed "
+                                 "order, the rest in reverse; `order`: a mode's position in each pass, aggregate "
+                                 "tok/s over the two passes' summed wall time); "
                                  "request r of client c is the level's request r*N + c, its prompt round robin over "
                                  "the categories, its seed seed + index (glimmer: always; mlx-lm: only at T > 0); "
                                  "one untimed warm-up request (at most 8 tokens) per target/mode first, then every "
@@ -675,6 +700,27 @@ def _run_serve_bench(settings: ServeBenchSettings, *, model, draft_model, mtp_mo
 
 
 # -- output -----------------------------------------------------------------------------------------------------------
+
+def balanced_level(modes: list[str], rounds: int, run, clients: int) -> dict[str, dict]:
+    """One level for several modes of one server, in a balanced order: with two or more rounds per client the
+    modes run half their rounds in order, then the other half in reverse (A B C, C B A), so a mode measured after
+    the others (a warmer or a more loaded server, a fuller prompt cache) is not always the same one; with one round,
+    in order. run(mode, rounds, first_round) → records. Returns {mode: summary (`summarize` over both passes, its
+    wall the two passes' sum), with "order": the mode's position in each pass}."""
+    first = rounds - rounds // 2
+    passes: dict[str, list] = {m: [] for m in modes}
+    for m in modes:
+        passes[m].append(run(m, first, 0))
+    if rounds > first:
+        for m in reversed(modes):
+            passes[m].append(run(m, rounds - first, first))
+    out = {}
+    for i, m in enumerate(modes):
+        records = sorted((r for p in passes[m] for r in p), key=lambda r: r.index)
+        out[m] = {**summarize(records, clients, passes[m]),
+                  "order": [i] if len(passes[m]) == 1 else [i, len(modes) - 1 - i]}
+    return out
+
 
 def write_json(res: dict, path) -> Path:
     path = Path(path)

@@ -12,6 +12,14 @@ target forward of n rows — chain and tree mask — after the prompt, relative 
         no 16-row chain, tree paths <= 7 deep) -> ...issue23-dflash-trees-tiny-set*.json
     python benchmarks/tree_dflash.py N MAXT SEEDS CONFIGS   (e.g. 2 96 1,2,3 chain16,tree16_d4,tree16_d8: T = 1 only,
         those seeds and configs, no cost curve) -> benchmarks/results/issue23-dflash-trees-t1-seeds.json
+
+Environment: TREE_DRAFTER=v1 — the embedded v1 drafter (glimmer_mlx/embedded/glimmer-tiny-dflash) instead of the
+session's default (DFlash 2); TREE_SCORING=calibrated|draft|both — how DFlash trees are grown (`dflash` module
+docstring; default: the drafter's own, "calibrated"); "both" runs every tree config twice, the "draft" scheme's
+named treeR_dD_draft; TREE_CONFIGS=a,b,… — only those configs, both temperatures (no cost curve; include
+"plain" for the greedy identity check); TREE_BLEND=x — the drafter's `tree_blend`; TREE_OUT=PATH — the
+results file.
+The rank statistics of calibrated trees carry over the runs of one temperature (as in a session).
 """
 import copy
 import json
@@ -55,6 +63,18 @@ if SET:
 else:
     s = load_session(None)
     m, tok, d = s.model, s.tokenizer, s.drafters.dflash
+    if os.environ.get("TREE_DRAFTER") == "v1":
+        import glimmer_mlx
+
+        d = glimmer_mlx.load_drafter("glimmer_mlx/embedded/glimmer-tiny-dflash", m)
+SCORING = os.environ.get("TREE_SCORING")
+if SCORING not in (None, "calibrated", "draft", "both"):
+    sys.exit(f"TREE_SCORING must be calibrated, draft or both, got {SCORING!r}")
+if os.environ.get("TREE_BLEND"):
+    d.tree_blend = float(os.environ["TREE_BLEND"])
+if SCORING in ("calibrated", "draft"):
+    d.tree_scoring = SCORING
+OUT = os.environ.get("TREE_OUT", OUT)
 prompts = json.load(open("glimmer_mlx/bench/prompts/prompts.json"))
 cats = [c for c in prompts if isinstance(prompts[c], list)]
 eos = stop_ids(m, tok) if tok is not None else set()
@@ -68,11 +88,14 @@ CONFIGS += [(f"tree16_d{dp}", 16, 15, dp) for dp in (3, 4, 6, 8)]
 CONFIGS += [(f"tree32_d{dp}", 32, 31, dp) for dp in (6, 8)]
 # auto over this DFlash drafter alone (plain, a chain of any width, or its 16-row tree, chosen per round)
 CONFIGS += [("auto", 0, None, None)]
+ONLY = ONLY or (os.environ["TREE_CONFIGS"].split(",") if os.environ.get("TREE_CONFIGS") else None)
 if ONLY:
     CONFIGS = [c for c in CONFIGS if c[0] in ONLY]
 # a chain deeper than the drafter's block cannot run; a tree's paths are capped at the block's drafts
 CONFIGS = [c for c in CONFIGS if c[2] is not None or c[3] is None or c[3] <= d.max_drafts]
 CONFIGS = [(n, r, nd, dp if dp is None or nd is None else min(dp, d.max_drafts)) for n, r, nd, dp in CONFIGS]
+if SCORING == "both":
+    CONFIGS = [c for cfg in CONFIGS for c in ([cfg] + ([(cfg[0] + "_draft",) + cfg[1:]] if cfg[2] else []))]
 
 
 def ids_of(p):
@@ -84,7 +107,7 @@ def ids_of(p):
 AUTO = {}  # temperature -> its auto (what it learns carries over that temperature's prompts, as in a session)
 
 
-def decoder(rows, nodes, depth, sampler):
+def decoder(name, rows, nodes, depth, sampler):
     if rows == 0:
         t = sampler.params.temperature
         if t not in AUTO:
@@ -94,13 +117,15 @@ def decoder(rows, nodes, depth, sampler):
         return make_decoder(m, None, sampler)
     if nodes is None:
         return SpeculativeDecoder(m, d, sampler, depth)
+    d.tree_scoring = "draft" if name.endswith("_draft") else SCORING if SCORING in ("calibrated", "draft") \
+        else "calibrated"
     return TreeDecoder(m, d, sampler, nodes, depth)
 
 
 def run(cfg, ids, temp, seed=0):
     name, rows, nodes, depth = cfg
     st = GenerationStats()
-    dec = decoder(rows, nodes, depth, Sampler(SamplingParams(temperature=temp), seed))
+    dec = decoder(name, rows, nodes, depth, Sampler(SamplingParams(temperature=temp), seed))
     t = time.perf_counter()
     r = collect(stream(dec, ids, max_tokens=MAXT, eos=eos, stats=st), st, False)
     dt = time.perf_counter() - t
@@ -140,7 +165,8 @@ results = {"machine": dict(platform=platform.platform(), processor=platform.proc
                            commit=subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                                  text=True).stdout.strip()),
            "settings": dict(prompts_per_category=N, max_tokens=MAXT, seeds=SEEDS, drafter=d.source,
-                            block_size=d.block_size, tree_top_k=d.tree_top_k),
+                            block_size=d.block_size, tree_top_k=d.tree_top_k,
+                            tree_scoring=SCORING or d.tree_scoring, tree_blend=d.tree_blend),
            "configs": [dict(name=c[0], rows=c[1], nodes=c[2], depth=c[3]) for c in CONFIGS], "runs": []}
 first_ids = ids_of(prompts[cats[0]][0])
 run(CONFIGS[min(1, len(CONFIGS) - 1)], first_ids, 0.0)  # warm-up
@@ -186,10 +212,10 @@ os.makedirs(os.path.dirname(OUT), exist_ok=True)
 with open(OUT, "w") as f:
     json.dump(results, f, indent=1)
 for temp in TEMPS:
-    print(f"\nT={temp:g}  " + " ".join(f"{c[0]:>11s}" for c in CONFIGS))
+    print(f"\nT={temp:g}  " + " ".join(f"{c[0]:>15s}" for c in CONFIGS))
     for cat in cats + ["all"]:
-        print(f"{cat:8s} tau " + " ".join(f"{summary[f'T{temp:g}/{cat}/{c[0]}']['tau']:11.2f}" for c in CONFIGS))
-    print(f"{'all':8s} t/s " + " ".join(f"{summary[f'T{temp:g}/all/{c[0]}']['tps']:11.1f}" for c in CONFIGS))
+        print(f"{cat:8s} tau " + " ".join(f"{summary[f'T{temp:g}/{cat}/{c[0]}']['tau']:15.2f}" for c in CONFIGS))
+    print(f"{'all':8s} t/s " + " ".join(f"{summary[f'T{temp:g}/all/{c[0]}']['tps']:15.1f}" for c in CONFIGS))
 print("\nauto's rounds by choice:", auto_choices)
 if "verify_cost_curve" in results:
     print("\nverify cost (relative to a 1-row step):",

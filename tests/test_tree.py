@@ -595,11 +595,12 @@ def test_grow_tree_best_first_by_cumulative_probability():
     assert dflash_mod.grow_tree(7, chain, [0.0] * 3, 3, 2, lambda d, t: cands[d]).tokens == [7, 0, 0]
 
 
-@pytest.mark.parametrize("nodes,depth", [(7, 4), (15, 6)])
-def test_greedy_identity_dflash_trees_embedded_past_both_windows(embedded, nodes, depth, monkeypatch):
+@pytest.mark.parametrize("nodes,depth,scoring", [(7, 4, "draft"), (15, 6, "draft"), (15, 6, "calibrated")])
+def test_greedy_identity_dflash_trees_embedded_past_both_windows(embedded, nodes, depth, scoring, monkeypatch):
     """The embedded target and DFlash drafter (sliding windows 128 both): 170 tokens, token-identical to plain
     decoding, with accepted paths that leave the chain (the drafter's state kept the non-contiguous path's taps)."""
     model, drafter, ids = embedded
+    monkeypatch.setattr(drafter, "tree_scoring", scoring)
     left = []
     right = engine_mod.verify_tree_greedy
 
@@ -669,10 +670,12 @@ def dflash2_target(tiny_checkpoint, tmp_path_factory):
     return m, d
 
 
-def test_greedy_identity_dflash2_trees_past_window(dflash2_target, monkeypatch):
+@pytest.mark.parametrize("scoring", ["draft", "calibrated"])
+def test_greedy_identity_dflash2_trees_past_window(dflash2_target, scoring, monkeypatch):
     """DFlash 2 (the selector's pairwise scores give every node its own children): token-identical to plain
     decoding past the target's window 8 and the drafter's 6; the tree of the chain's budget is the chain round."""
     model, d = dflash2_target
+    monkeypatch.setattr(d, "tree_scoring", scoring)
     assert d.variant == "dflash2"
     seen = []
     right = engine_mod.verify_tree_greedy
@@ -738,23 +741,42 @@ def alternatives_sampled_from_q(tree, q, n_chain):
 BROKEN_Q = {"alternatives sampled from q": alternatives_sampled_from_q}
 
 
-@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
-@pytest.mark.parametrize("bug", [None, "alternatives sampled from q", "no residual update"])
-def test_dflash_tree_sampling_matches_target_distribution(small_model, dflash_small, variant, bug, monkeypatch):
-    """T = 1 with DFlash trees (chain sampled from q, alternatives point masses): the first three tokens' joint
-    distribution equals plain sampling's, enumerated exactly; a q that misstates how the alternatives were chosen,
-    or siblings tested against a residual never updated after a rejection, fail.
+def drawn_children_claim_a_uniform_row(grow):
+    """A broken calibrated tree (`DFlashDrafter.grow_calibrated`): every drawn child claims it was drawn uniformly."""
+    def wrapped(self, *a, **k):
+        tree, q = grow(self, *a, **k)
+        flat = mx.full((V_SMALL,), -float(np.log(V_SMALL)))
+        return tree, None if q is None else [None if row is None else flat for row in q]
+    return wrapped
 
-    (Treating the sampled chain's nodes as point masses too — acceptance p(x), x removed after a rejection — is
-    not a bug: it is exact for any candidate drawn independently of the verifier's uniforms, only less accepting
-    than min(1, p/q), since p·q <= min(p, q).)"""
+
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+@pytest.mark.parametrize("scoring,bug", [("calibrated", None), ("calibrated", "no residual update"),
+                                         ("calibrated", "drawn children claim a uniform row"), ("draft", None),
+                                         ("draft", "alternatives sampled from q"), ("draft", "no residual update")])
+def test_dflash_tree_sampling_matches_target_distribution(small_model, dflash_small, variant, scoring, bug,
+                                                          monkeypatch):
+    """T = 1 with DFlash trees — calibrated (each node's first child drawn from its q row, the others point masses,
+    the shape from rank statistics learned over the n generations) and "draft" (chain sampled from q, alternatives
+    point masses): the first three tokens' joint distribution equals plain sampling's, enumerated exactly; a q that
+    misstates how a node was drawn, or siblings tested against a residual never updated after a rejection, fail.
+
+    (Treating the sampled nodes as point masses too — acceptance p(x), x removed after a rejection — is not a bug:
+    it is exact for any candidate drawn independently of the verifier's uniforms, only less accepting than min(1,
+    p/q), since p·q <= min(p, q).)"""
+    drafter = dflash_small[variant]
+    monkeypatch.setattr(drafter, "tree_scoring", scoring)
+    monkeypatch.setattr(drafter, "tree_calibration", {})
     if bug == "no residual update":
         monkeypatch.setattr(verify, "sibling_residual", broken_residual)
+    elif bug == "drawn children claim a uniform row":
+        monkeypatch.setattr(dflash_mod.DFlashDrafter, "grow_calibrated",
+                            drawn_children_claim_a_uniform_row(dflash_mod.DFlashDrafter.grow_calibrated))
     elif bug is not None:
         for mod in (dflash_mod, dflash2_mod):
             monkeypatch.setattr(mod, "tree_q", BROKEN_Q[bug])
     n = 1000
-    worst = _dflash_tree_worst(small_model, dflash_small[variant], n)
+    worst = _dflash_tree_worst(small_model, drafter, n)
     assert (worst > 1.0) if bug else (worst < 1.0), worst
 
 

@@ -1,33 +1,40 @@
 """The DFlash drafter: a block-diffusion assistant that drafts a whole block in one forward from the target's taps;
 loading it next to its target and checking that the two fit.
 
-Trees (`propose_tree`, EAGLE-2 style dynamic trees, Li et al. 2024): the block's one forward gives a distribution
-at every position pos+1..pos+k. The tree is the chain (exactly the drafts `propose` would give, drawn the same way)
-plus, within the node budget, the best other nodes by cumulative draft probability: a node's score is the product
-of the draft probabilities along its path, and nodes are added best first from the frontier of the kept tree
-(`grow_tree`), so every kept node's parent is kept and a path is never deeper than the chain.
+Trees (`propose_tree`, EAGLE-2 style dynamic trees, Li et al. 2024; Sequoia-style rank statistics, Chen et al.
+2024): the block's one forward gives a distribution at every position pos+1..pos+k. A node's children are
+candidates for the next position: greedy, the likeliest tokens best first (rank r = the r-th likeliest); at T > 0,
+rank 0 is drawn from the node's q row and ranks 1.. are the likeliest others (below). The tree is grown best first
+from the root (`grow_slots`): slot (node n, rank r) scores score(n) + log P̂(rank r accepted | n accepted), where
+P̂ comes from conditional rates c[d][r] = P(the target's token is rank r | node of depth d accepted, not ranks
+< r) learned online (`RankCalibration`: `accept` walks the last tree along the committed tokens and counts which
+rank each depth's committed token was; a prior before data), so every kept node's parent is kept, the chain is not
+forced to full depth, and shallow / wide or deep / narrow shapes follow what the target actually accepts.
+Deterministic candidates also blend in their own draft log-probability (`tree_blend`: log P̂ · blend + log q ·
+(1 − blend)), which the token-independent rate cannot see.
 
 The approximation: a block's position j is conditioned on the anchor and the context only, not on the tokens at
-positions before j (block diffusion drafts them in parallel), so a node's children are the top candidates of the
-next position whatever the node's token is — an alternative at depth d is followed by the same depth d+1
-candidates as the chain's node — and a path's score treats the positions as independent. That only shapes the tree
-(how good a guess it is); whether anything is accepted is decided by `verify`, so output stays exactly the target's
-whatever the tree holds: greedy accepts only paths equal to the target's argmax, and sampling is lossless for any
-tree whose q rows say how each node's token was drawn.
+positions before j (block diffusion drafts them in parallel), so in v1 a node's children come from the next
+position's distribution whatever the node's token is. That only shapes the tree; whether anything is accepted is
+decided by `verify`, so output stays exactly the target's whatever the tree holds: greedy accepts only paths equal
+to the target's argmax, and sampling is lossless for any tree whose q rows say how each node's token was drawn.
 
-Sampling (T > 0): the chain's nodes are sampled from their positions' processed q rows as in `propose` (their q
-rows go to `verify.verify_tree_sampling`); every other node is a deterministic candidate (the next likeliest
-tokens, chosen from the drafter's distributions without randomness given the chain), i.e. a point mass (q None).
-The chain's node is always its parent's first child, so when it is tried it is distributed as q given everything
-tried before it; each alternative is a fixed token given the siblings before it and is accepted with exactly its
-target (residual) probability. Later chain draws that shape which alternatives exist are independent of the
-verifier's uniforms, and a point-mass candidate is exact for any fixed candidate list, so the walk stays lossless.
-(Point masses would be exact for the chain's nodes too — they are drawn independently of the verifier's uniforms —
-but their q rows accept more: min(p, q) >= p·q token by token.)
-Sampling the alternatives without replacement from q would need q_c = q with the earlier siblings removed and
-renormalized for each of them; deterministic candidates need no q at all, keep the chain round's random draws
-unchanged (a tree with a budget of the chain's length *is* the chain round) and, after a rejection, accept each
-alternative with its full residual target probability.
+Sampling (T > 0): a node's first child is drawn from the node's processed q row (v1: its position's row; v2: the
+selector's row given the node's token) and carries that row; its other children are the likeliest other tokens of
+the row, deterministic candidates (point masses, q None) — SpecInfer's recursive rejection in `verify`
+(`verify_tree_sampling`): the drawn child is accepted with min(1, p/q), then each point mass with exactly its
+residual target probability. (Drawing the siblings without replacement, Recursive Speculative Decoding (Jeon et
+al. 2024) with q_c = q minus the earlier siblings renormalized, and all-point-mass trees were both measured below
+this on the embedded v1 drafter at T = 1 — BENCHMARKS.md "Token trees" — and are not implemented.) What keeps it
+exact: a drawn child's slot is scored by its rank rate alone, never by its own token (a slot kept or not because of
+the token drawn into it would bias that token's distribution); everything else — the point masses' scores, the
+children of a kept node given its token — may use any drafter value, since each step is exact for any candidate
+chosen independently of the verifier's uniforms, and every node's draw is fresh (`tree_rng`, one seed per round
+from the request's sampler). With no more nodes than the depth (`budget <= k`) or a repetition penalty (a
+path-dependent q) the tree is the chain of `propose` and its alternatives (`propose_tree_chain`): a tree of the
+chain's budget *is* the chain round. `tree_scoring = "draft"` keeps the earlier scheme throughout (the chain of
+`propose` forced to full depth, alternatives best first by cumulative draft log-probability: `grow_tree`,
+`tree_q`).
 """
 
 from __future__ import annotations
@@ -38,19 +45,25 @@ import itertools
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from ..cache import CacheRewindError, KVCache, rewind_cache
 from ..config import ConfigError
 from ..prompt_cache import copy_cache
 from ..loading import CheckpointError, check_weights, load_weights, parse_dtype, quantize_like
 from ..models.assistant import Assistant, AssistantConfig
+from ..sampling import process
 from .protocol import MeasuredTau, read_measured_tau
 from .tree import TokenTree
-from .verify import draft_tokens
+from .verify import draft_tokens, sample_row
 
 DRAFT_LOGITS = ("raw", "target")
 
 TREE_TOP_K = 8  # candidates per block position a tree node may have as children
+TREE_SCORINGS = ("calibrated", "draft")
+CAL_PRIOR = (0.5, 0.2)  # prior conditional acceptance of rank 0 / of each later rank, before data
+CAL_WEIGHT = 2.0  # the prior's weight in observations
+TREE_BLEND = 0.5  # the rank statistic's share of a (deterministic) slot's log-score; the rest: the draft log-prob
 
 
 class DFlashDrafter:
@@ -63,6 +76,7 @@ class DFlashDrafter:
 
     kind = "dflash"
     variant = "dflash"  # what stats and benchmark labels call it (`dflash2.DFlash2Drafter`: "dflash2")
+    default_tree_scoring = "calibrated"  # v1 measured >= "draft" (BENCHMARKS.md "Token trees"); DFlash 2: "draft"
 
     def __init__(self, assistant: Assistant, target, draft_logits: str = "target"):
         if draft_logits not in DRAFT_LOGITS:
@@ -75,6 +89,10 @@ class DFlashDrafter:
         self.cache = None  # the drafter's context K/V (None before `start`)
         self.ctx = None  # target taps of committed positions not yet in `cache`
         self.source: str | None = None  # the folder it was loaded from (`load_dflash`)
+        self.tree_scoring = self.default_tree_scoring  # "calibrated" or "draft" (module docstring)
+        self.tree_blend = TREE_BLEND
+        self.tree_calibration: dict[bool, RankCalibration] = {}  # greedy? -> its rank statistics
+        self.tree_pending = None  # the last calibrated tree, its candidate lists, drawn ranks, greedy?: for `accept`
 
     @property
     def max_drafts(self) -> int:
@@ -88,7 +106,7 @@ class DFlashDrafter:
     def fork(self) -> "DFlashDrafter":
         """The same drafter (shared weights) with its own, empty state (a batch row's)."""
         d = copy.copy(self)
-        d.cache = d.ctx = None
+        d.cache = d.ctx = d.tree_pending = None  # the rank statistics (tree_calibration) stay shared
         return d
 
     def copy_state(self) -> "DFlashDrafter":
@@ -96,6 +114,7 @@ class DFlashDrafter:
         row that continues it while the entry keeps its own)."""
         d = copy.copy(self)
         d.cache = None if self.cache is None else copy_cache(self.cache)
+        d.tree_pending = None
         return d  # ctx (an array, never written in place) is shared
 
     # -- the drafter protocol (speculative.protocol.Drafter) -----------------------------------------------------
@@ -112,17 +131,71 @@ class DFlashDrafter:
 
     # -- token trees (speculative.engine.TreeDecoder; module docstring) ------------------------------------------
     def enable_trees(self) -> None:
-        """Nothing to keep: a tree comes from the block's own per-position distributions."""
+        """Trees keep no state but their rank statistics (module docstring), learned across requests."""
+        if self.tree_scoring not in TREE_SCORINGS:
+            raise ValueError(f"tree_scoring must be one of {TREE_SCORINGS}, got {self.tree_scoring!r}")
+
+    def calibration(self, greedy: bool) -> "RankCalibration":
+        c = self.tree_calibration.get(greedy)
+        if c is None:
+            c = self.tree_calibration[greedy] = RankCalibration(self.max_drafts, self.tree_top_k)
+        return c
+
+    def calibrated_trees(self, k: int, budget: int, sampler) -> bool:
+        """Whether this round's tree is grown by rank statistics (module docstring) rather than the chain's."""
+        return self.tree_scoring == "calibrated" and budget > k and sampler.params.repetition_penalty == 1.0
 
     def propose_tree(self, anchor: int, pos: int, depth: int, budget: int, sampler, history: list[int]):
-        """The chain of up to `depth` drafts (fewer when the budget or the block is smaller: exactly `propose`'s),
-        and with the rest of `budget` the best other nodes by cumulative draft probability, at most `depth` deep.
-        Returns (tree, q): q[c] the q row chain node c was sampled from (T > 0), None for the other nodes (point
-        masses); q None at greedy."""
+        """A tree of at most `budget` draft nodes, at most `depth` deep (module docstring). Returns (tree, q): q None
+        at greedy; at T > 0 q[c] the q row node c's token was drawn from (None for a point mass)."""
         k = max(1, min(depth, budget, self.max_drafts))
         h = self.draft_hidden(anchor, self.ctx, pos, self.cache)
         self.ctx = None  # consumed: its K/V now live in the drafter cache
         logits = self.logits(h[:k])
+        if not self.calibrated_trees(k, budget, sampler):
+            return self.propose_tree_chain(anchor, k, budget, logits, sampler, history)
+        params = sampler.params
+        if params.greedy:
+            lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            top = mx.argsort(-lp, axis=-1)[:, : min(self.tree_top_k, lp.shape[-1])]
+            vals = mx.take_along_axis(lp, top, axis=-1)
+            mx.eval(top, vals)
+            cands = [list(zip(t, v)) for t, v in zip(top.tolist(), vals.tolist())]
+            return self.grow_calibrated(anchor, k, budget, lambda node, d, token: cands[d], None, True)
+        q = process(logits, params)
+        mx.eval(q)
+        qn = np.asarray(q).astype(np.float64)
+        top = np.argsort(-qn, axis=-1, kind="stable")[:, : self.tree_top_k + 1]
+        rng, rows = tree_rng(sampler), {}
+
+        def children(node: int, d: int, token: int):
+            rows[node] = q[d]
+            return sampled_children(qn[d], None, top[d], self.tree_top_k, rng)
+
+        return self.grow_calibrated(anchor, k, budget, children, rows, False)
+
+    def grow_calibrated(self, anchor: int, k: int, budget: int, children, rows: dict | None, greedy: bool):
+        """`grow_slots` with this drafter's rank statistics (kept apart for greedy and T > 0). children(node, d,
+        token): the candidates [(token, log-prob)] after node `node` of depth d holding `token`, in rank order:
+        greedy, the likeliest first; T > 0 (rows given), one drawn from the node's q row first, then the likeliest
+        others (`sampled_children`), rows[node] that q row [V] once asked. Returns (tree, q): q None at greedy; at
+        T > 0 the drawn first children's q rows (their parent's row), None for every other node (point masses)."""
+        cal = self.calibration(greedy)
+        drawn = 0 if rows is None else 1
+        tree, lists = grow_slots(anchor, k, budget, children, cal.slot_logp(), self.tree_blend, drawn)
+        self.tree_pending = (tree, {n: [t for t, _ in cl] for n, cl in lists.items()}, drawn, greedy)
+        if rows is None:
+            return tree, None
+        q = [None] * len(tree)
+        for par, kids in enumerate(tree.children):
+            if kids:
+                q[kids[0]] = rows[par]
+        return tree, q
+
+    def propose_tree_chain(self, anchor: int, k: int, budget: int, logits, sampler, history: list[int]):
+        """The "draft" scheme: the chain of up to k drafts (exactly `propose`'s), and with the rest of `budget` the
+        best other nodes by cumulative draft probability (`grow_tree`); at T > 0 q[c] the q row chain node c was
+        sampled from, None for the other nodes (point masses)."""
         drafts, q = draft_tokens(logits, sampler, history)
         # scores: the rows the chain was drawn from (T > 0), the draft distribution at temperature 1 (greedy)
         lp = q if q is not None else logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -141,6 +214,10 @@ class DFlashDrafter:
         """The target's taps of the newly committed positions (anchor + accepted drafts) become the next context."""
         rows = mx.concatenate(taps, axis=-1)
         self.ctx = rows if self.ctx is None else mx.concatenate([self.ctx, rows], axis=1)
+        if self.tree_pending is not None:  # the round verified a calibrated tree: count its ranks
+            tree, lists, drawn, greedy = self.tree_pending
+            self.tree_pending = None
+            self.calibration(greedy).observe(tree, lists, new_tokens, drawn)
 
     # -- prompt-cache reuse (session.Session): continue the state on a new prompt instead of restarting -------------
     def context_length(self) -> int:
@@ -300,6 +377,113 @@ def tree_q(tree: TokenTree, q, n_chain: int):
     if q is None:
         return None
     return [None] + [q[j] for j in range(n_chain)] + [None] * (len(tree) - 1 - n_chain)
+
+
+class RankCalibration:
+    """Online rank statistics of a drafter's trees (module docstring): for a node of depth d (0 = the root) that
+    the target accepted, tried[d][r] counts the times its rank-r candidate was there to be compared with the
+    target's next token and no earlier rank matched, hit[d][r] the times it matched. c[d][r] = (hit + w·prior) /
+    (tried + w) (prior CAL_PRIOR, weight CAL_WEIGHT) and P̂(rank r accepted | node accepted) = c_r · Π_{j<r} (1 − c_j)."""
+
+    def __init__(self, depth: int, top_k: int):
+        self.tried = np.zeros((max(1, depth), max(1, top_k)))
+        self.hit = np.zeros_like(self.tried)
+
+    def conditional(self) -> np.ndarray:
+        prior = np.full(self.tried.shape[1], CAL_PRIOR[1])
+        prior[0] = CAL_PRIOR[0]
+        return (self.hit + CAL_WEIGHT * prior) / (self.tried + CAL_WEIGHT)
+
+    def slot_logp(self) -> np.ndarray:
+        """[depth, top_k] log P̂(rank r accepted | a node of depth d accepted)."""
+        c = np.clip(self.conditional(), 1e-6, 1 - 1e-6)
+        miss = np.concatenate([np.zeros((c.shape[0], 1)), np.cumsum(np.log1p(-c), axis=1)[:, :-1]], axis=1)
+        return np.log(c) + miss
+
+    def observe(self, tree: TokenTree, lists: dict, committed: list[int], drawn: int = 0) -> None:
+        """Count one verified tree: lists[n] node n's whole candidate list in rank order (ranks < `drawn` were
+        drawn from q, the others are deterministic); committed = the accepted path's tokens + the token after it.
+        A deterministic rank r (greedy; a point mass at T > 0, accepted with exactly its residual target probability
+        and removed from the residual when rejected) is counted whether or not it was in the tree: the committed
+        token is rank r exactly when rank r was (or would have been) accepted. A drawn rank counts only when it was
+        in the tree, and matches only an accepted token, never the last one (a residual's or the bonus row's)."""
+        node = 0
+        K = self.tried.shape[1]
+        for j, tok in enumerate(committed):
+            d, cl = tree.depths[node], lists.get(node)
+            if not cl or d >= self.tried.shape[0] or (drawn and not tree.children[node]):
+                return
+            last, kept = j == len(committed) - 1, len(tree.children[node])
+            r = next((a for a, t in enumerate(cl) if t == tok), None)
+            if r is not None and r < drawn and last:
+                r = None  # a drawn child equal to the residual's token was rejected, not accepted
+            for a in range(min(len(cl) if r is None else r + 1, K)):
+                if a >= drawn or a < kept:
+                    self.tried[d, a] += 1
+            if r is None or r >= K:
+                return
+            self.hit[d, r] += 1
+            node = next((c for c in tree.children[node] if tree.tokens[c] == tok), None)
+            if node is None or last:
+                return
+
+
+def grow_slots(anchor: int, depth: int, budget: int, children, slot_logp: np.ndarray, blend: float,
+               drawn: int = 0):
+    """Best first from the root by cumulative slot score until `budget` draft nodes, at most `depth` deep. Slot
+    (node n of depth d, rank r) scores score(n) + inc with inc = blend · log P̂ + (1 − blend) · (the candidate's
+    log-probability), log P̂ = slot_logp[d][r]; for ranks r < drawn (tokens drawn from q) inc = log P̂ alone: whether
+    a drawn token's slot is kept must not depend on the token (module docstring).
+    children(node, d, token): node's candidates [(token, log-prob)] in rank order, asked once, when the node is
+    kept. inc <= 0, so a node never scores above its parent and is offered only once its parent is kept; a node's
+    rank r is offered once its rank r − 1 is kept. Returns (tree, {node: its candidate list})."""
+    tokens, parents, depths, scores = [int(anchor)], [-1], [0], [0.0]
+    lists: dict[int, list] = {}
+    heap: list = []
+    order = itertools.count()  # ties: offered first, kept first
+    K = slot_logp.shape[1]
+
+    def offer(node: int, r: int) -> None:
+        cl, d = lists[node], min(depths[node], slot_logp.shape[0] - 1)
+        if r < min(len(cl), K) and cl[r][1] > -float("inf"):
+            inc = float(slot_logp[d, r]) if r < drawn else \
+                blend * float(slot_logp[d, r]) + (1.0 - blend) * float(cl[r][1])
+            heapq.heappush(heap, (-(scores[node] + inc), next(order), node, r, inc))
+
+    def open_node(node: int) -> None:
+        if depths[node] < depth:
+            lists[node] = children(node, depths[node], tokens[node])
+            offer(node, 0)
+
+    open_node(0)
+    while len(tokens) - 1 < budget and heap:
+        _, _, par, r, inc = heapq.heappop(heap)
+        i = len(tokens)
+        tokens.append(int(lists[par][r][0]))
+        parents.append(par)
+        depths.append(depths[par] + 1)
+        scores.append(scores[par] + inc)
+        offer(par, r + 1)
+        open_node(i)
+    return TokenTree(tokens, parents), lists
+
+
+def tree_rng(sampler) -> np.random.Generator:
+    """A host generator seeded from the request's sampler (one key per round)."""
+    return np.random.default_rng([int(x) for x in np.asarray(sampler.next_key()).reshape(-1)])
+
+
+def sampled_children(lq: np.ndarray, toks: np.ndarray | None, top: np.ndarray, n: int,
+                     rng: np.random.Generator) -> list:
+    """A node's candidates at T > 0: one token drawn from its q row (log-probabilities lq, float64; toks[a] the
+    token of entry a, None: a itself), then the n − 1 likeliest others (`top`: entries by decreasing lq, at least
+    n of them) as point masses: [(token, log-prob)], the drawn one first. The draw is `verify.sample_row`'s inverse
+    CDF at a fresh uniform: never a token of zero probability."""
+    p = np.exp(lq - lq.max())
+    a = sample_row(p / p.sum(), float(rng.random()))
+    rest = [b for b in top if b != a and np.isfinite(lq[b]) and lq[b] > -1e30][: n - 1]
+    name = (lambda b: int(b)) if toks is None else (lambda b: int(toks[b]))
+    return [(name(a), float(lq[a]))] + [(name(b), float(lq[b])) for b in rest]
 
 
 def check_fit(cfg: AssistantConfig, target, where) -> None:

@@ -14,12 +14,14 @@ Trees (`propose_tree`): the selector's structure fits a tree better than v1's: i
 first-order conditional over position j's top-k list given the predecessor a, so every node (not only the chain's)
 gets its own children's distribution — the softmax of S_{d+1}(its token, ·) over the next position's candidates —
 from one batched table of the pairwise scores (every candidate of position j as the predecessor of every candidate
-of position j+1, the anchor before position 1). The tree is the chain (exactly `propose`'s path) plus the best
-other nodes by cumulative selector probability (`dflash.grow_tree`). The approximation left is v1's: the block's
-hidden states h_j (hence the candidate lists and unary scores) do not depend on the tokens before j. At T > 0 the
-chain's nodes carry their q rows (sampled from them, as in `propose`) and every other node is a deterministic
-candidate, a point mass — as for v1 (`dflash` module docstring); the scores that shape the tree are the selector's
-at temperature 1 without the request's processing (shape only: verification decides).
+of position j+1, the anchor before position 1). How the tree is grown is v1's (`dflash` module docstring,
+`tree_scoring`): "calibrated" — best first by the rank statistics blended with the selector's probability (greedy),
+at T > 0 each node's first child drawn from the selector's processed row given the node's token, the likeliest
+others point masses; "draft" — the chain (exactly `propose`'s path) plus the best other nodes by cumulative
+selector probability (`dflash.grow_tree`), at T > 0 the chain's nodes carrying their q rows (sampled as in
+`propose`), every other node a point mass. The approximation left is v1's: the block's hidden states h_j (hence
+the candidate lists and unary scores) do not depend on the tokens before j. Scores that only shape the tree are the
+selector's at temperature 1 without the request's processing (greedy) or the processed rows (T > 0, calibrated).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from ..config import ConfigError
 from ..loading import CheckpointError, load_weights
 from ..models.dflash2 import DFlash2, DFlash2Config
 from ..sampling import NEG_INF, greedy_token, history_window, process
-from .dflash import DFlashDrafter, check_fit, finish_loading, grow_tree, load_module, tree_q
+from .dflash import (DFlashDrafter, check_fit, finish_loading, grow_tree, load_module, sampled_children, tree_q,
+                     tree_rng)
 
 
 class DFlash2Drafter(DFlashDrafter):
@@ -43,6 +46,7 @@ class DFlash2Drafter(DFlashDrafter):
     the selector was trained on those as its unary scores, so `draft_logits` does not apply."""
 
     variant = "dflash2"
+    default_tree_scoring = "draft"  # "calibrated" measured no better on the embedded head (BENCHMARKS.md)
 
     def propose(self, anchor: int, pos: int, k: int, sampler, history: list[int]):
         h = self.draft_hidden(anchor, self.ctx, pos, self.cache)
@@ -121,8 +125,8 @@ class DFlash2Drafter(DFlashDrafter):
 
     def propose_tree(self, anchor: int, pos: int, depth: int, budget: int, sampler, history: list[int]):
         """As v1's (`DFlashDrafter.propose_tree`), the children of every node scored by the selector given that
-        node's token (module docstring). Returns (tree, q): q[c] the q row chain node c was sampled from (T > 0),
-        None for the other nodes (point masses); q None at greedy."""
+        node's token (module docstring). Returns (tree, q): q None at greedy; at T > 0 q[c] the q row node c's
+        token was drawn from (None for a point mass)."""
         k = max(1, min(depth, budget, self.max_drafts))
         h = self.draft_hidden(anchor, self.ctx, pos, self.cache)[:k]
         self.ctx = None  # consumed: its K/V now live in the drafter cache
@@ -130,19 +134,10 @@ class DFlash2Drafter(DFlashDrafter):
         _, cand, unary, hp, succ = parts
         s = self.pair_tables(anchor, cand, unary, hp, succ)
         params = sampler.params
-        if params.greedy and params.repetition_penalty == 1.0:
-            drafts, q = self.greedy_walk(anchor, cand, s), None
-        else:
-            drafts, q = self.select(anchor, h, sampler, history, parts)
-        lp = s - mx.logsumexp(s, axis=-1, keepdims=True)
-        order = mx.argsort(-lp, axis=-1)
-        rows_pos = mx.array([0] + [j for j in range(1, k) for _ in range(cand.shape[-1])], dtype=mx.int32)
-        toks = mx.take_along_axis(cand[rows_pos], order, axis=-1)
-        vals = mx.take_along_axis(lp, order, axis=-1)
-        mx.eval(toks, vals, cand)
-        toks, vals, cl = toks.tolist(), vals.tolist(), cand.tolist()
-        top_k = len(cl[0])
-        index = [{t: a for a, t in enumerate(row)} for row in cl]  # position j's candidate -> its index
+        calibrated = self.calibrated_trees(k, budget, sampler)
+        cl = np.asarray(cand)
+        top_k = cl.shape[1]
+        index = [{int(t): a for a, t in enumerate(row)} for row in cl]  # position j's candidate -> its index
 
         def row(d: int, token: int) -> int | None:
             """The table row of the children of a node of depth d holding `token` (None: not a candidate)."""
@@ -151,10 +146,40 @@ class DFlash2Drafter(DFlashDrafter):
             a = index[d - 1].get(token)
             return None if a is None else 1 + (d - 1) * top_k + a
 
+        if calibrated and not params.greedy:  # a drawn first child per node, then point masses (module docstring)
+            lq = process(s, params)
+            mx.eval(lq)
+            lqn = np.asarray(lq).astype(np.float64)
+            order = np.argsort(-lqn, axis=-1, kind="stable")[:, : self.tree_top_k + 1]
+            rng, rows, V = tree_rng(sampler), {}, self.target.args.vocab_size
+
+            def sampled(node: int, d: int, token: int):
+                r = row(d, token)
+                if r is None or d >= cl.shape[0]:
+                    return []
+                dense = mx.put_along_axis(mx.full((V,), NEG_INF, dtype=mx.float32), cand[d], lq[r], axis=-1)
+                rows[node] = dense
+                return sampled_children(lqn[r], cl[d], order[r], self.tree_top_k, rng)
+
+            return self.grow_calibrated(anchor, k, budget, sampled, rows, False)
+        lp = s - mx.logsumexp(s, axis=-1, keepdims=True)
+        order = mx.argsort(-lp, axis=-1)
+        rows_pos = mx.array([0] + [j for j in range(1, k) for _ in range(cand.shape[-1])], dtype=mx.int32)
+        toks = mx.take_along_axis(cand[rows_pos], order, axis=-1)
+        vals = mx.take_along_axis(lp, order, axis=-1)
+        mx.eval(toks, vals)
+        toks, vals = toks.tolist(), vals.tolist()
+
         def children(d: int, token: int):
             r = row(d, token)
             return [] if r is None else list(zip(toks[r], vals[r]))
 
+        if calibrated:
+            return self.grow_calibrated(anchor, k, budget, lambda node, d, token: children(d, token), None, True)
+        if params.greedy and params.repetition_penalty == 1.0:
+            drafts, q = self.greedy_walk(anchor, cand, s), None
+        else:
+            drafts, q = self.select(anchor, h, sampler, history, parts)
         chain_lp, prev = [], anchor
         for d, t in enumerate(drafts):
             r = row(d, prev)

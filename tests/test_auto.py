@@ -1105,12 +1105,14 @@ def test_auto_tree_rounds_sample_the_target_distribution(small_vocab_auto, bug, 
     from glimmer_mlx.speculative import dflash as dflash_mod
     from glimmer_mlx.speculative import verify
     from test_dflash import _exact_joint, _marginal_tests, _spec_counts
-    from test_tree import alternatives_sampled_from_q, broken_residual
+    from test_tree import alternatives_sampled_from_q, broken_residual, drawn_children_claim_a_uniform_row
 
     if bug == "no residual update":
         monkeypatch.setattr(verify, "sibling_residual", broken_residual)
-    elif bug is not None:
+    elif bug is not None:  # the "draft" trees' q and the calibrated trees' (the v1 drafter's default)
         monkeypatch.setattr(dflash_mod, "tree_q", alternatives_sampled_from_q)
+        monkeypatch.setattr(dflash_mod.DFlashDrafter, "grow_calibrated",
+                            drawn_children_claim_a_uniform_row(dflash_mod.DFlashDrafter.grow_calibrated))
     model, dpath, calib = small_vocab_auto
     auto = _auto(model, dpath, calib)
     auto.chooser = Scripted(auto.chooser, [("dflash+tree", 2)])  # (mixed with other rounds: the greedy test)

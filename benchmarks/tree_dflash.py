@@ -17,8 +17,8 @@ Environment: TREE_DRAFTER=v1 — the embedded v1 drafter (glimmer_mlx/embedded/g
 session's default (DFlash 2); TREE_SCORING=calibrated|draft|both — how DFlash trees are grown (`dflash` module
 docstring; default: the drafter's own, "calibrated"); "both" runs every tree config twice, the "draft" scheme's
 named treeR_dD_draft; TREE_CONFIGS=a,b,… — only those configs, both temperatures (no cost curve; include
-"plain" for the greedy identity check); TREE_BLEND=x — the drafter's `tree_blend`; TREE_OUT=PATH — the
-results file.
+"plain" for the greedy identity check); TREE_BLEND=x — the drafter's `tree_blend`; TREE_CALIBRATED_SAMPLING=1 —
+calibrated trees at T > 0 too (`tree_calibrated_sampling`; off by default); TREE_OUT=PATH — the results file.
 The rank statistics of calibrated trees carry over the runs of one temperature (as in a session).
 """
 import copy
@@ -70,6 +70,8 @@ else:
 SCORING = os.environ.get("TREE_SCORING")
 if SCORING not in (None, "calibrated", "draft", "both"):
     sys.exit(f"TREE_SCORING must be calibrated, draft or both, got {SCORING!r}")
+if os.environ.get("TREE_CALIBRATED_SAMPLING"):
+    d.tree_calibrated_sampling = os.environ["TREE_CALIBRATED_SAMPLING"] == "1"
 if os.environ.get("TREE_BLEND"):
     d.tree_blend = float(os.environ["TREE_BLEND"])
 if SCORING in ("calibrated", "draft"):
@@ -166,7 +168,8 @@ results = {"machine": dict(platform=platform.platform(), processor=platform.proc
                                                  text=True).stdout.strip()),
            "settings": dict(prompts_per_category=N, max_tokens=MAXT, seeds=SEEDS, drafter=d.source,
                             block_size=d.block_size, tree_top_k=d.tree_top_k,
-                            tree_scoring=SCORING or d.tree_scoring, tree_blend=d.tree_blend),
+                            tree_scoring=SCORING or d.tree_scoring, tree_blend=d.tree_blend,
+                            tree_calibrated_sampling=d.tree_calibrated_sampling),
            "configs": [dict(name=c[0], rows=c[1], nodes=c[2], depth=c[3]) for c in CONFIGS], "runs": []}
 first_ids = ids_of(prompts[cats[0]][0])
 run(CONFIGS[min(1, len(CONFIGS) - 1)], first_ids, 0.0)  # warm-up

@@ -766,6 +766,7 @@ def test_dflash_tree_sampling_matches_target_distribution(small_model, dflash_sm
     p/q), since p·q <= min(p, q).)"""
     drafter = dflash_small[variant]
     monkeypatch.setattr(drafter, "tree_scoring", scoring)
+    monkeypatch.setattr(drafter, "tree_calibrated_sampling", True)
     monkeypatch.setattr(drafter, "tree_calibration", {})
     if bug == "no residual update":
         monkeypatch.setattr(verify, "sibling_residual", broken_residual)

@@ -557,6 +557,29 @@ def test_auto_prices_wide_batches_from_the_calibrations_compute_bound_point(ba, 
     assert b.choose(rows, 0, 1, 0.0, 15)[0] > 0
 
 
+def test_auto_prices_an_unmeasured_wide_step_from_the_largest_measured_one(ba):
+    """Past the largest measured position count, a step costs at least that step's time scaled along the
+    calibrated curve. What the server measured: 1-row steps cheaper than calibrated pull the global measured /
+    calibrated ratio to ~0.7, while 8-row steps cost ~1.1x; the additive estimate from the global ratio priced
+    8 rows x 5 positions at 2/3 of what they cost, and auto drafted n-gram blocks that lost (agg 359 vs 444 tok/s).
+    Catches: the proportional floor dropped (the test's choice flips to speculation)."""
+    ba.curve = {1: 0.00686, 4: 0.00701, 8: 0.0099, 16: 0.01266, 128: 0.04528}
+    ba.measured, ba.ratio = {}, None
+    for n, t in ((1, 0.0045), (2, 0.0045), (4, 0.0050), (7, 0.0110), (8, 0.0109)):  # 7 vs 8 rows: noise
+        ba.observe(n, t, spec=False)
+    ba.ratio = 0.69  # the EMA after many more cheap 1-row steps than 8-row ones (the server's figure)
+    want = 0.0109 * ba.calibrated(40) / ba.calibrated(8)
+    assert ba.step_cost(40) == pytest.approx(want)
+    assert ba.step_cost(40) > ba.measured[8] + ba.ratio * (ba.calibrated(40) - ba.calibrated(8))  # the additive one
+    pin(ba, "dflash", "greedy", 0.3)
+    rows = [("greedy", 100, {"dflash": 4})] * 8
+    assert ba.choose(rows, 0, 1, 0.0, 4)[0] == 0  # 8 rows x 2..5 positions: plain
+    real = ba._interpolated
+    ba._interpolated = lambda n: (lambda m, b: m[b] + ba.ratio * (ba.calibrated(n) - ba.calibrated(b)))(
+        ba.measured, max(k for k in ba.measured if k <= n)) if n > max(ba.measured) else real(n)
+    assert ba.choose(rows, 0, 1, 0.0, 4)[0] > 0  # the additive estimate alone speculates
+
+
 @pytest.mark.parametrize("mode, batched", [("dflash", "dflash_propose_batch"), ("mtp", "mtp_propose_batch")])
 def test_model_drafter_rows_draft_together_exactly_what_they_would_alone(sess, ids, monkeypatch, mode, batched):
     """DFlash rows draft their blocks in one drafter forward (`dflash.propose_batch`), MTP rows with one

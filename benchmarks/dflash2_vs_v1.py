@@ -5,7 +5,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import numpy as np, mlx.core as mx
 import glimmer_mlx
-from dflash_training import greedy_sequences, token_map_target
+from dflash_training import token_map_target
 from glimmer_mlx.train.data import Sequence
 from glimmer_mlx.train.loop import TrainConfig
 from glimmer_mlx.train.recipes import acceptance, new_assistant_config, train_dflash, new_dflash2_config, new_dflash2

@@ -1,9 +1,8 @@
-import json, shutil, sys
+import json, sys
 from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from glimmer_mlx.embedded import embedded_path
-from glimmer_mlx.config import parse_config
 from glimmer_mlx.models.glimmer import Model
 src = Path(embedded_path("target")); out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
 cfg = json.loads((src / "config.json").read_text())

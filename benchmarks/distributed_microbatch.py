@@ -110,6 +110,8 @@ def main() -> None:
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     r = subprocess.run([launch, "-n", "2", "--backend", "ring", "--", sys.executable, __file__, "worker", str(tmp)],
                        env=env, capture_output=True, text=True, timeout=1800)
+    if r.returncode:
+        sys.exit(f"mlx.launch failed ({r.returncode}):\n{r.stderr[-2000:]}")
     ranks = [json.loads((tmp / f"rank{i}.json").read_text()) for i in range(2)]
     base = ranks[0]["1"]
     print("measured here (2 ranks on one 2-core machine, --distributed pp, embedded target), rank 0:")

@@ -1,4 +1,4 @@
-import sys, time, resource, json
+import sys, resource, json
 import mlx.core as mx
 from glimmer_mlx.embedded import embedded_path
 from glimmer_mlx.generate import generate

@@ -1,5 +1,5 @@
 """MTP chain vs MTP tree on the embedded glimmer-tiny (its own MTP layer), greedy and T=1: τ (tokens / round)."""
-import json, time
+import json
 import glimmer_mlx
 from glimmer_mlx.embedded import resolve_model
 from glimmer_mlx.speculative.mtp import load_mtp

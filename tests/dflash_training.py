@@ -135,7 +135,6 @@ if __name__ == "__main__":  # figures for BENCHMARKS.md: python tests/dflash_tra
     import json
     import sys
     import tempfile
-    import time
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parent))

@@ -32,10 +32,10 @@ children of a kept node given its token — may use any drafter value, since eac
 chosen independently of the verifier's uniforms, and every node's draw is fresh (`tree_rng`, one seed per round
 from the request's sampler). With no more nodes than the depth (`budget <= k`) or a repetition penalty (a
 path-dependent q) the tree is the chain of `propose` and its alternatives (`propose_tree_chain`): a tree of the
-chain's budget *is* the chain round. At T > 0 calibrated trees are opt-in (`tree_calibrated_sampling`): at T = 1 over three seeds and 16 rows they
-measured no clear gain over the "draft" scheme — trained tiny set τ 2.32 vs 2.50 (depth 4), 2.42 vs 2.40 (depth
-6); embedded v1 1.60 vs 1.56 (depth 4), 1.57 vs 1.56 (depth 8) — so by default a T > 0 round grows the "draft" tree. `tree_scoring = "draft"` keeps the earlier
-scheme throughout (the chain of
+chain's budget *is* the chain round. At T > 0 calibrated trees are opt-in (`tree_calibrated_sampling`): at T = 1
+over three seeds and 16 rows they measured no clear gain over the "draft" scheme — trained tiny set τ 2.32 vs 2.50
+(depth 4), 2.42 vs 2.40 (depth 6); embedded v1 1.60 vs 1.56 (depth 4), 1.57 vs 1.56 (depth 8) — so by default a
+T > 0 round grows the "draft" tree. `tree_scoring = "draft"` keeps the earlier scheme throughout (the chain of
 `propose` forced to full depth, alternatives best first by cumulative draft log-probability: `grow_tree`,
 `tree_q`).
 """
@@ -389,7 +389,8 @@ class RankCalibration:
     """Online rank statistics of a drafter's trees (module docstring): for a node of depth d (0 = the root) that
     the target accepted, tried[d][r] counts the times its rank-r candidate was there to be compared with the
     target's next token and no earlier rank matched, hit[d][r] the times it matched. c[d][r] = (hit + w·prior) /
-    (tried + w) (prior CAL_PRIOR, weight CAL_WEIGHT) and P̂(rank r accepted | node accepted) = c_r · Π_{j<r} (1 − c_j)."""
+    (tried + w) (prior CAL_PRIOR, weight CAL_WEIGHT) and P̂(rank r accepted | node accepted) = c_r · Π_{j<r}
+    (1 − c_j)."""
 
     def __init__(self, depth: int, top_k: int):
         self.tried = np.zeros((max(1, depth), max(1, top_k)))

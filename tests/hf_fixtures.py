@@ -133,3 +133,14 @@ def save_mtp_weights(mtp, path: Path, filename: str = "mtp.safetensors") -> None
     sd = {f"mtp.{k}": v.contiguous() for k, v in mtp.state_dict().items()
           if not k.startswith(("embed_tokens", "shared_head"))}
     save_file(sd, str(path / filename))
+
+
+def tiny_mtp_pair(tiny_checkpoint):
+    """A tiny target with two MTP layers (sliding, full) of its own, loaded: (model without EOS, its MTP drafter)."""
+    import glimmer_mlx
+
+    path, hf = tiny_checkpoint(seed=4, num_mtp_layers=2, mtp_layer_types=["sliding_attention", "full_attention"])
+    save_mtp_weights(build_hf_mtp(hf, 2, seed=1), path)
+    model, _ = glimmer_mlx.load(path)
+    model.eos_token_ids = set()
+    return model, glimmer_mlx.load_drafter(path, model)

@@ -8,20 +8,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import glimmer_mlx
 from glimmer_mlx.sampling import Sampler, SamplingParams
 from glimmer_mlx.speculative.mtp import batches_with, propose_batch
 
 
 @pytest.fixture(scope="module")
 def mtp_rows(tiny_checkpoint):
-    from hf_fixtures import build_hf_mtp, save_mtp_weights
+    from hf_fixtures import tiny_mtp_pair
 
-    path, hf = tiny_checkpoint(seed=4, num_mtp_layers=2, mtp_layer_types=["sliding_attention", "full_attention"])
-    save_mtp_weights(build_hf_mtp(hf, 2, seed=1), path)
-    model, _ = glimmer_mlx.load(path)
-    model.eos_token_ids = set()
-    return model, glimmer_mlx.load_drafter(path, model)
+    return tiny_mtp_pair(tiny_checkpoint)
 
 
 def _started(model, drafter, ids):

@@ -483,13 +483,9 @@ def test_tree_sampling_broken_residual_is_detected(small_model, monkeypatch):
 
 @pytest.fixture(scope="module")
 def mtp_model(tiny_checkpoint):
-    from hf_fixtures import build_hf_mtp, save_mtp_weights
+    from hf_fixtures import tiny_mtp_pair
 
-    path, hf = tiny_checkpoint(seed=4, num_mtp_layers=2, mtp_layer_types=["sliding_attention", "full_attention"])
-    save_mtp_weights(build_hf_mtp(hf, 2, seed=1), path)
-    m, _ = glimmer_mlx.load(path)
-    m.eos_token_ids = set()
-    return m, glimmer_mlx.load_drafter(path, m)
+    return tiny_mtp_pair(tiny_checkpoint)
 
 
 @pytest.mark.parametrize("depth,nodes", [(2, 6), (3, 9), (1, 4)])

@@ -590,3 +590,17 @@ def test_start_from_a_v1_drafter(target, tmp_path):
         h1 = v1.draft_hidden(77, ctx[:, a:b], b, c1)
         h2 = v2.draft_hidden(77, ctx[:, a:b], b, c2)
     np.testing.assert_allclose(np.array(h2), np.array(h1), atol=1e-4)
+
+
+def test_greedy_walk_ties_and_nan_follow_a_dense_argmax():
+    """The host walk over the pairwise table picks what an argmax over the dense vocabulary row would: among equal
+    scores the lowest token id (not the first candidate slot), and on a NaN row (a broken checkpoint) the first NaN
+    rather than failing. Hand-computed: position 1 ties 9 and 3 (slots 1, 2) → 3 (slot 2); its successors' row is
+    table row 1 + 0·3 + 2 = 3, whose first NaN is slot 0 → 7 (without the NaN: the best, slot 2 → 4)."""
+    from glimmer_mlx.speculative.dflash2 import DFlash2Drafter
+
+    cand = mx.array([[5, 9, 3], [7, 2, 4]], dtype=mx.int32)
+    s = mx.array([[1.0, 2.0, 2.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [float("nan"), 1.0, 3.0]])
+    assert DFlash2Drafter.greedy_walk(0, cand, s) == [3, 7]
+    s2 = mx.array([[1.0, 2.0, 2.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.5, 0.1, 0.7]])
+    assert DFlash2Drafter.greedy_walk(0, cand, s2) == [3, 4]

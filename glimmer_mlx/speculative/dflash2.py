@@ -117,8 +117,11 @@ class DFlash2Drafter(DFlashDrafter):
         out, r = [], 0
         for j in range(cl.shape[0]):
             row = rows[r]
-            best = row == row.max()
-            a = int(np.flatnonzero(best)[np.argmin(cl[j][best])])
+            if np.isnan(row).any():  # (a broken checkpoint) the first NaN, as mx.argmax picks it
+                a = int(np.flatnonzero(np.isnan(row))[0])
+            else:
+                best = row == row.max()
+                a = int(np.flatnonzero(best)[np.argmin(cl[j][best])])
             out.append(int(cl[j][a]))
             r = 1 + j * top_k + a
         return out

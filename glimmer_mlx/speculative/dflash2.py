@@ -66,15 +66,16 @@ class DFlash2Drafter(DFlashDrafter):
         cand, unary = sel.candidates(logits)
         return logits.shape[-1], cand, unary, sel.project(h), sel.successors(cand)
 
-    def select(self, anchor: int, h: mx.array, sampler, history: list[int], parts=None):
+    def select(self, anchor: int, h: mx.array, sampler, history: list[int], parts=None, tables=None):
         """The selector's path through the top-k candidates of the k rows h [k, D] after `anchor`:
         (drafts, q [k, V] processed log-probs with −inf outside each row's candidates; None at greedy).
-        parts: `selector_parts(h)` when already computed."""
+        parts: `selector_parts(h)`, tables: `pair_tables` of them, when already computed."""
         sel = self.assistant.candidate_selector
         params = sampler.params
         V, cand, unary, hp, succ = parts if parts is not None else self.selector_parts(h)
         if params.greedy and params.repetition_penalty == 1.0 and h.shape[0]:
-            return self.greedy_walk(anchor, cand, self.pair_tables(anchor, cand, unary, hp, succ)), None
+            s = tables if tables is not None else self.pair_tables(anchor, cand, unary, hp, succ)
+            return self.greedy_walk(anchor, cand, s), None
         prev = mx.array([anchor], dtype=mx.int32)
         picks, rows = [], []
         for j in range(h.shape[0]):
@@ -179,10 +180,7 @@ class DFlash2Drafter(DFlashDrafter):
 
         if calibrated:
             return self.grow_calibrated(anchor, k, budget, lambda node, d, token: children(d, token), None, True)
-        if params.greedy and params.repetition_penalty == 1.0:
-            drafts, q = self.greedy_walk(anchor, cand, s), None
-        else:
-            drafts, q = self.select(anchor, h, sampler, history, parts)
+        drafts, q = self.select(anchor, h, sampler, history, parts, s)
         chain_lp, prev = [], anchor
         for d, t in enumerate(drafts):
             r = row(d, prev)

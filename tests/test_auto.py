@@ -479,8 +479,8 @@ def test_calibration_is_cached_per_machine_and_model(tiny, tmp_path, monkeypatch
     # the staleness check (a plain token measured now, off by 2x: its own test below) would fire on a loaded machine
     import importlib
     cal = importlib.import_module("glimmer_mlx.speculative.auto.calibrate")
-    monkeypatch.setattr(cal, "check_plain_token", lambda m: info["plain_token_s"])
-    monkeypatch.setattr(cal, "check_shape", lambda m, taps, rows: costs[rows] / costs[1])
+    monkeypatch.setattr(cal, "check_plain_token", lambda m, cache=None: info["plain_token_s"])
+    monkeypatch.setattr(cal, "check_shape", lambda m, taps, rows, cache=None: costs[rows] / costs[1])
     again, info2 = load_or_calibrate(model, (1, 3), 5)
     assert info2["cached"] and again == costs
     _, info3 = load_or_calibrate(model, (1, 3), 7)  # a longer curve than cached: measured again
@@ -499,9 +499,9 @@ def test_a_stale_cached_calibration_is_measured_again(tiny, tmp_path, monkeypatc
     monkeypatch.setenv("GLIMMER_MLX_CACHE_DIR", str(tmp_path))
     _, info = load_or_calibrate(model, (1,), 4)
     plain = info["plain_token_s"]
-    monkeypatch.setattr(cal, "check_plain_token", lambda m: 1.2 * plain)
+    monkeypatch.setattr(cal, "check_plain_token", lambda m, cache=None: 1.2 * plain)
     shape = {"now": None}  # C(4) / C(1) "measured now" (None: the cached curve's own)
-    monkeypatch.setattr(cal, "check_shape", lambda m, taps, rows: shape["now"] or costs_of(rows))
+    monkeypatch.setattr(cal, "check_shape", lambda m, taps, rows, cache=None: shape["now"] or costs_of(rows))
 
     def costs_of(rows):
         c = {int(L): v for L, v in json.loads(next(tmp_path.glob("costs-*.json")).read_text())["costs_s"].items()}
@@ -510,7 +510,7 @@ def test_a_stale_cached_calibration_is_measured_again(tiny, tmp_path, monkeypatc
     assert load_or_calibrate(model, (1,), 4)[1]["cached"]
     calls, real = [], cal.calibrate
     monkeypatch.setattr(cal, "calibrate", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-    monkeypatch.setattr(cal, "check_plain_token", lambda m: plain / 2.5)
+    monkeypatch.setattr(cal, "check_plain_token", lambda m, cache=None: plain / 2.5)
     _, info2 = load_or_calibrate(model, (1,), 4)
     assert not info2["cached"] and calls == [1]
 
@@ -527,7 +527,7 @@ def test_a_cached_calibration_with_the_wrong_shape_is_measured_again(tiny, tmp_p
     monkeypatch.setenv("GLIMMER_MLX_CACHE_DIR", str(tmp_path))
     _, info = load_or_calibrate(model, (1,), 6)
     path = Path(info["path"])
-    monkeypatch.setattr(cal, "check_plain_token", lambda m: plain)
+    monkeypatch.setattr(cal, "check_plain_token", lambda m, cache=None: plain)
     calls, real = [], cal.calibrate
     monkeypatch.setattr(cal, "calibrate", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
 
@@ -537,7 +537,7 @@ def test_a_cached_calibration_with_the_wrong_shape_is_measured_again(tiny, tmp_p
 
     plain = 0.004
     steep = {L: plain * (1 + 0.25 * (L - 1)) for L in range(1, 7)}  # C(6) / C(1) = 2.25
-    monkeypatch.setattr(cal, "check_shape", lambda m, taps, rows: 2.25 * (1 + 0.1 * (rows != 6)))
+    monkeypatch.setattr(cal, "check_shape", lambda m, taps, rows, cache=None: 2.25 * (1 + 0.1 * (rows != 6)))
     write(steep, plain)
     costs, got = load_or_calibrate(model, (1,), 6)
     assert got["cached"] and costs == steep and calls == [] and got["checked_shape"]["rows"] == 6
@@ -545,7 +545,7 @@ def test_a_cached_calibration_with_the_wrong_shape_is_measured_again(tiny, tmp_p
     costs, got = load_or_calibrate(model, (1,), 6)
     assert not got["cached"] and calls == [1]
     write({L: 2.4 * plain * (1 + 0.25 * (L - 1)) for L in range(1, 7)}, plain)  # 1-row forward 2.4x its plain token
-    monkeypatch.setattr(cal, "check_shape", lambda m, taps, rows: 2.25)
+    monkeypatch.setattr(cal, "check_shape", lambda m, taps, rows, cache=None: 2.25)
     logs = []
     _, got = load_or_calibrate(model, (1,), 6, log=logs.append)
     assert not got["cached"] and calls == [1, 1] and "timed under load" in logs[0]

@@ -116,20 +116,24 @@ SHAPE_ROWS = 9
 CONSISTENT = 1.6
 
 
-def check_plain_token(model, context: int = 32) -> float:
-    """Seconds per pipelined plain token now (the calibration's loop, on a short scratch context: a check against a
-    2x bound needs no more than 8 tokens, and it runs every time `auto` is built)."""
+def scratch_cache(model, context: int = 32):
+    """A cache holding a short scratch context: what the checks of a cached curve measure on (they run every time
+    `auto` is built, so they share one prefill)."""
     cache = model.make_cache()
     mx.eval(prefill(model, cache, scratch_ids(model, context)))
-    return plain_token_seconds(model, cache, n=8)
+    return cache
 
 
-def check_shape(model, taps, rows: int, context: int = 32, repeats: int = 3) -> float:
+def check_plain_token(model, cache=None) -> float:
+    """Seconds per pipelined plain token now (the calibration's loop, on a short scratch context: a check against a
+    2x bound needs no more than 8 tokens)."""
+    return plain_token_seconds(model, cache if cache is not None else scratch_cache(model), n=8)
+
+
+def check_shape(model, taps, rows: int, cache=None, repeats: int = 3) -> float:
     """C(rows) / C(1) measured now on a short scratch context (min over `repeats` alternating passes, after a
     warm-up pass): what a cached curve's shape is checked against."""
-    cache = model.make_cache()
-    logits, tapped = prefill(model, cache, scratch_ids(model, context), taps=tuple(taps))
-    mx.eval(logits, tapped)
+    cache = cache if cache is not None else scratch_cache(model)
     best = {1: float("inf"), rows: float("inf")}
     for r in range(repeats + 1):
         for L in best:
@@ -146,14 +150,15 @@ def cached_problem(model, taps, costs: dict[int, float], plain: float) -> tuple[
     if costs[1] > CONSISTENT * plain:
         return (f"its 1-row forward ({1000 * costs[1]:.2f} ms) is {costs[1] / plain:.1f}x its plain token "
                 f"({1000 * plain:.2f} ms): one of them was timed under load"), {}
-    now = check_plain_token(model)
+    cache = scratch_cache(model)
+    now = check_plain_token(model, cache)
     if not STALE[0] <= now / plain <= STALE[1]:
         return (f"its plain token ({1000 * plain:.2f} ms) is off from one measured now ({1000 * now:.2f} ms)",
                 {"checked_plain_token_s": now})
     rows = min(SHAPE_ROWS, max(costs))
     measured = {"checked_plain_token_s": now}
     if rows > 1:
-        ratio, cached = check_shape(model, taps, rows), costs[rows] / costs[1]
+        ratio, cached = check_shape(model, taps, rows, cache), costs[rows] / costs[1]
         measured["checked_shape"] = {"rows": rows, "now": round(ratio, 3), "cached": round(cached, 3)}
         if not SHAPE[0] <= ratio / cached <= SHAPE[1]:
             return (f"its {rows}-row verify costs {cached:.2f}x a 1-row forward, {ratio:.2f}x measured now",

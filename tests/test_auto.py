@@ -652,6 +652,71 @@ def test_plan_in_a_plain_stretch_does_not_ask_drafters_that_cannot_win(tiny, mon
     assert auto.drafters["ngram"].index.tokens == [1, 2] * 102  # the lookup saw every token committed, in one go
 
 
+def test_a_plain_choice_stays_plain_as_the_request_runs_on():
+    """What a held plain verdict rests on (`AutoDrafter.plan`): with no estimate changed, a round that is plain stays
+    plain with fewer tokens left (as many more decoded) and its drafters further behind (random tables, uncertain
+    estimates explored over)."""
+    rng = np.random.default_rng(7)
+    plain_seen = 0
+    for _ in range(1000):
+        costs = {L: 10 * MS * (1 + rng.uniform(0, 0.6) * (L - 1)) for L in range(1, 17)}
+        opts = {"dflash": (15, "affine", (rng.uniform(0, 2) * 10 * MS, 0.0), list(rng.uniform(0, 0.6, 15))),
+                "mtp": (3, "affine", (rng.uniform(0, 1) * 10 * MS, rng.uniform(0, 1) * MS),
+                        list(rng.uniform(0, 0.6, 3))),
+                "ngram@2": (8, "free", 0.0, list(rng.uniform(0, 0.6, 8)))}
+        ch = chooser(costs, opts)
+        ch.switch_cost = float(rng.uniform(0, 3)) * 10 * MS
+        for name in rng.choice(list(opts), size=2, replace=False):  # two options keep an uncertain estimate
+            ch.options[name].stats["greedy"] = AcceptanceStats(opts[name][0], prior=(float(rng.uniform(0, 3)), 4.0))
+        ch.decoded = int(rng.integers(0, 200))
+        avail = {"dflash": 15, "mtp": 3, "ngram@2": int(rng.integers(1, 9))}
+        lags = {"dflash": int(rng.integers(0, 40)), "mtp": int(rng.integers(0, 40))}
+        for n, lag in lags.items():
+            ch.set_lag(n, lag, fill=bool(rng.integers(0, 2)))
+        remaining = int(rng.integers(2, 400))
+        if ch.pick(avail, remaining=remaining)[0] is not None:
+            continue
+        plain_seen += 1
+        later = int(rng.integers(1, remaining - 1)) if remaining > 2 else 1
+        ch.decoded += remaining - later
+        for n, lag in lags.items():
+            ch.set_lag(n, lag + int(rng.integers(0, 64)), fill=True)
+        assert ch.pick(avail, remaining=later)[0] is None
+    assert plain_seen > 40
+
+
+def test_a_held_plain_verdict_decides_as_asking_afresh(tiny, monkeypatch):
+    """`plan` keeps a plain verdict across a plain stretch and asks the chooser again only when an estimate changed
+    or the n-gram index offers a draft the verdict was not taken with: its decisions are those of asking afresh
+    every round (before and after an estimate changes mid-stretch), and it asks far less often."""
+    model, _, _ = tiny
+    rng = np.random.RandomState(3)
+    base = [int(x) for x in rng.randint(10, 400, size=40)]
+    noise = [int(x) for x in rng.randint(400, 800, size=30)]  # tokens the base never had
+    tokens = base + base[5:15] + noise[:15] + base[20:23] + noise[15:] + base[25:33] + base[:8]
+    runs = []
+    for held in (True, False):
+        auto = _ngram_auto(model, {"ngram@4": 0.95})
+        if not held:
+            monkeypatch.setattr(auto, "_held", lambda k, regime: False)
+        asked = []
+        real = auto.chooser.relevant
+        monkeypatch.setattr(auto.chooser, "relevant", lambda *a: (asked.append(1), real(*a))[1])
+        auto.start([], tokens[:2])
+        plans = []
+        for i in range(2, len(tokens)):
+            if i == 60:  # an estimate changes (as a speculative round's would): 3-gram matches now pay too
+                auto.chooser.options["ngram@3"].acceptance("greedy").set_alphas([0.95])
+                auto.chooser.rescore()
+            plans.append(auto.plan(4, "greedy", 10_000 - i))
+            auto.accept([], [tokens[i]])
+        runs.append((plans, len(asked), dict(auto.chooser.chosen)))
+    (plans, asked, chosen), (fresh_plans, fresh_asked, fresh_chosen) = runs
+    assert plans == fresh_plans and chosen == fresh_chosen
+    assert False in plans and True in plans  # the repeated 4-grams are worth drafting from, the rest is not
+    assert fresh_asked == len(plans) and asked < len(plans) / 3
+
+
 def test_a_speculative_plan_is_chosen_afresh_with_the_token_it_could_not_see(tiny):
     """`plan` decides on the n-gram index one token behind; `propose` chooses again once that token is known,
     so a match the token broke is not drafted from, and a match it extended is."""

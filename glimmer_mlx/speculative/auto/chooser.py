@@ -300,6 +300,9 @@ class AutoChooser:
         # a measurable share of a step)
         self._memo: dict = {}
         self._changes = 0  # estimate changes so far (`_rescore`)
+        # bumped whenever the memo is refreshed (`_forget`): a decision taken on the memoised tables holds as long as
+        # this does (`multiplex.AutoDrafter.plan` keeps a plain verdict across the tokens of a plain stretch)
+        self.version = 0
         # option -> (target positions its drafter is behind, whether their taps must be recomputed) (set per round by
         # the drafter that multiplexes them): a round of it first catches up on them (`catch_up_cost`), a one-time
         # cost spread over the horizon like the switch cost
@@ -332,7 +335,7 @@ class AutoChooser:
         opt = Option(name, max_k, DraftCost(shape, prior), decay=decay, prior_alpha=alphas,
                      then_alpha=dict(then_alpha or {}), sporadic=sporadic, rows=rows)
         self.options[name] = opt
-        self._memo.clear()
+        self._forget()
         return opt
 
     def catch_up_cost(self, name: str) -> float:
@@ -367,6 +370,7 @@ class AutoChooser:
         """A new context: no drafter is behind."""
         self.lags.clear()
         self._lag_sig = ()
+        self.version += 1  # a drafter's catch-up no longer weighs on it: a decision taken behind does not hold
 
     def _lag_key(self, name: str) -> tuple:
         lag, fill = self.lags.get(name, (0, False))
@@ -618,7 +622,7 @@ class AutoChooser:
             for regime, stats in opt.stats.items():
                 if opt.touched.get(regime, -1) <= self.round - self.age_every:
                     stats.age(factor)
-        self._memo.clear()
+        self._forget()
 
     def update(self, name: str | None, k: int, n_accepted: int, regime: str = "greedy",
                draft_time: float | None = None, verify_time: float | None = None) -> None:
@@ -662,11 +666,11 @@ class AutoChooser:
         token before a stretch had no next forward to wait for); each is clipped to ±8 plain steps."""
         cap = 8.0 * self.plain_cal
         self.switch_cost = (1 - ema) * self.switch_cost + ema * min(max(seconds / self.scale, -cap), cap)
-        self._memo.clear()
+        self._forget()
 
     def rescore(self) -> None:
         """Score every option afresh (after estimates were set from outside)."""
-        self._memo.clear()
+        self._forget()
 
     def _rescore(self, name: str | None) -> None:
         """An estimate changed: option `name`'s own tables are scored again at once; the rest — what every round
@@ -674,9 +678,17 @@ class AutoChooser:
         Scoring every option, width and scenario after every round was ~10 % of a small model's speculative round."""
         self._changes += 1
         if self._changes % RESCORE_EVERY == 0:
-            self._memo.clear()
+            self._forget()
         elif name is not None:
+            self._forget(name)
+
+    def _forget(self, name: str | None = None) -> None:
+        """Drop what the memo keeps (of option `name` only, if given): an estimate it was computed from changed."""
+        if name is None:
+            self._memo.clear()
+        else:
             self._memo = {key: v for key, v in self._memo.items() if key[1] != name}
+        self.version += 1
 
     def observe_plain(self, seconds: float) -> None:
         """Measured seconds of one pipelined plain token: how fast the machine runs now."""

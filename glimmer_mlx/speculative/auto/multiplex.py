@@ -112,6 +112,7 @@ class AutoDrafter:
         self._at = dict.fromkeys(self.drafters, 0)  # target positions each drafter has been handed (`_from`)
         self._how = dict.fromkeys(self.drafters, "start")  # how it gets them next: "start" | "extend" | "accept"
         self._reprefill = 0  # where the target's prefill restarts after `rewind_context`
+        self._verdict = None  # the plain verdict a plain stretch keeps (`_hold`)
         self._reset([], None)
 
     def _add_trees(self) -> None:
@@ -158,6 +159,7 @@ class AutoDrafter:
         if taps:
             self._chunks.append((first, list(taps)))
         self.chooser.clear_lags()
+        self._verdict = None
         self._lost: set[str] = set()  # model drafters whose backlog cannot be recomputed in this context
 
     def _from(self, n: str) -> int:
@@ -271,14 +273,52 @@ class AutoDrafter:
         choice. Otherwise the round is speculative and `propose` chooses it afresh, with the token this plan could
         not see: a decision taken on the n-gram index one token behind would draft from a match the latest token
         may already have broken. Inside a plain stretch only the options that could change a plain choice are asked
-        what they offer (`AutoChooser.relevant`)."""
+        what they offer (`AutoChooser.relevant`), and a plain verdict is kept while nothing it rests on changed
+        (`_held`): then a plain round asks nothing but the n-gram index, and only where a match could matter."""
+        if self._held(k, regime):
+            self.chooser.count_plain()
+            self.needs_taps = self._verdict[3]
+            return True
         among = self.chooser.relevant(regime, remaining)
         available = self._available(k, among)
         if (among is not None and not available) or self.chooser.pick(available, regime, remaining)[0] is None:
+            key = (self.chooser.version, regime)  # what it was decided on (counting may age the estimates)
             self.chooser.count_plain()
             self.needs_taps = self._warm(regime, remaining)
+            self._hold(key, among, available)
             return True
+        self._verdict = None
         return False
+
+    # A plain verdict (`_verdict`): (chooser version, regime), the n-gram options that could change it, the n-gram
+    # offers ((option, drafts)) it was taken with, and whether its forwards yield the taps (`_warm`). Within one
+    # chooser version (no estimate changed) a plain stretch only makes every option worse — fewer tokens left to
+    # spread a switch over or to learn for (a shorter horizon), drafters further behind, fewer drafts left to give —
+    # so the verdict stands while the n-gram index offers nothing else (a new context drops it: `_reset`).
+
+    def _hold(self, key: tuple, among, available: dict[str, int]) -> None:
+        """Keep the plain verdict just taken on `key` (with `among` from `relevant`; after a speculative round,
+        None: the next round asks again)."""
+        if among is None:
+            self._verdict = None
+            return
+        if self._verdict is None or self._verdict[0] != key or self._verdict[3] != self.needs_taps:
+            self._verdict = (key, among & self._ngram_options, set(), self.needs_taps)
+        self._verdict[2].update(o for o in available.items() if o[0] in self._ngram_options)
+
+    def _held(self, k: int, regime: str) -> bool:
+        """Whether the plain verdict still holds for a round that could draft k: same chooser version and regime,
+        and the n-gram index offers no draft that the verdict was not taken with."""
+        v = self._verdict
+        if v is None or v[0] != (self.chooser.version, regime):
+            return False
+        if not v[1]:
+            return True
+        self._sync("ngram")
+        d = self.drafters["ngram"]
+        drafts, m = d.peek(min(k, d.max_drafts))
+        name = f"ngram@{m}"
+        return not drafts or name not in v[1] or (name, len(drafts)) in v[2]
 
     def _warm(self, regime: str, remaining: int | None) -> bool:
         """Whether a forward should yield the model drafters' taps although this round's drafter reads none: while

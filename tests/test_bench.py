@@ -224,7 +224,8 @@ def test_quick_bench_on_the_embedded_model(tmp_path, monkeypatch):
 
 def test_verdict_names_a_winner_only_when_every_repeat_beats_plain():
     """The plain-language line under the table: a mode wins only if it beat plain in its worst repeat too; a median
-    win inside the run's noise is said to be one; τ and the round's cost in plain steps explain it."""
+    win inside the run's noise is said to be one; a mode that never drafted is plain decoding, never the winner; τ and
+    the round's cost in plain steps explain it."""
     from glimmer_mlx.bench.report import verdict
 
     def mode(med, lo, tau=None):
@@ -235,7 +236,12 @@ def test_verdict_names_a_winner_only_when_every_repeat_beats_plain():
            "results": {"T=0": {"ar": mode(1.0, 1.0), "ngram": mode(1.6, 1.3, 2.4), "auto": mode(1.5, 1.2)},
                        "T=1": {"ar": mode(1.0, 1.0), "ngram": mode(1.04, 0.9, 1.1), "auto": mode(1.01, 0.97)},
                        "T=2": {"ar": mode(1.0, 1.0), "ngram": mode(0.7, 0.6, 1.05)}}}
-    t0, t1, t2 = verdict(res)
+    res["results"]["T=3"] = {"ar": mode(1.0, 1.0), "dflash-auto": mode(1.05, 1.04, 1.0), "auto": mode(0.98, 0.9, 1.0),
+                             "mtp-d1": mode(0.5, 0.4, 1.5)}
+    t0, t1, t2, t3 = verdict(res)
+    # modes that never drafted (τ 1.00) decoded plainly: no winner, however their ratio fell in this sitting
+    assert t3.startswith("T=3: plain decoding is the fastest mode here (auto, dflash-auto decoded plainly too: τ 1.00, "
+                         "0.98×, 1.05× is this sitting's noise)")
     assert t0.startswith("T=0: ngram is the fastest mode here (1.60× plain in the median, 1.30× at worst)")
     assert "ngram commits τ 2.40 tokens a round, and its round costs 1.5 plain steps (a verify of 8 drafts alone 1.5)" \
         in t0 and "auto 1.50× plain, drafting in 10 % of its rounds" in t0

@@ -27,9 +27,16 @@ def verdict(res: dict) -> list[str]:
     for tkey, modes in res["results"].items():
         speed = {m: d["speedup"]["median"] for m, d in modes.items() if d["speedup"]["median"] is not None}
         low = {m: modes[m]["speedup"].get("min", speed[m]) for m in speed}
-        best = max(speed, key=speed.get)
+        # a mode that never drafted (τ 1.00: auto or an adaptive width that chose plain steps throughout) decoded
+        # plainly: whatever its ratio, it is plain decoding measured twice, not a mode that wins
+        plainly = sorted(m for m in speed if m != "ar" and modes[m].get("tau") is not None
+                         and modes[m]["tau"] <= 1.0 + 1e-9)
+        best = max((m for m in speed if m not in plainly), key=speed.get)
         if best == "ar":
             line = f"{tkey}: plain decoding is the fastest mode here"
+            if plainly and max(speed[m] for m in plainly) > 1.0:
+                line += (f" ({', '.join(plainly)} decoded plainly too: τ 1.00, "
+                         f"{', '.join(f'{speed[m]:.2f}×' for m in plainly)} is this sitting's noise)")
         elif low[best] > 1.0:  # faster than plain in every repeat, not just in the median
             line = f"{tkey}: {best} is the fastest mode here ({speed[best]:.2f}× plain in the median, " \
                    f"{low[best]:.2f}× at worst)"

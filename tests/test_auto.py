@@ -576,7 +576,7 @@ class Scripted(AutoChooser):
     def pick(self, available, regime="greedy", remaining=None):
         return (*self._next(available), False)
 
-    def choose(self, available, regime="greedy", remaining=None):
+    def choose(self, available, regime="greedy", remaining=None, picked=None):
         name, k = self._next(available)
         self.i += 1
         self.chosen[(name or "plain", k)] += 1
@@ -730,10 +730,43 @@ def test_a_speculative_plan_is_chosen_afresh_with_the_token_it_could_not_see(tin
         ch = auto.chooser
         auto.start([], ids)
         assert auto.plan(4, "greedy", 100) is False and ch.round == 0  # speculative: not counted yet
+        auto.remaining = 100  # as the engine sets it for the round plan was asked about
         auto.accept([], [nxt])
         drafts, _ = auto.propose(nxt, len(ids), 4, sampler, ids + [nxt])
         assert drafts == expected and ch.round == 1
         assert ch.chosen == ({("plain", 0): 1} if not expected else {("ngram@3", 4): 1})
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_the_round_after_a_speculative_one_is_chosen_once(tiny, monkeypatch, reuse):
+    """After a speculative round nothing is pending, so `plan` sees the very state `propose` then drafts from:
+    `propose` takes plan's answer instead of scoring the options again — one scoring pass per round — and drafts
+    what choosing afresh drafts (reuse False: plan's answer forgotten, every round is scored twice)."""
+    from glimmer_mlx.sampling import Sampler, SamplingParams
+
+    model, _, _ = tiny
+    auto = _ngram_auto(model, {"ngram@1": 0.9, "ngram@2": 0.9, "ngram@3": 0.9, "ngram@4": 0.95})
+    picks = []
+    real_pick = auto.chooser.pick
+    monkeypatch.setattr(auto.chooser, "pick", lambda *a, **k: (picks.append(1), real_pick(*a, **k))[1])
+    sampler = Sampler(SamplingParams())
+    cycle = [5, 9, 14, 20, 27, 35, 44]
+    ids = cycle * 3
+    auto.start([], ids)
+    rounds = []
+    for r in range(6):
+        auto.remaining = 100 - r
+        assert auto.plan(4, "greedy", 100 - r) is False  # the cycle always matches: speculative
+        if not reuse:
+            auto._planned = None  # plan's answer forgotten: propose chooses afresh
+        drafts, _ = auto.propose(ids[-1], len(ids) - 1, 4, sampler, ids)
+        rounds.append(drafts)
+        nxt = cycle[(len(ids) + len(drafts)) % len(cycle)]
+        auto.accept([], drafts + [nxt])  # every draft accepted
+        ids = ids + drafts + [nxt]
+    assert rounds == [[cycle[(21 + 5 * r + j) % 7] for j in range(4)] for r in range(6)]
+    assert len(picks) == (6 if reuse else 12)
+    assert sum(auto.chooser.chosen.values()) == 6
 
 
 def test_auto_decoder_is_used_and_learns(tiny, tmp_path):

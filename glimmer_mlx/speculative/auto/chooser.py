@@ -537,10 +537,11 @@ class AutoChooser:
                 return e[0], e[1], True
         return name, k, False
 
-    def choose(self, available: dict[str, int], regime: str = "greedy",
-               remaining: int | None = None) -> tuple[str | None, int]:
-        """The option for this round (`pick`), counted."""
-        name, k, explores = self.pick(available, regime, remaining)
+    def choose(self, available: dict[str, int], regime: str = "greedy", remaining: int | None = None,
+               picked: tuple | None = None) -> tuple[str | None, int]:
+        """The option for this round (`pick`), counted. picked: what `pick` said of this very state (same estimates,
+        offers and budget), when it was already asked."""
+        name, k, explores = picked if picked is not None else self.pick(available, regime, remaining)
         self._tick()
         if explores:
             self.explored[name] += 1

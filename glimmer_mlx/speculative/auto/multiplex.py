@@ -113,6 +113,7 @@ class AutoDrafter:
         self._how = dict.fromkeys(self.drafters, "start")  # how it gets them next: "start" | "extend" | "accept"
         self._reprefill = 0  # where the target's prefill restarts after `rewind_context`
         self._verdict = None  # the plain verdict a plain stretch keeps (`_hold`)
+        self._planned = None  # (state, offers, `pick`'s answer) of the latest speculative `plan`, for `propose`
         self._reset([], None)
 
     def _add_trees(self) -> None:
@@ -281,13 +282,16 @@ class AutoDrafter:
             return True
         among = self.chooser.relevant(regime, remaining)
         available = self._available(k, among)
-        if (among is not None and not available) or self.chooser.pick(available, regime, remaining)[0] is None:
+        picked = None if among is not None and not available else self.chooser.pick(available, regime, remaining)
+        if picked is None or picked[0] is None:
             key = (self.chooser.version, regime)  # what it was decided on (counting may age the estimates)
             self.chooser.count_plain()
             self.needs_taps = self._warm(regime, remaining)
             self._hold(key, among, available)
             return True
         self._verdict = None
+        # after a speculative round nothing is pending: `propose` will see this very state and takes this answer
+        self._planned = ((self.chooser.version, regime, remaining, k, len(self._tokens)), available, picked)
         return False
 
     # A plain verdict (`_verdict`): (chooser version, regime), the n-gram options that could change it, the n-gram
@@ -337,7 +341,12 @@ class AutoDrafter:
     def propose(self, anchor: int, pos: int, k: int, sampler, history: list[int]):
         """`remaining`: the request's tokens still to generate in this round (set by the decoder)."""
         regime = "greedy" if sampler.params.greedy else "sampling"
-        name, kk = self.chooser.choose(self._available(k), regime, self.remaining)
+        planned, self._planned = self._planned, None
+        if planned is not None and planned[0] == (self.chooser.version, regime, self.remaining, k, len(self._tokens)):
+            available, picked = planned[1], planned[2]  # `plan` asked of this same state (the round after a spec one)
+        else:  # chosen afresh: `plan` decided one token behind (the n-gram index without the latest token)
+            available, picked = self._available(k), None
+        name, kk = self.chooser.choose(available, regime, self.remaining, picked)
         t0 = time.perf_counter()
         lag, spent = 0, 0.0
         kind = None if name is None else self._kind_of[name]

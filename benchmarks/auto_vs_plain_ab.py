@@ -1,34 +1,56 @@
 """auto vs plain decoding, interleaved, long (issue 20): the embedded model, the first prompt of each shipped category
-under the chat template, MAX_TOKENS tokens, REPS repeats with the mode order alternating per repeat; per category
-the median seconds per generated token, and auto's choices. Greedy outputs are checked identical to plain's.
+under the chat template, MAX_TOKENS tokens, REPS repeats, the modes' order rotated for every run; the generation
+seconds of each mode summed over all its runs, as × plain, and auto's choices. Greedy outputs are checked identical
+to plain's.
 
-    python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 12 96
+Modes: ar; ar2 (plain again: an A/A control, how far two identical modes drift apart in the sitting); auto; forced
+(auto whose verify cost curve is linear, so that no drafter can ever pay: every round plain — what auto's own
+bookkeeping costs); notree (auto without its DFlash token-tree option); dflash, ngram, mtp (fixed, dflash at block 8).
+
+    python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
 """
-import sys, statistics
+import statistics
+import sys
+
 import glimmer_mlx
-from glimmer_mlx.session import load_session
 from glimmer_mlx.bench.settings import load_prompts
-T = float(sys.argv[1]); reps = int(sys.argv[2]) if len(sys.argv) > 2 else 4; maxt = int(sys.argv[3]) if len(sys.argv) > 3 else 96
+from glimmer_mlx.session import load_session
+from glimmer_mlx.speculative.auto import make_auto
+
+T = float(sys.argv[1])
+reps = int(sys.argv[2]) if len(sys.argv) > 2 else 4
+maxt = int(sys.argv[3]) if len(sys.argv) > 3 else 96
 modes = sys.argv[4].split(",") if len(sys.argv) > 4 else ["ar", "auto"]
-s = load_session(None); m, tok = s.model, s.tokenizer
-P = load_prompts(); cats = list(P)
-ids = {c: tok.apply_chat_template([{"role": "user", "content": P[c][0]}], add_generation_prompt=True, tokenize=True) for c in cats}
-auto = s.drafters.auto()
-drafter = {"ar": None, "auto": auto, "dflash": s.drafters.dflash, "ngram": s.drafters.ngram(), "mtp": s.drafters.mtp}
-times = {mo: {c: [] for c in cats} for mo in modes}
+s = load_session(None)
+m, tok = s.model, s.tokenizer
+P = load_prompts()
+cats = list(P)
+ids = {c: tok.apply_chat_template([{"role": "user", "content": P[c][0]}], add_generation_prompt=True, tokenize=True)
+       for c in cats}
+d = s.drafters
+make = {
+    "ar": lambda: None, "ar2": lambda: None, "auto": d.auto,
+    "forced": lambda: make_auto(m, dflash=d.dflash, mtp=d.mtp, ngram=8,
+                                verify_costs={L: 0.005 * L for L in range(1, 17)}),
+    "notree": lambda: make_auto(m, dflash=d.dflash, mtp=d.mtp, ngram=8, trees=False),
+    "dflash": lambda: d.dflash, "ngram": d.ngram, "mtp": lambda: d.mtp,
+}
+drafter = {mo: make[mo]() for mo in modes}
+seconds = {mo: [] for mo in modes}
 toks = {}
 for r in range(reps):
-    for c in cats:
-        for mo in (modes if r % 2 == 0 else modes[::-1]):
+    for ci, c in enumerate(cats):
+        shift = (r * len(cats) + ci) % len(modes)
+        for mo in modes[shift:] + modes[:shift]:
             res = glimmer_mlx.generate(m, ids[c], max_tokens=maxt, temperature=T, seed=r, drafter=drafter[mo],
                                        block_size=8 if mo == "dflash" else None)
-            times[mo][c].append(res.stats.generation_time / res.stats.generation_tokens)
-            if T == 0: toks.setdefault(c, res.tokens); assert res.tokens == toks[c], (mo, c)
-out = {}
-for c in cats:
-    b = statistics.median(times["ar"][c])
-    out[c] = {mo: round(b / statistics.median(times[mo][c]), 3) for mo in modes}
-tot = {mo: sum(statistics.median(times[mo][c]) for c in cats) for mo in modes}
-print("T", T, "x plain by category", out)
-print("all", {mo: round(tot["ar"] / tot[mo], 3) for mo in modes}, "ar ms/token %.2f" % (1e3 * tot["ar"] / len(cats)))
-print("auto chosen", auto.chooser.summary()["chosen"])
+            seconds[mo].append(res.stats.generation_time / res.stats.generation_tokens)
+            if T == 0:
+                toks.setdefault(c, res.tokens)
+                assert res.tokens == toks[c], (mo, c)
+base = sum(seconds["ar"])
+print("T", T, "reps", reps, "tokens", maxt, "x plain:", {mo: round(base / sum(v), 3) for mo, v in seconds.items()},
+      "ar ms/token %.2f" % (1e3 * statistics.mean(seconds["ar"])))
+for mo, dr in drafter.items():
+    if hasattr(dr, "chooser"):
+        print(mo, "chosen", dr.chooser.summary()["chosen"])

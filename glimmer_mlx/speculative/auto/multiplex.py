@@ -252,11 +252,9 @@ class AutoDrafter:
             if n == "ngram":
                 if among is not None and among.isdisjoint(self._ngram_options):
                     continue
-                self._sync(n)
-                drafts, m = d.peek(min(k, d.max_drafts))
-                cap, n = len(drafts), f"ngram@{m}"
-                if cap >= 1 and (among is None or n in among):
-                    available[n] = cap
+                offer = self._ngram_offer(k)
+                if offer is not None and (among is None or offer[0] in among):
+                    available[offer[0]] = offer[1]
                 continue
             names = [o for o in (n, self._tree_of.get(n)) if o is not None and (among is None or o in among)]
             if not names or not self._ready(n):
@@ -267,6 +265,14 @@ class AutoDrafter:
                 if cap >= 1:
                     available[o] = cap
         return available
+
+    def _ngram_offer(self, k: int) -> tuple[str, int] | None:
+        """(option, drafts) n-gram lookup offers now for a round of at most k drafts (the index brought up to the
+        committed tokens first), or None where the context's suffix did not occur before."""
+        self._sync("ngram")
+        d = self.drafters["ngram"]
+        drafts, m = d.peek(min(k, d.max_drafts))
+        return (f"ngram@{m}", len(drafts)) if drafts else None
 
     def plan(self, k: int, regime: str, remaining: int) -> bool:
         """Whether the next round (with `remaining` tokens of the request left) is plain, decided before this round's
@@ -318,11 +324,8 @@ class AutoDrafter:
             return False
         if not v[1]:
             return True
-        self._sync("ngram")
-        d = self.drafters["ngram"]
-        drafts, m = d.peek(min(k, d.max_drafts))
-        name = f"ngram@{m}"
-        return not drafts or name not in v[1] or (name, len(drafts)) in v[2]
+        offer = self._ngram_offer(k)
+        return offer is None or offer[0] not in v[1] or offer in v[2]
 
     def _warm(self, regime: str, remaining: int | None) -> bool:
         """Whether a forward should yield the model drafters' taps although this round's drafter reads none: while

@@ -53,4 +53,5 @@ print("T", T, "reps", reps, "tokens", maxt, "x plain:", {mo: round(base / sum(v)
       "ar ms/token %.2f" % (1e3 * statistics.mean(seconds["ar"])))
 for mo, dr in drafter.items():
     if hasattr(dr, "chooser"):
-        print(mo, "chosen", dr.chooser.summary()["chosen"])
+        sm = dr.chooser.summary()
+        print(mo, "chosen", sm["chosen"], "ledger", sm.get("ledger_saved_ms"), sm.get("ledger_elapsed_ms"), sm.get("barred"))

@@ -787,10 +787,15 @@ def test_auto_decoder_is_used_and_learns(tiny, tmp_path):
     assert s["plain_token_ms_now"] is None or s["plain_token_ms_now"] > 0
     assert sum(s["chosen"].values()) >= 1 and set(s["verify_cost_ms"]) == {1, 2, 3, 4, 5}
     # sampling runs through the same decoder (acceptance is kept apart from greedy's)
+    before = s["chosen"]
     a = glimmer_mlx.generate(model, prompt, max_tokens=24, temperature=1.0, seed=3, drafter=auto)
     assert len(a.tokens) == 24 and all(0 <= t < model.args.vocab_size for t in a.tokens)
-    assert "sampling" in a.stats.extra["auto"]["acceptance"][next(iter(a.stats.extra["auto"]["acceptance"]))] or \
-        all(k.startswith("plain") for k in a.stats.extra["auto"]["chosen"])
+    after = a.stats.extra["auto"]
+    drafted = sum(c - before.get(k, 0) for k, c in after["chosen"].items() if not k.startswith("plain"))
+    learned = {n for n, acc in after["acceptance"].items() if "sampling" in acc}
+    assert sum(after["chosen"].values()) > sum(before.values())  # its rounds went through the chooser
+    if drafted:  # (the ledger may have barred every drafter: then the run was plain)
+        assert learned  # its drafted rounds were learned as sampling's
 
 
 @pytest.fixture(scope="module")
@@ -932,14 +937,18 @@ def test_stretch_accounting_adds_lead_and_restart(tiny, tmp_path):
     ch = auto.chooser
     P = ch.plain_cost
     auto.lead(-0.9 * P)  # no next forward to wait for: shorter than a pipelined token
-    auto._round = 0.010  # measured draft + verify
-    assert auto.end_round(0.0105)
+    auto._round, auto._option = 0.010, "ngram@2"  # measured draft + verify
+    assert auto.end_round(0.0105, 3)
     assert ch.round_overhead * ch.scale == pytest.approx(0.1 * 0.0005)
     auto._round = 0.010
-    assert auto.end_round(0.010)
-    assert not auto.end_round(0.010)  # no speculative round measured since: nothing to charge
+    assert auto.end_round(0.010, 2)
+    assert not auto.end_round(0.010, 1)  # no speculative round measured since: nothing to charge
     auto.restart(1.1 * P)  # the first plain token after: its forward could not be queued early
     assert ch.switch_cost * ch.scale == pytest.approx(0.25 * (-0.9 * P + 1.1 * P))
+    # the option's ledger: its 5 tokens at a plain token's cost, less its rounds and the stretch's two plain tokens'
+    # excess (the lead's only once, with the stretch's first round)
+    saved = 5 * P - (0.0105 - 0.9 * P) - 0.010 - 1.1 * P
+    assert ch.saved == {"ngram@2": pytest.approx(saved / ch.scale)}
 
 
 def test_a_drafters_catch_up_is_charged_to_it_alone():
@@ -1233,3 +1242,128 @@ def test_only_a_drafter_that_would_be_entered_keeps_its_taps_warm():
         opt.acceptance("greedy").set_alphas([gain])
         assert ch.best({"d": 1})[0] == ("d" if warm else None)
         assert ("d" in ch.paying()) == warm
+
+
+# -- the ledger: what speculation measurably did against plain decoding (`AutoChooser.credit`) -----------------------
+
+
+def ledger_sitting(ch, options, rounds, wall, guard=True, seed=0):
+    """`rounds` rounds of a chooser driven as AutoDecoder drives it, on a clock: a plain round costs 10 ms; a round
+    of option `name` drafts k, accepts each draft with probability options[name] and takes wall(name, k) seconds —
+    a cost the chooser's model may not have (it is told only the acceptance). guard=False: the ledger is kept but
+    never bars (what auto did without it). Returns (seconds, tokens, {option: its rounds})."""
+    import random
+
+    from glimmer_mlx.speculative.auto import chooser as chooser_mod
+
+    rng, clock, tokens, used = random.Random(seed), 0.0, 0, {}
+    bar = chooser_mod.AutoChooser._bar
+    if not guard:
+        ch._bar = lambda: None
+    try:
+        for _ in range(rounds):
+            name, k = ch.choose({n: ch.options[n].max_k for n in options}, remaining=4096)
+            if name is None:
+                ch.elapse(10 * MS)
+                clock, tokens = clock + 10 * MS, tokens + 1
+                continue
+            acc = 0
+            while acc < k and rng.random() < options[name]:
+                acc += 1
+            ch.update(name, k, acc)
+            w = wall(name, k)
+            ch.elapse(w)
+            ch.credit(name, acc + 1, w)
+            clock, tokens, used[name] = clock + w, tokens + acc + 1, used.get(name, 0) + 1
+    finally:
+        ch._bar = bar.__get__(ch)
+    return clock, tokens, used
+
+
+def test_the_ledger_bounds_what_a_cost_the_model_does_not_have_can_lose():
+    """A drafter that pays by every estimate the chooser has (flat curve, α 0.6, drafting priced at 2 ms) while each
+    of its rounds in fact takes three plain steps (a cost outside the model: every round loses ~1/3 against plain).
+    Without the ledger auto follows its estimates and loses ~25 %; with it, it loses at most `LOSS_BUDGET` of its
+    time plus one round."""
+    from glimmer_mlx.speculative.auto.chooser import LOSS_BUDGET
+
+    def sitting(guard):
+        ch = chooser(flat(9), {"dflash": (7, "affine", (2 * MS, 0.0), [0.6] * 7)})
+        ch.observe_plain(10 * MS)
+        return sitting_result(*ledger_sitting(ch, {"dflash": 0.6}, 4000, lambda n, k: 30 * MS, guard=guard)), ch
+
+    (loss, used), ch = sitting(True)
+    (loss_unguarded, used_unguarded), _ = sitting(False)
+    assert loss_unguarded > 0.15 and used_unguarded["dflash"] > 1000  # what the estimates alone do
+    assert loss <= LOSS_BUDGET + 0.001 and 0 < used["dflash"] < 200  # tried now and then, as the budget allows
+    assert "dflash" in ch.summary()["barred"] or ch.saved["dflash"] + LOSS_BUDGET * ch.elapsed >= 0
+
+
+def sitting_result(clock, tokens, used):
+    """(the share of the time lost against plain decoding's 10 ms a token, rounds per option)."""
+    return 1.0 - tokens * 10 * MS / clock, used
+
+
+def test_the_ledger_leaves_a_paying_drafter_alone_and_bars_a_losing_one_beside_it():
+    """Two options: n-gram lookup that pays (α 0.6, free: ~2.4 tokens a plain step's time) and a DFlash drafter that
+    looks better still (α 0.85, ~4.8 tokens for 1.2 plain steps) but whose rounds secretly cost eight plain steps.
+    The n-gram option has drafted alone for a while (its ledger in surplus). Then the paying option's surplus does not
+    buy the losing one a pass (it is barred once its loss exceeds the budget), nor does the other's loss stop the
+    paying one: it gets the rounds the losing one no longer takes."""
+    def sitting(guard):
+        ch = chooser(flat(9), {"ngram": (8, "free", 0.0, [0.6] * 8),
+                               "dflash": (7, "affine", (2 * MS, 0.0), [0.85] * 7)})
+        ch.observe_plain(10 * MS)
+        wall = {"ngram": 10 * MS, "dflash": 80 * MS}
+        ledger_sitting(ch, {"ngram": 0.6}, 100, lambda n, k: wall[n], guard=guard)
+        return ledger_sitting(ch, {"ngram": 0.6, "dflash": 0.85}, 3000, lambda n, k: wall[n], guard=guard), ch
+
+    (_, _, used), ch = sitting(True)
+    (_, _, used_unguarded), _ = sitting(False)
+    assert used_unguarded["dflash"] > 1000
+    assert used.get("dflash", 0) < 0.1 * used_unguarded["dflash"]
+    assert used["ngram"] > used_unguarded["ngram"]  # the rounds dflash no longer takes go to the paying option
+    assert ch.saved["ngram"] > 0 and "ngram" not in ch.barred
+
+
+def test_plain_decoding_earns_the_budget_back_and_reopens_the_choice():
+    """A barred option is reconsidered exactly when the decoding time since makes its loss fit the budget again; the
+    memo (and a held plain verdict) is dropped both times, and the ledger's fading moves no bar."""
+    from glimmer_mlx.speculative.auto.chooser import LOSS_BUDGET
+
+    ch = chooser(flat(9), {"ngram": (8, "free", 0.0, [0.9] * 8)})
+    ch.observe_plain(10 * MS)
+    assert ch.choose({"ngram": 8})[0] == "ngram"
+    ch.elapse(100 * MS)
+    v = ch.version
+    ch.credit("ngram", 1, 40 * MS)  # one round lost 30 ms: more than 2 % of 100 ms
+    assert ch.barred == {"ngram"} and ch.version > v
+    assert ch.pick({"ngram": 8}, remaining=100)[0] is None and "ngram" not in ch.could_pay()
+    reopen = 30 * MS / LOSS_BUDGET
+    while ch.elapsed + 10 * MS < reopen:
+        ch.elapse(10 * MS)
+        assert ch.barred
+    for _ in range(64):  # a fade of the whole ledger: both sides of the bar alike
+        ch._tick()
+    assert ch.barred
+    v = ch.version
+    for _ in range(3):
+        ch.elapse(10 * MS)
+    assert not ch.barred and ch.version > v
+    assert ch.pick({"ngram": 8}, remaining=100)[0] == "ngram"
+
+
+def test_the_ledger_bars_what_lost_when_the_losses_together_exceed_the_budget():
+    """Each losing option's loss fits the budget on its own, their sum does not: neither is chosen, nor one not yet
+    tried; one that measurably saves still is, and its saving does not pay for the others' losses."""
+    opts = {n: (8, "free", 0.0, [0.9] * 8) for n in ("a", "b", "c", "untried")}
+    ch = chooser(flat(9), opts)
+    ch.observe_plain(10 * MS)
+    ch.elapse(1.0)
+    ch.credit("c", 8, 20 * MS)  # saved 60 ms
+    ch.credit("a", 1, 25 * MS)  # −15 ms of a 20 ms budget
+    assert not ch.barred
+    ch.credit("b", 1, 25 * MS)  # −30 ms together
+    assert ch.barred == {"a", "b", "untried"}
+    assert ch.pick({"a": 8, "b": 8, "untried": 8}, remaining=100)[0] is None
+    assert ch.pick({"a": 8, "b": 8, "c": 8}, remaining=100)[0] == "c"

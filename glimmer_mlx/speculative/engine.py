@@ -301,10 +301,12 @@ class AutoDecoder(SpeculativeDecoder):
         final = budget <= 1 and not self.plain.queued  # the last token, its forward not queued: not a plain stretch's
         out = super().step(budget)
         now = time.perf_counter()
-        if final and self.last_round == "plain":
+        if t_prev is not None and self.last_round != "first":
+            auto.chooser.elapse(now - t_prev)  # the ledger's budget (`AutoChooser.credit`)
+        if self.last_round == "first" or (final and self.last_round == "plain"):
             self._after = None
         elif self.last_round == "spec":
-            spec = t_prev is not None and auto.end_round(now - t_prev)
+            spec = t_prev is not None and auto.end_round(now - t_prev, len(out))
             self._after = "spec" if spec else None
         elif self.last_round == "plain":
             if t_prev is not None:

@@ -30,6 +30,15 @@ round costs; an option whose optimistic acceptance cannot beat plain is never tr
 asks only the options that could change a plain choice (`AutoChooser.relevant`), so a stretch costs what plain
 decoding costs.
 
+The estimates can be wrong in ways no estimate shows (a cost the model does not have, a bias shared by every
+measurement of an option), so what speculation did is also kept as a ledger, in the manner of a conservative bandit
+(Wu, Shariff, Lattimore, Szepesvári, "Conservative Bandits", ICML 2016: keep the cumulative reward above (1 − α) of
+the default action's): per option the seconds its rounds saved over plain decoding, measured (tokens × the plain
+token's cost now − the round's wall time, the plain tokens that start and end its stretches included). While the
+options that lost have together lost more than `LOSS_BUDGET` × the decoding time so far, no option but one that
+measurably saves is chosen, until plain decoding has earned the budget back: auto then loses at most that share
+against plain decoding plus one round, whatever its estimates.
+
 `AutoChooser` is this decision logic, pure (unit-tested against synthetic cost/acceptance tables): it is told what
 each round cost and accepted, and it never touches a model.
 """
@@ -128,6 +137,10 @@ ENTER_GAIN = 0.05
 FUTURE_TOKENS = 128
 # the estimates every option's score shares are folded in every this many changes (`AutoChooser._rescore`)
 RESCORE_EVERY = 8
+# the promise kept by measurement, whatever the estimates say (`AutoChooser.credit`): speculation may lose at most this
+# share of the decoding time against plain decoding, over a window of about LEDGER_ROUNDS rounds (older rounds fade)
+LOSS_BUDGET = 0.02
+LEDGER_ROUNDS = 1024
 
 
 PRIOR_WEIGHT = 4.0  # a drafter's own measured τ (its eval.json) counts as this many observed rounds
@@ -310,6 +323,13 @@ class AutoChooser:
         self._lag_sig: tuple = ()  # the lags' power-of-two buckets, part of the memo keys
         self.chosen: Counter = Counter()  # (name or "plain", k) -> rounds
         self.explored: Counter = Counter()  # name -> rounds chosen to explore it
+        # the ledger (`credit`, `elapse`), in calibrated seconds, fading by 1 − 1/LEDGER_ROUNDS a round: the decoding
+        # time, each option's saving over plain (negative: a loss), the options it bars and the decoding time at
+        # which the first of them may be reconsidered
+        self.elapsed = 0.0
+        self.saved: dict[str, float] = {}
+        self.barred: frozenset = frozenset()
+        self._reopen = math.inf
 
     def add(self, name: str, max_k: int, shape: str, draft_prior=None, decay: float = 0.97,
             measured_tau: dict | None = None, then_alpha: dict | None = None, sporadic: bool = False,
@@ -529,6 +549,8 @@ class AutoChooser:
         """What `choose` would choose now, without counting it: (name or None, k, whether it explores). remaining:
         the request's tokens still to generate (None: unknown, no exploration)."""
         self.set_horizon(remaining)
+        if self.barred:
+            available = {n: c for n, c in available.items() if n not in self.barred}
         name, k, rate = self.best(available, regime)
         if remaining is not None and remaining > 1:
             horizon = remaining + min(self.decoded, FUTURE_TOKENS)
@@ -575,7 +597,8 @@ class AutoChooser:
             spec_last, self._spec_last = self._spec_last, False
             try:
                 bar = (1 + ENTER_GAIN) / self.plain_cal
-                out = self._memo[key] = frozenset(n for n in self.options if self._leaders(n, regime)[-1][1] > bar)
+                out = self._memo[key] = frozenset(n for n in self.options
+                                                  if n not in self.barred and self._leaders(n, regime)[-1][1] > bar)
             finally:
                 self._spec_last = spec_last
         return out
@@ -588,8 +611,8 @@ class AutoChooser:
         if rel is None:
             plain = 1.0 / self.plain_cal
             rel = self._memo[key] = frozenset(
-                n for n, o in self.options.items()
-                if max(self.rates(n, o.max_k, regime, shift=SCENARIOS[-1] * o.acceptance(regime).spread()))
+                n for n, o in self.options.items() if n not in self.barred
+                and max(self.rates(n, o.max_k, regime, shift=SCENARIOS[-1] * o.acceptance(regime).spread()))
                 * self.scale > plain * (1 + MIN_GAIN))
         return rel
 
@@ -618,6 +641,10 @@ class AutoChooser:
         self.decoded += 1  # every round commits a token; a speculative round's accepted drafts come with `update`
         if self.round % self.age_every:
             return
+        fade = (1.0 - 1.0 / LEDGER_ROUNDS) ** self.age_every  # both sides of every bar alike: none moves
+        self.elapsed *= fade
+        self._reopen *= fade
+        self.saved = {n: v * fade for n, v in self.saved.items()}
         factor = self.age ** self.age_every
         for opt in self.options.values():
             for regime, stats in opt.stats.items():
@@ -652,6 +679,34 @@ class AutoChooser:
                 self.verify_factor[regime] = robust_ema(shared, x, self.scale_ema)
             if opt is not None:
                 opt.verify_factor[regime] = robust_ema(opt.verify_factor.get(regime, shared), x, self.scale_ema)
+
+    def elapse(self, seconds: float) -> None:
+        """A round took `seconds` (commit to commit), whatever it was: the decoding time the ledger's budget grows
+        with (`credit`)."""
+        self.elapsed += seconds / self.scale
+        if self.elapsed > self._reopen:
+            self._bar()
+
+    def credit(self, name: str, tokens: int, seconds: float) -> None:
+        """Option `name`'s ledger: a round of it committed `tokens` in `seconds` of wall time — or, tokens = 0,
+        `seconds` its stretch cost beyond pipelined plain tokens (the plain tokens that start and end it). Its
+        saving over plain decoding, tokens × a plain token now − seconds, is added (in calibrated seconds). While
+        the options that lost, together, lost more than `LOSS_BUDGET` × the decoding time, every option not in
+        surplus is barred from being chosen (one that measurably saves goes on: another's loss does not stop it,
+        nor does its saving pay for another's), until `elapse` has brought the budget back (module docstring)."""
+        self.saved[name] = self.saved.get(name, 0.0) + tokens * self.plain_cal - seconds / self.scale
+        self._bar()
+
+    def _bar(self) -> None:
+        lost = sum(v for v in self.saved.values() if v < 0.0)
+        if lost + LOSS_BUDGET * self.elapsed < 0.0:
+            barred = frozenset(n for n in self.options if self.saved.get(n, 0.0) <= 0.0)
+            self._reopen = -lost / LOSS_BUDGET
+        else:
+            barred, self._reopen = frozenset(), math.inf
+        if barred != self.barred:
+            self.barred = barred
+            self._forget()
 
     def observe_round_overhead(self, seconds: float) -> None:
         """Measured wall time of a speculative round (from the previous round's commit to its own) minus its
@@ -707,6 +762,9 @@ class AutoChooser:
             "switch_cost_ms": round(1000 * self.scale * self.switch_cost, 3),
             "chosen": {f"{n}:{k}": c for (n, k), c in sorted(self.chosen.items(), key=lambda x: (x[0][0], x[0][1]))},
             "explored": dict(sorted(self.explored.items())),
+            "ledger_saved_ms": {n: round(1000 * self.scale * v, 3) for n, v in sorted(self.saved.items())},
+            "ledger_elapsed_ms": round(1000 * self.scale * self.elapsed, 3),
+            "barred": sorted(self.barred),
             "stretch_tokens": {n: {r: round(v, 1) for r, v in sorted(o.stretch.items())}
                                for n, o in self.options.items() if o.stretch},
             "verify_factor_by_option": {n: {r: round(v, 3) for r, v in sorted(o.verify_factor.items())}

@@ -108,6 +108,8 @@ class AutoDrafter:
         self._pending = None
         self._round = None  # (draft + verify seconds, catch-up seconds) of the last speculative round
         self._stretch = 0.0  # the running speculative stretch's cost beyond its rounds so far (`lead`)
+        self._lead = 0.0  # what the plain token before the coming speculative round cost beyond a pipelined one
+        self._option = None  # the option of the latest speculative round (its ledger: `AutoChooser.credit`)
         self.remaining: int | None = None  # tokens of the request still to generate (the decoder sets it per round)
         self._at = dict.fromkeys(self.drafters, 0)  # target positions each drafter has been handed (`_from`)
         self._how = dict.fromkeys(self.drafters, "start")  # how it gets them next: "start" | "extend" | "accept"
@@ -241,7 +243,7 @@ class AutoDrafter:
         self._how = dict.fromkeys(self.drafters, "start")
         self._reset(ids, taps)
         self._pending = self._round = None
-        self._stretch = 0.0
+        self._stretch = self._lead = 0.0
 
     def _available(self, k: int, among=None) -> dict[str, int]:
         """{option: most drafts it can give now}; n-gram lookup only where the context's suffix occurred before, as
@@ -381,6 +383,8 @@ class AutoDrafter:
             self.chooser.update(name if k else None, k, len(new_tokens) - 1, regime, t_draft if steady else None,
                                 now - t1)
             self._round = t_draft + now - t1 if k else None
+            if k:
+                self._option = name
             self._pending = None
         p = len(self._tokens) - 1
         if taps:
@@ -390,26 +394,33 @@ class AutoDrafter:
         self._tokens += new_tokens
         self.needs_taps = False
 
-    def end_round(self, seconds: float) -> bool:
-        """The whole round took `seconds` (AutoDecoder: from the previous round's commit to this one's): what its
-        draft and verify windows did not cover is overhead every speculative round pays. (What its drafter spent
-        catching up is that option's own: `AutoChooser.observe_catch_up`.) True if this was a speculative round."""
+    def end_round(self, seconds: float, tokens: int) -> bool:
+        """The whole round took `seconds` (AutoDecoder: from the previous round's commit to this one's) and committed
+        `tokens`: what its draft and verify windows did not cover is overhead every speculative round pays. (What its
+        drafter spent catching up is that option's own: `AutoChooser.observe_catch_up`.) Its option's ledger gets
+        the round, and the plain token that started its stretch if it did (`AutoChooser.credit`). True if this was
+        a speculative round."""
+        lead, self._lead = self._lead, 0.0
         if self._round is None:
             return False
         self.chooser.observe_round_overhead(seconds - self._round)
+        if self._option is not None:
+            self.chooser.credit(self._option, tokens, seconds + lead)
         self._round = None
         return True
 
     def lead(self, extra: float) -> None:
         """A speculative stretch starts after a plain token that took `extra` seconds more than a pipelined one
         (negative when less: it had no next forward to queue)."""
-        self._stretch = extra
+        self._stretch = self._lead = extra
 
     def restart(self, extra: float) -> None:
         """The stretch ended: the plain token after it took `extra` seconds more than a pipelined one (its forward
         could not be queued behind the previous round's). Its whole cost beyond its rounds is then known."""
         self.chooser.observe_switch(self._stretch + extra)
         self._stretch = 0.0
+        if self._option is not None:
+            self.chooser.credit(self._option, 0, extra)
 
     # -- prompt-cache reuse (session.Session) -------------------------------------------------------------------------
     def context_length(self) -> int:

@@ -518,6 +518,39 @@ def test_auto_never_speculates_without_drafts(ba):
     assert k == 0 and plan == [(None, 0)] * 2
 
 
+def test_the_batch_ledger_turns_speculation_off_once_it_lost_its_budget(ba):
+    """Speculative steps that measurably lose (their committed tokens at a plain step's time per row take less than
+    their wall time) beyond `LOSS_BUDGET` of the batch's decoding time make every step plain, whatever the estimates
+    say; plain steps earn the budget back. `BatchGenerator._observe` credits a speculative step and the unpipelined
+    plain step after it. Catches: a ledger never consulted, a speculative step credited at the wrong plain cost, the
+    plain step after it not charged."""
+    from types import SimpleNamespace
+
+    from glimmer_mlx.speculative.auto.chooser import LOSS_BUDGET
+    from glimmer_mlx.speculative.batch import BatchGenerator
+
+    ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+    ba.measured, ba.ratio = {2: 0.01}, None
+    pin(ba, "dflash", "greedy", 0.8)
+    rows = [("greedy", 100, {"dflash": 15})] * 2
+    assert ba.choose(rows, 0, 1, 0.0, 15)[0] > 0
+    gen = SimpleNamespace(auto=ba, _landed=0.0, _prefilling=0.0, _after_spec=None)
+    # a speculative step of 2 rows x 9 positions committing 6 tokens in 40 ms: 6 x 5 ms - 40 ms = -10 ms
+    st = SimpleNamespace(drafting=0.0, chained=False, t0=0.0)
+    ba.elapse(0.2)  # decoded before: a 4 ms budget
+    BatchGenerator._observe(gen, st, 2, 9, 0.040, 6)
+    assert ba.saved == pytest.approx(-0.010, rel=1e-3)
+    assert ba.barred and ba.choose(rows, 0, 1, 0.0, 15) == (0, [(None, 0)] * 2)
+    # the plain step after it, not pipelined: 15 ms where a plain step of 2 rows costs 10
+    gen._landed = 0.0
+    BatchGenerator._observe(gen, st, 2, 1, 0.015, None)
+    assert ba.saved == pytest.approx(-0.015, rel=1e-2)
+    while ba.barred:  # plain steps of 10 ms earn it back
+        ba.elapse(0.010)
+    assert ba.saved + LOSS_BUDGET * ba.elapsed >= 0
+    assert ba.choose(rows, 0, 1, 0.0, 15)[0] > 0
+
+
 def test_auto_cost_model_observe_and_interpolate(ba):
     """observe: an EMA per n and a measured/calibrated ratio applied to unmeasured n; calibrated extends the curve
     linearly. Catches: a ratio never applied, interpolation between the wrong points."""

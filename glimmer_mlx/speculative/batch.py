@@ -461,7 +461,7 @@ class BatchGenerator:
         values = dict(zip(ids, mx.concatenate([st.tokens[i] for i in ids]).tolist())) if ids else {}
         index = {id(r): b for b, r in enumerate(self.rows)}
         B, L = len(st.rows), max(st.widths)
-        events, finished = [], []
+        events, finished, committed, drafted = [], [], 0, False
         for j, r in enumerate(st.rows):
             b = index.get(id(r))
             if b is None or r.finished:  # left the batch after this step was queued
@@ -471,7 +471,9 @@ class BatchGenerator:
             r.steps += 1
             taps = {layer: st.tapped[i][j : j + 1, :n_fed] for i, layer in enumerate(st.want)} if st.want else {}
             new = r.accept(st.logits[j, :n_fed], taps, token=values.get(id(r)))
+            committed += len(new)
             if r.choice is not None:
+                drafted = True
                 self.auto.update(r.choice[0], r.regime, len(r.drafts), len(new) - 1)
             if r.ahead:  # the step after this one already counted this token
                 r.ahead = False
@@ -485,7 +487,7 @@ class BatchGenerator:
                 finished.append(b)
         now = time.perf_counter()
         if self.auto is not None:
-            self._observe(st, B, L, now)
+            self._observe(st, B, L, now, committed if drafted else None)
         self._landed, self._prefilling = now, 0.0
         if finished:
             for b in finished:
@@ -493,17 +495,23 @@ class BatchGenerator:
             self._leave(finished, keep_cache)
         return events
 
-    def _observe(self, st: Launched, B: int, L: int, now: float) -> None:
+    def _observe(self, st: Launched, B: int, L: int, now: float, committed: int | None) -> None:
         """Tell the batch chooser what this step cost: the time since the previous read-back (what a step costs in a
         run of steps, pipelined or not), minus prefill chunks run in between and its drafting (priced per option). A
         plain step that could not be pipelined because a speculative one came before it is that speculative step's
-        cost (`BatchAuto.charge`), not a plain step's."""
+        cost (`BatchAuto.charge`), not a plain step's. committed: the tokens the step committed when an auto row
+        drafted in it (the ledger's: `BatchAuto.credit`)."""
         dt = (now - self._landed if self._landed is not None else now - st.t0) - self._prefilling
+        plain_step = self.auto.step_cost(B)  # before this step's time moves it
+        self.auto.elapse(dt)
         if L > 1:
             self.auto.observe(B * L, dt - st.drafting, spec=True)
-            self._after_spec = B * L
+            self._after_spec = B * L if committed is not None else None
+            if committed is not None:
+                self.auto.credit(committed * plain_step / B - dt)
         elif self._after_spec is not None and not st.chained:
-            self.auto.charge(self._after_spec, dt - self.auto.step_cost(B))
+            self.auto.charge(self._after_spec, dt - plain_step)
+            self.auto.credit(plain_step - dt)
             self._after_spec = None
         else:
             self.auto.observe(B, dt, spec=False)

@@ -18,11 +18,16 @@ per second:
 
 To speculate, the best width must beat plain by `ENTER_GAIN`. Outputs are lossless whatever is chosen (every
 drafted row is verified by `verify`); the choice only changes speed.
+
+As the solo chooser does (`chooser.AutoChooser.credit`), the batch keeps a ledger of what its speculative steps
+measurably saved over plain steps of as many rows (the step's committed tokens × a plain step's time per row − its
+wall time, the unpipelined plain step after it included): while it is below −`LOSS_BUDGET` × the batch's decoding
+time, every step is plain, until plain steps have earned the budget back.
 """
 
 from __future__ import annotations
 
-from .chooser import ENTER_GAIN, AcceptanceStats
+from .chooser import ENTER_GAIN, LEDGER_ROUNDS, LOSS_BUDGET, AcceptanceStats
 from .multiplex import AutoDrafter
 
 EMA = 0.2  # weight of a new step time in its n's estimate
@@ -42,6 +47,10 @@ class BatchAuto:
         self.ratio: float | None = None  # measured / calibrated step time, EMA over every step
         self.steps = {"plain": 0, "spec": 0}
         self.draft_factor: dict[str, float] = {}  # option -> measured / calibrated draft time, EMA
+        # the ledger (`credit`): seconds of decoding and seconds speculation saved over plain steps (negative: lost),
+        # both fading by 1 − 1/LEDGER_ROUNDS a step
+        self.elapsed = 0.0
+        self.saved = 0.0
 
     def options(self, regime: str, batch: int = 1) -> dict:
         """A new auto row's own drafters: forks of the auto's (shared weights, empty state) — n-gram lookup always
@@ -136,6 +145,22 @@ class BatchAuto:
         self.ratio = r if self.ratio is None else (1 - EMA) * self.ratio + EMA * r
         self.steps["spec" if spec else "plain"] += 1
 
+    def elapse(self, seconds: float) -> None:
+        """A step took `seconds`: the decoding time the ledger's budget grows with."""
+        fade = 1.0 - 1.0 / LEDGER_ROUNDS
+        self.elapsed = fade * self.elapsed + max(0.0, seconds)
+        self.saved *= fade
+
+    def credit(self, seconds: float) -> None:
+        """Speculation saved `seconds` over plain steps (negative: lost): a speculative step's committed tokens at a
+        plain step's time per row less its wall time, or the plain step after it less a pipelined one."""
+        self.saved += seconds
+
+    @property
+    def barred(self) -> bool:
+        """Whether speculation lost more than `LOSS_BUDGET` of the decoding time (every step is plain until not)."""
+        return self.saved + LOSS_BUDGET * self.elapsed < 0.0
+
     def charge(self, n: int, seconds: float) -> None:
         """What a speculative step over n positions cost beyond its own time (the plain step after it, which could
         not be queued before the speculative step was read: its time over a pipelined plain step's), added to n's
@@ -179,6 +204,8 @@ class BatchAuto:
             return t[min(k, len(t) - 1)]
 
         best_k, best_plan = 0, plain
+        if self.barred:
+            return best_k, best_plan
         best = (len(rows) + fixed_tokens) / self.step_cost(B * fixed_width)
         k_top = min(k_max, max((cap for _, _, avail in rows for cap in avail.values()), default=0))
         for k in range(1, k_top + 1):  # no width beyond what some row can draft
@@ -208,5 +235,6 @@ class BatchAuto:
         self.acceptance(name, regime).update(k, accepted)
 
     def stats(self) -> dict:
-        return {"auto_steps": dict(self.steps), "step_seconds": {int(n): round(s, 6) for n, s in
-                                                                 sorted(self.measured.items())}}
+        return {"auto_steps": dict(self.steps), "ledger_saved_s": round(self.saved, 6),
+                "ledger_elapsed_s": round(self.elapsed, 6), "barred": self.barred,
+                "step_seconds": {int(n): round(s, 6) for n, s in sorted(self.measured.items())}}

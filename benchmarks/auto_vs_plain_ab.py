@@ -5,10 +5,14 @@ to plain's.
 
 Modes: ar; ar2 (plain again: an A/A control, how far two identical modes drift apart in the sitting); auto; forced
 (auto whose verify cost curve is linear, so that no drafter can ever pay: every round plain — what auto's own
-bookkeeping costs); notree (auto without its DFlash token-tree option); dflash, ngram, mtp (fixed, dflash at block 8).
+bookkeeping costs); notree (auto without its DFlash token-tree option); noledger (auto whose ledger never bars an
+option: what its estimates alone do); auto2 (a second auto built as the first: an A/A control for auto); dflash, ngram, mtp (fixed, dflash at block 8).
 
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
+    AB_SET=DIR python benchmarks/auto_vs_plain_ab.py ...   the trained tiny set (benchmarks/bench_tiny_set.py DIR):
+        its target, DFlash drafter and MTP layers; the prompts byte-encoded as `glimmer bench` does
 """
+import os
 import statistics
 import sys
 
@@ -21,18 +25,45 @@ T = float(sys.argv[1])
 reps = int(sys.argv[2]) if len(sys.argv) > 2 else 4
 maxt = int(sys.argv[3]) if len(sys.argv) > 3 else 96
 modes = sys.argv[4].split(",") if len(sys.argv) > 4 else ["ar", "auto"]
-s = load_session(None)
-m, tok = s.model, s.tokenizer
+SET = os.environ.get("AB_SET")
 P = load_prompts()
 cats = list(P)
-ids = {c: tok.apply_chat_template([{"role": "user", "content": P[c][0]}], add_generation_prompt=True, tokenize=True)
-       for c in cats}
+if SET:
+    from glimmer_mlx.bench.runner import encode_prompts
+
+    s = load_session(f"{SET}/target", draft_model=f"{SET}/dflash", mtp_model=f"{SET}/mtp")
+    m = s.model
+    encoded, _ = encode_prompts(P, None, m.args.vocab_size)  # byte fallback, as glimmer bench
+    ids = {c: encoded[c][0] for c in cats}
+else:
+    s = load_session(None)
+    m, tok = s.model, s.tokenizer
+    ids = {c: tok.apply_chat_template([{"role": "user", "content": P[c][0]}], add_generation_prompt=True,
+                                      tokenize=True) for c in cats}
 d = s.drafters
+
+
+def second_auto():
+    """An auto built exactly as the session's (`strategy.Drafters.auto`), but its own."""
+    first, d._auto = d._auto, None
+    try:
+        return d.auto()
+    finally:
+        d._auto = first
+
+
+def unguarded(auto):
+    auto.chooser._bar = lambda: None
+    return auto
+
+
 make = {
     "ar": lambda: None, "ar2": lambda: None, "auto": d.auto,
     "forced": lambda: make_auto(m, dflash=d.dflash, mtp=d.mtp, ngram=8,
                                 verify_costs={L: 0.005 * L for L in range(1, 17)}),
     "notree": lambda: make_auto(m, dflash=d.dflash, mtp=d.mtp, ngram=8, trees=False),
+    "noledger": lambda: unguarded(second_auto()),
+    "auto2": second_auto,
     "dflash": lambda: d.dflash, "ngram": d.ngram, "mtp": lambda: d.mtp,
 }
 drafter = {mo: make[mo]() for mo in modes}

@@ -35,9 +35,10 @@ measurement of an option), so what speculation did is also kept as a ledger, in 
 (Wu, Shariff, Lattimore, Szepesvári, "Conservative Bandits", ICML 2016: keep the cumulative reward above (1 − α) of
 the default action's): per option the seconds its rounds saved over plain decoding, measured (tokens × the plain
 token's cost now − the round's wall time, the plain tokens that start and end its stretches included). While the
-options that lost have together lost more than `LOSS_BUDGET` × the decoding time so far, no option but one that
-measurably saves is chosen, until plain decoding has earned the budget back: auto then loses at most that share
-against plain decoding plus one round, whatever its estimates.
+options that lost have together lost more than `LOSS_BUDGET` × the decoding time so far (plus `SURPLUS_SHARE` of
+what the options in surplus saved), none of them is chosen (an option never tried may be, once), until plain
+decoding has earned the budget back: auto then loses at most that share against plain decoding plus a round per
+option, whatever its estimates.
 
 `AutoChooser` is this decision logic, pure (unit-tested against synthetic cost/acceptance tables): it is told what
 each round cost and accepted, and it never touches a model.
@@ -141,6 +142,9 @@ RESCORE_EVERY = 8
 # share of the decoding time against plain decoding, over a window of about LEDGER_ROUNDS rounds (older rounds fade)
 LOSS_BUDGET = 0.02
 LEDGER_ROUNDS = 1024
+# ... plus this share of what the options in surplus measurably saved (what speculation earned may pay for trying
+# the others: on a set where n-gram lookup doubles the speed, a drafter explored for a few rounds is affordable)
+SURPLUS_SHARE = 0.25
 
 
 PRIOR_WEIGHT = 4.0  # a drafter's own measured τ (its eval.json) counts as this many observed rounds
@@ -691,17 +695,19 @@ class AutoChooser:
         """Option `name`'s ledger: a round of it committed `tokens` in `seconds` of wall time — or, tokens = 0,
         `seconds` its stretch cost beyond pipelined plain tokens (the plain tokens that start and end it). Its
         saving over plain decoding, tokens × a plain token now − seconds, is added (in calibrated seconds). While
-        the options that lost, together, lost more than `LOSS_BUDGET` × the decoding time, every option not in
-        surplus is barred from being chosen (one that measurably saves goes on: another's loss does not stop it,
-        nor does its saving pay for another's), until `elapse` has brought the budget back (module docstring)."""
+        the options that lost, together, lost more than `LOSS_BUDGET` × the decoding time plus `SURPLUS_SHARE` of
+        what the others saved, every option that measurably lost is barred from being chosen (one that saves goes
+        on: another's loss does not stop it; one never tried may be tried once, which puts it on the ledger), until
+        `elapse` has brought the budget back (module docstring)."""
         self.saved[name] = self.saved.get(name, 0.0) + tokens * self.plain_cal - seconds / self.scale
         self._bar()
 
     def _bar(self) -> None:
         lost = sum(v for v in self.saved.values() if v < 0.0)
-        if lost + LOSS_BUDGET * self.elapsed < 0.0:
-            barred = frozenset(n for n in self.options if self.saved.get(n, 0.0) <= 0.0)
-            self._reopen = -lost / LOSS_BUDGET
+        short = -lost - SURPLUS_SHARE * sum(v for v in self.saved.values() if v > 0.0)
+        if short > LOSS_BUDGET * self.elapsed:
+            barred = frozenset(n for n, v in self.saved.items() if v <= 0.0)
+            self._reopen = short / LOSS_BUDGET
         else:
             barred, self._reopen = frozenset(), math.inf
         if barred != self.barred:

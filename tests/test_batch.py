@@ -590,6 +590,64 @@ def test_auto_prices_wide_batches_from_the_calibrations_compute_bound_point(ba, 
     assert b.choose(rows, 0, 1, 0.0, 15)[0] > 0
 
 
+def test_auto_choice_equals_scoring_every_width_on_random_tables(ba):
+    """`choose` (with its early plain bound) against the objective scored at every width by brute force, over random
+    acceptance, cost curves (flat to compute-bound), budgets, offers and fixed rows. Catches: a bound that prunes a
+    width that would have won (e.g. taken at one draft instead of the widest)."""
+    import random
+
+    from glimmer_mlx.speculative.auto.chooser import ENTER_GAIN
+
+    rng = random.Random(5)
+    names = ["dflash", "mtp"]
+    for trial in range(300):
+        slope = rng.choice([0.0, 0.02, 0.1, 0.5, 1.0])
+        ba.curve = {n: 0.01 * (1 + slope * (n - 1)) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+        ba.measured, ba.ratio = {}, None
+        ba.draft_cost = (lambda c: lambda name, k: c * (1 + 0.1 * k))(rng.choice([0.0, 1e-4, 2e-3]))
+        for name in names:
+            for regime in ("greedy", "sampling"):
+                ba.acceptance(name, regime).set_alphas([rng.uniform(0.0, 0.95) for _ in range(3)])
+        rows = [(rng.choice(["greedy", "sampling"]), rng.choice([1, 2, 3, 50]),
+                 {n: rng.randint(1, 15) for n in names if rng.random() < 0.6}) for _ in range(rng.randint(1, 6))]
+        fixed, fixed_width = rng.choice([(0, 1), (1, 1), (2, 4)])
+        fixed_tokens = float(fixed) * (1.0 if fixed_width == 1 else 2.0)
+        k_max = 15
+        got = ba.choose(rows, fixed, fixed_width, fixed_tokens, k_max)
+
+        def e(name, regime, k):
+            t, p = 1.0, 1.0
+            for a in ba.acceptance(name, regime).alphas()[:k]:
+                p *= a
+                t += p
+            return t
+
+        B = len(rows) + fixed
+        best = (len(rows) + fixed_tokens) / ba.step_cost(B * fixed_width)
+        want = (0, [(None, 0)] * len(rows))
+        for k in range(1, k_max + 1):
+            plan, tokens, drafting, L = [], fixed_tokens, 0.0, fixed_width
+            for regime, budget, avail in rows:
+                opts = [(e(n, regime, min(k, c, budget - 1)), n, min(k, c, budget - 1))
+                        for n, c in avail.items() if min(k, c, budget - 1) >= 1]
+                top = max(opts, key=lambda o: o[0], default=None)
+                if top is None or top[0] <= 1.0:
+                    plan.append((None, 0))
+                    tokens += 1.0
+                    continue
+                plan.append((top[1], top[2]))
+                tokens += top[0]
+                drafting += ba.draft_cost(top[1], top[2])
+                L = max(L, top[2] + 1)
+            if L == fixed_width:
+                continue
+            rate = tokens / (ba.step_cost(B * L) + drafting)
+            if rate > best * (1 + ENTER_GAIN if want[0] == 0 else 1.0):
+                best, want = rate, (k, plan)
+        assert got[0] == want[0], (trial, got, want)
+        assert [g[0] for g in got[1]] == [w[0] for w in want[1]], (trial, got, want)
+
+
 def test_auto_prices_an_unmeasured_wide_step_from_the_largest_measured_one(ba):
     """Past the largest measured position count, a step costs at least that step's time scaled along the
     calibrated curve. What the server measured: 1-row steps cheaper than calibrated pull the global measured /

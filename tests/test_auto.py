@@ -1375,3 +1375,25 @@ def test_the_ledger_bars_what_lost_when_the_losses_together_exceed_the_budget():
     assert ch.pick({"a": 8, "b": 8, "untried": 8}, remaining=100)[0] == "untried"
     ch.credit("untried", 1, 11 * MS)
     assert ch.barred == {"a", "b", "untried"}
+
+
+def test_one_stall_during_a_speculative_round_bars_speculation_only_briefly():
+    """A one-second stall (another process, a first-call build) inside one speculative round is charged at most
+    `LEDGER_ROUND_CAP` plain tokens: speculation is open again after a few hundred plain tokens, not after the 50 s
+    of decoding a 2 % budget needs to pay for a whole second (or the thousands of rounds the ledger takes to fade
+    it). Catches: a round's loss charged uncapped."""
+    from glimmer_mlx.speculative.auto.chooser import LEDGER_ROUND_CAP, LOSS_BUDGET
+
+    ch = chooser(flat(9), {"ngram": (8, "free", 0.0, [0.9] * 8)})
+    ch.observe_plain(10 * MS)
+    ch.elapse(2.0)  # 200 plain tokens decoded
+    ch.credit("ngram", 5, 1.0)
+    assert ch.saved["ngram"] == pytest.approx(-LEDGER_ROUND_CAP * 10 * MS)
+    assert ch.barred == {"ngram"}
+    rounds = 0
+    while ch.barred:
+        ch.elapse(10 * MS)
+        ch._tick()
+        rounds += 1
+    assert rounds < LEDGER_ROUND_CAP / LOSS_BUDGET  # 800: a capped loss, earned back by plain decoding
+

@@ -145,6 +145,9 @@ LEDGER_ROUNDS = 1024
 # ... plus this share of what the options in surplus measurably saved (what speculation earned may pay for trying
 # the others: on a set where n-gram lookup doubles the speed, a drafter explored for a few rounds is affordable)
 SURPLUS_SHARE = 0.25
+# ... and one round (or one stretch's plain tokens) is charged at most this many plain tokens' time: a stall of the
+# machine (another process, a first-call build) during a speculative round must not bar speculation for minutes
+LEDGER_ROUND_CAP = 16
 
 
 PRIOR_WEIGHT = 4.0  # a drafter's own measured τ (its eval.json) counts as this many observed rounds
@@ -694,12 +697,14 @@ class AutoChooser:
     def credit(self, name: str, tokens: int, seconds: float) -> None:
         """Option `name`'s ledger: a round of it committed `tokens` in `seconds` of wall time — or, tokens = 0,
         `seconds` its stretch cost beyond pipelined plain tokens (the plain tokens that start and end it). Its
-        saving over plain decoding, tokens × a plain token now − seconds, is added (in calibrated seconds). While
+        saving over plain decoding, tokens × a plain token now − seconds, is added (in calibrated seconds; a loss
+        of at most `LEDGER_ROUND_CAP` plain tokens). While
         the options that lost, together, lost more than `LOSS_BUDGET` × the decoding time plus `SURPLUS_SHARE` of
         what the others saved, every option that measurably lost is barred from being chosen (one that saves goes
         on: another's loss does not stop it; one never tried may be tried once, which puts it on the ledger), until
         `elapse` has brought the budget back (module docstring)."""
-        self.saved[name] = self.saved.get(name, 0.0) + tokens * self.plain_cal - seconds / self.scale
+        gain = max(tokens * self.plain_cal - seconds / self.scale, -LEDGER_ROUND_CAP * self.plain_cal)
+        self.saved[name] = self.saved.get(name, 0.0) + gain
         self._bar()
 
     def _bar(self) -> None:

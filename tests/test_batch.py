@@ -549,6 +549,13 @@ def test_the_batch_ledger_turns_speculation_off_once_it_lost_its_budget(ba):
         ba.elapse(0.010)
     assert ba.saved + LOSS_BUDGET * ba.elapsed >= 0
     assert ba.choose(rows, 0, 1, 0.0, 15)[0] > 0
+    # a one-second stall in a speculative step is charged at most LEDGER_ROUND_CAP plain steps
+    from glimmer_mlx.speculative.auto.chooser import LEDGER_ROUND_CAP
+
+    before = ba.saved
+    gen._landed = 0.0
+    BatchGenerator._observe(gen, st, 2, 9, 1.0, 6)
+    assert ba.saved - before == pytest.approx(-LEDGER_ROUND_CAP * ba.step_cost(2), rel=0.05)
 
 
 def test_auto_cost_model_observe_and_interpolate(ba):

@@ -508,10 +508,10 @@ class BatchGenerator:
             self.auto.observe(B * L, dt - st.drafting, spec=True)
             self._after_spec = B * L if committed is not None else None
             if committed is not None:
-                self.auto.credit(committed * plain_step / B - dt)
+                self.auto.credit(committed * plain_step / B - dt, plain_step)
         elif self._after_spec is not None and not st.chained:
             self.auto.charge(self._after_spec, dt - plain_step)
-            self.auto.credit(plain_step - dt)
+            self.auto.credit(plain_step - dt, plain_step)
             self._after_spec = None
         else:
             self.auto.observe(B, dt, spec=False)

@@ -27,7 +27,7 @@ time, every step is plain, until plain steps have earned the budget back.
 
 from __future__ import annotations
 
-from .chooser import ENTER_GAIN, LEDGER_ROUNDS, LOSS_BUDGET, AcceptanceStats
+from .chooser import ENTER_GAIN, LEDGER_ROUND_CAP, LEDGER_ROUNDS, LOSS_BUDGET, AcceptanceStats
 from .multiplex import AutoDrafter
 
 EMA = 0.2  # weight of a new step time in its n's estimate
@@ -151,10 +151,11 @@ class BatchAuto:
         self.elapsed = fade * self.elapsed + max(0.0, seconds)
         self.saved *= fade
 
-    def credit(self, seconds: float) -> None:
+    def credit(self, seconds: float, plain_step: float) -> None:
         """Speculation saved `seconds` over plain steps (negative: lost): a speculative step's committed tokens at a
-        plain step's time per row less its wall time, or the plain step after it less a pipelined one."""
-        self.saved += seconds
+        plain step's time per row less its wall time, or the plain step after it less a pipelined one; a loss of at
+        most `LEDGER_ROUND_CAP` plain steps (`plain_step` seconds each: a stall must not bar speculation for long)."""
+        self.saved += max(seconds, -LEDGER_ROUND_CAP * plain_step)
 
     @property
     def barred(self) -> bool:

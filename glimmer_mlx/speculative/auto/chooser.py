@@ -698,11 +698,11 @@ class AutoChooser:
         """Option `name`'s ledger: a round of it committed `tokens` in `seconds` of wall time — or, tokens = 0,
         `seconds` its stretch cost beyond pipelined plain tokens (the plain tokens that start and end it). Its
         saving over plain decoding, tokens × a plain token now − seconds, is added (in calibrated seconds; a loss
-        of at most `LEDGER_ROUND_CAP` plain tokens). While
-        the options that lost, together, lost more than `LOSS_BUDGET` × the decoding time plus `SURPLUS_SHARE` of
-        what the others saved, every option that measurably lost is barred from being chosen (one that saves goes
-        on: another's loss does not stop it; one never tried may be tried once, which puts it on the ledger), until
-        `elapse` has brought the budget back (module docstring)."""
+        of at most `LEDGER_ROUND_CAP` plain tokens). While the options that lost, together, lost more than
+        `LOSS_BUDGET` × the decoding time plus `SURPLUS_SHARE` of what the others saved, every option that
+        measurably lost is barred from being chosen (one that saves goes on: another's loss does not stop it; one
+        never tried may be tried once, which puts it on the ledger), until `elapse` has brought the budget back
+        (module docstring)."""
         gain = max(tokens * self.plain_cal - seconds / self.scale, -LEDGER_ROUND_CAP * self.plain_cal)
         self.saved[name] = self.saved.get(name, 0.0) + gain
         self._bar()

@@ -526,7 +526,7 @@ def test_the_batch_ledger_turns_speculation_off_once_it_lost_its_budget(ba):
     plain step after it not charged."""
     from types import SimpleNamespace
 
-    from glimmer_mlx.speculative.auto.chooser import LOSS_BUDGET
+    from glimmer_mlx.speculative.auto.chooser import LEDGER_ROUNDS, LOSS_BUDGET
     from glimmer_mlx.speculative.batch import BatchGenerator
 
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
@@ -549,6 +549,15 @@ def test_the_batch_ledger_turns_speculation_off_once_it_lost_its_budget(ba):
         ba.elapse(0.010)
     assert ba.saved + LOSS_BUDGET * ba.elapsed >= 0
     assert ba.choose(rows, 0, 1, 0.0, 15)[0] > 0
+    # a speculative step of fixed-mode rows only (no auto row drafted): not the ledger's, but the unpipelined plain
+    # step after it is still that step's cost (`charge`), not a plain step's
+    saved, plain2 = ba.saved, ba.measured[2]
+    gen._landed = 0.0
+    BatchGenerator._observe(gen, st, 2, 9, 0.040, None)
+    gen._landed = 0.0
+    BatchGenerator._observe(gen, st, 2, 1, 0.015, None)
+    assert ba.saved == pytest.approx(saved * (1 - 1 / LEDGER_ROUNDS) ** 2)
+    assert ba.measured[2] == plain2 and ba.measured[18] > 0.040
     # a one-second stall in a speculative step is charged at most LEDGER_ROUND_CAP plain steps
     from glimmer_mlx.speculative.auto.chooser import LEDGER_ROUND_CAP
 

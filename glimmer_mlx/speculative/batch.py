@@ -254,7 +254,8 @@ class BatchGenerator:
         self.pending: Launched | None = None  # a queued step not read back yet (plain rows, pipelined)
         self._landed: float | None = None  # when the latest step was read back
         self._prefilling = 0.0  # seconds of prefill chunks since then
-        self._after_spec: int | None = None  # the positions of the latest step, when it was speculative
+        # the positions of the latest step when it was speculative, and whether an auto row drafted in it (the ledger's)
+        self._after_spec: tuple[int, bool] | None = None
 
     def __len__(self) -> int:
         return len(self.rows) + len(self.waiting)
@@ -506,12 +507,14 @@ class BatchGenerator:
         self.auto.elapse(dt)
         if L > 1:
             self.auto.observe(B * L, dt - st.drafting, spec=True)
-            self._after_spec = B * L if committed is not None else None
+            self._after_spec = (B * L, committed is not None)
             if committed is not None:
                 self.auto.credit(committed * plain_step / B - dt, plain_step)
         elif self._after_spec is not None and not st.chained:
-            self.auto.charge(self._after_spec, dt - plain_step)
-            self.auto.credit(plain_step - dt, plain_step)
+            n, credited = self._after_spec
+            self.auto.charge(n, dt - plain_step)
+            if credited:
+                self.auto.credit(plain_step - dt, plain_step)
             self._after_spec = None
         else:
             self.auto.observe(B, dt, spec=False)

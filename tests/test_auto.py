@@ -481,6 +481,9 @@ def test_calibration_is_cached_per_machine_and_model(tiny, tmp_path, monkeypatch
     cal = importlib.import_module("glimmer_mlx.speculative.auto.calibrate")
     monkeypatch.setattr(cal, "check_plain_token", lambda m, cache=None: info["plain_token_s"])
     monkeypatch.setattr(cal, "check_shape", lambda m, taps, rows, cache=None: costs[rows] / costs[1])
+    # ... and so would the consistency check of the file itself (its own test below): a first calibration timed
+    # under CI load can store a 1-row forward > 1.6x its plain token
+    monkeypatch.setattr(cal, "CONSISTENT", float("inf"))
     again, info2 = load_or_calibrate(model, (1, 3), 5)
     assert info2["cached"] and again == costs
     _, info3 = load_or_calibrate(model, (1, 3), 7)  # a longer curve than cached: measured again

@@ -16,9 +16,25 @@ def test_lookup_prefers_the_longest_earlier_match():
     idx.reset([5, 1, 2, 9, 9, 1, 2, 3, 7, 1, 2])
     # suffix (1, 2): latest earlier occurrence ends at index 7 -> continuation 3, 7, 1
     assert idx.lookup(3) == ([3, 7, 1], 2)
-    idx.extend([3])  # suffix (1, 2, 3) occurred before: continuation 7, 1, 2, 3
-    assert idx.lookup(10) == ([7, 1, 2, 3], 3)
+    idx.extend([3])  # suffix (1, 2, 3) occurred before: continuation 7, 1, 2, 3, then the copy reads itself
+    assert idx.lookup(4) == ([7, 1, 2, 3], 3)
     assert idx.lookup(0) == ([], 0)
+
+
+def test_a_continuation_reaching_the_end_is_an_overlapping_copy():
+    """What followed an occurrence P tokens before the end is the last P tokens: the draft repeats them (LZ77's
+    overlapping copy), so a loop of period P drafts as many tokens as asked, not P."""
+    idx = NGramIndex(1, 3)
+    idx.reset([5, 1, 2, 9, 9, 1, 2, 3, 7, 1, 2, 3])
+    assert idx.lookup(10) == ([7, 1, 2, 3, 7, 1, 2, 3, 7, 1], 3)  # period 4
+    idx.reset([8, 4, 6, 6])
+    assert idx.lookup(5) == ([6, 6, 6, 6, 6], 1)  # period 1
+    idx.reset([1, 2, 3, 1, 2, 3, 1, 2])
+    assert idx.lookup(7) == ([3, 1, 2, 3, 1, 2, 3], 3)  # the latest earlier occurrence: period 3
+    tree_idx = NGramIndex(1, 3, all_ends=True)
+    tree_idx.reset([1, 2, 3, 1, 2, 3, 1, 2])
+    # every occurrence of the loop continues it alike: one path
+    assert tree_idx.continuations(6, limit=4) == [[3, 1, 2, 3, 1, 2]]
 
 
 def test_no_match_and_single_token_fallback():
@@ -89,6 +105,27 @@ def test_ngram_greedy_identical_to_plain_and_accepts(cyclic_target):
         assert r.tokens == plain
         taus.append(r.stats.extra["tau"])
     assert np.mean(taus) > 1.5  # cycles are copied from the context
+
+
+def test_ngram_drafts_past_a_cycles_period_and_stays_identical_to_plain(cyclic_target):
+    """Once the greedy output cycles with a short period P, a round drafts (and accepts) the whole width, not P:
+    the overlapping copy. (Copying only what the context holds accepts at most P drafts a round.)"""
+    model = cyclic_target
+    rng = np.random.RandomState(5)
+    beyond = 0
+    for _ in range(4):
+        prompt = [int(x) for x in rng.randint(10, 48, size=8)]
+        plain = glimmer_mlx.generate(model, prompt, max_tokens=64).tokens
+        tail = plain[-24:]
+        period = next(p for p in range(1, 13) if tail[p:] == tail[:-p])
+        r = glimmer_mlx.generate(model, prompt, max_tokens=64, drafter=NGramDrafter(48, max_drafts=8))
+        assert r.tokens == plain
+        hist = r.stats.extra["acceptance_histogram"]
+        if period < 8:
+            beyond += 1
+            # tokens a round committed: its accepted drafts + the target's own
+            assert max(int(n) for n, c in hist.items() if c) - 1 > period, (period, hist)
+    assert beyond >= 2  # the cycles were short enough to tell
 
 
 def test_ngram_sampling_matches_target_distribution(tiny_checkpoint):

@@ -2,6 +2,11 @@
 occurrence of the context's last n tokens (n from `max_n` down to `min_n`). No model, no taps, near-zero cost; it
 pays when the output quotes or edits its input (summaries with quotes, code edits, structured data, repetition).
 
+A continuation that runs into the context's end is copied on as an overlapping copy (LZ77's): an earlier occurrence
+ending P tokens before the end predicts that the last P tokens repeat, so the draft continues with them again, as
+many times as the drafts asked need. Without it a loop of period P (a repeated line, a table's rows, a model stuck
+repeating itself) could never draft more than P tokens a round.
+
 Drafts are deterministic, so at temperature > 0 the drafter's q is a point mass on each draft: rejection sampling
 accepts draft x with probability p(x) and on rejection samples from normalize(max(0, p − onehot(x))) — p with x
 removed — which is still exactly the target's distribution (verify.verify_sampling does this given the one-hot q).
@@ -67,8 +72,17 @@ class NGramIndex:
             key = tuple(toks[e - n:])
             start = self.prev.get(key) if self.last.get(key) == e else self.last.get(key)
             if start is not None and start < e:
-                return toks[start:start + k], n
+                return self.copy(start, k), n
         return [], 0
+
+    def copy(self, start: int, k: int) -> list[int]:
+        """k tokens copied from position `start` on; past the context's end the copy reads its own output (the last
+        e − start tokens repeating: module docstring)."""
+        out = self.tokens[start:start + k]
+        period = len(self.tokens) - start
+        while len(out) < k:
+            out.append(out[len(out) - period])
+        return out
 
     def continuations(self, depth: int, limit: int) -> list[list[int]]:
         """Up to `limit` distinct continuations (each up to `depth` tokens) of the context's suffix: what followed
@@ -85,7 +99,7 @@ class NGramIndex:
             for start in reversed(ends[-(SCAN_PER_PATH * limit + 1):]):  # the latest ones: bounded work per round
                 if start >= e:
                     continue  # the suffix itself
-                c = tuple(toks[start:start + depth])
+                c = tuple(self.copy(start, depth))
                 # a continuation that is a prefix of one already taken adds no node
                 if c and not any(s[:len(c)] == c for s in seen):
                     seen.add(c)

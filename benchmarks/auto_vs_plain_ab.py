@@ -6,7 +6,9 @@ to plain's.
 Modes: ar; ar2 (plain again: an A/A control, how far two identical modes drift apart in the sitting); auto; forced
 (auto whose verify cost curve is linear, so that no drafter can ever pay: every round plain — what auto's own
 bookkeeping costs); notree (auto without its DFlash token-tree option); noledger (auto whose ledger never bars an
-option: what its estimates alone do); auto2 (a second auto built as the first: an A/A control for auto); dflash, ngram, mtp (fixed, dflash at block 8).
+option: what its estimates alone do); auto2 (a second auto built as the first: an A/A control for auto); emascale (auto
+with the speed scale of the sixth session: an EMA of plain tokens and unpipelined plain steps, not the median of the
+former); dflash, ngram, mtp (fixed, dflash at block 8).
 
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
     AB_SET=DIR python benchmarks/auto_vs_plain_ab.py ...   the trained tiny set (benchmarks/bench_tiny_set.py DIR):
@@ -57,6 +59,25 @@ def unguarded(auto):
     return auto
 
 
+def ema_scale(auto):
+    """The speed scale as it was before the seventh session: an EMA (clipped 3x a sample) of the pipelined plain
+    tokens and of the unpipelined plain steps through the speculative engine, instead of the median of the former."""
+    from glimmer_mlx.speculative.auto.chooser import AutoChooser, robust_ema
+
+    ch = auto.chooser
+
+    def observe_plain(seconds):
+        ch.scale = robust_ema(ch.scale, seconds / ch.plain_cal, ch.scale_ema)
+
+    def update(name, k, n_accepted, regime="greedy", draft_time=None, verify_time=None):
+        AutoChooser.update(ch, name, k, n_accepted, regime, draft_time, verify_time)
+        if verify_time is not None and (name is None or k == 0):
+            ch.scale = robust_ema(ch.scale, verify_time / ch.costs[1], ch.scale_ema)
+
+    ch.observe_plain, ch.update = observe_plain, update
+    return auto
+
+
 make = {
     "ar": lambda: None, "ar2": lambda: None, "auto": d.auto,
     "forced": lambda: make_auto(m, dflash=d.dflash, mtp=d.mtp, ngram=8,
@@ -64,6 +85,7 @@ make = {
     "notree": lambda: make_auto(m, dflash=d.dflash, mtp=d.mtp, ngram=8, trees=False),
     "noledger": lambda: unguarded(second_auto()),
     "auto2": second_auto,
+    "emascale": lambda: ema_scale(second_auto()),
     "dflash": lambda: d.dflash, "ngram": d.ngram, "mtp": lambda: d.mtp,
 }
 drafter = {mo: make[mo]() for mo in modes}
@@ -85,4 +107,5 @@ print("T", T, "reps", reps, "tokens", maxt, "x plain:", {mo: round(base / sum(v)
 for mo, dr in drafter.items():
     if hasattr(dr, "chooser"):
         sm = dr.chooser.summary()
-        print(mo, "chosen", sm["chosen"], "ledger", sm.get("ledger_saved_ms"), sm.get("ledger_elapsed_ms"), sm.get("barred"))
+        print(mo, "chosen", sm["chosen"], "ledger", sm.get("ledger_saved_ms"), sm.get("ledger_elapsed_ms"), sm.get("barred"),
+              "scale", sm["speed_scale_now"])

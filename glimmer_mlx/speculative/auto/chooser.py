@@ -46,7 +46,9 @@ each round cost and accepted, and it never touches a model.
 
 from __future__ import annotations
 
+import collections
 import math
+import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -138,6 +140,11 @@ ENTER_GAIN = 0.05
 FUTURE_TOKENS = 128
 # the estimates every option's score shares are folded in every this many changes (`AutoChooser._rescore`)
 RESCORE_EVERY = 8
+# the speed scale is the median of this many latest pipelined plain tokens (`AutoChooser.observe_plain`): the timing
+# noise of a shared machine is heavy-tailed (the same round took 2.5–12 ms within one sitting here), and plain
+# tokens are rare once speculation pays, so an EMA of them sat wherever the last spikes left it (2.96–3.9 while their
+# median said 2.3), pricing every drafter against a plain token that much dearer than it was
+SCALE_WINDOW = 9
 # the promise kept by measurement, whatever the estimates say (`AutoChooser.credit`): speculation may lose at most this
 # share of the decoding time against plain decoding, over a window of about LEDGER_ROUNDS rounds (older rounds fade)
 LOSS_BUDGET = 0.02
@@ -269,7 +276,8 @@ class AutoChooser:
     plain_cost: calibrated seconds per pipelined plain token (default: the single forward, verify_costs[1]).
 
     Every time is kept in calibrated units: one running `scale` (how much slower the machine runs now than at
-    calibration, measured by every plain token) converts each measurement when it comes in. A slowdown seen while
+    calibration: the median of the latest `SCALE_WINDOW` pipelined plain tokens over the calibrated one) converts
+    each measurement when it comes in. A slowdown seen while
     decoding plainly (another process, a longer context) then raises the drafters' costs too, and every comparison
     stays between figures measured at the same speed. A verify round does more than the calibrated forward
     (sampling the target's distributions, the acceptance test, rewinding): `verify_factor` (per regime, and per option
@@ -299,7 +307,8 @@ class AutoChooser:
         self.options: dict[str, Option] = {}
         self.scale_ema = scale_ema
         self._spec_last = False  # the latest choice was a drafter
-        self.scale = 1.0  # measured / calibrated time of a plain token, EMA
+        self.scale = 1.0  # measured / calibrated time of a pipelined plain token, the median of the latest few
+        self._speeds: collections.deque = collections.deque(maxlen=SCALE_WINDOW)
         self.verify_factor: dict[str, float] = {}  # regime -> measured verify round / calibrated forward, EMA
         # calibrated seconds a speculative round spends outside its measured draft and verify windows (choosing,
         # committing, the drafters' bookkeeping), EMA
@@ -674,8 +683,9 @@ class AutoChooser:
                 opt.cost.observe(k, draft_time / self.scale)
         if verify_time is None:
             return
-        if name is None or k == 0:  # a plain step through the speculative engine (not pipelined)
-            self.scale = robust_ema(self.scale, verify_time / self.costs[1], self.scale_ema)
+        if name is None or k == 0:
+            # a plain step through the speculative engine: unpipelined, not what a plain token costs (on a machine
+            # where the host and the model share the cores the two drift apart from what calibration measured)
             return
         opt = self.options.get(name)
         L = k + 1 if opt is None else opt.verify_rows(k)
@@ -758,8 +768,9 @@ class AutoChooser:
         self.version += 1
 
     def observe_plain(self, seconds: float) -> None:
-        """Measured seconds of one pipelined plain token: how fast the machine runs now."""
-        self.scale = robust_ema(self.scale, seconds / self.plain_cal, self.scale_ema)
+        """Measured seconds of one pipelined plain token: how fast the machine runs now (`SCALE_WINDOW`)."""
+        self._speeds.append(seconds / self.plain_cal)
+        self.scale = statistics.median(self._speeds)
 
     def summary(self) -> dict:
         return {

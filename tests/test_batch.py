@@ -712,6 +712,48 @@ def test_model_drafter_rows_draft_together_exactly_what_they_would_alone(sess, i
         assert {int(n): c for n, c in rows[j].hist.items()} == st.extra["acceptance_histogram"], j
 
 
+def test_an_auto_row_is_sized_for_the_batch_it_joins_counting_the_rows_queued_with_it(sess, ids, ba):
+    """A model drafter that pays for a request alone but not in a batch of four: four auto requests added at once
+    carry only n-gram lookup (each is sized, when its prefill starts, by the rows decoding and those queued with it
+    — sized at `add`, the first ones saw an empty batch and carried the drafter, its taps every step); one request
+    alone carries it."""
+    ba.curve = {n: 0.01 * (1 + 0.4 * (n - 1)) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # each row +40 %
+    ba.measured, ba.ratio = {}, None
+    pin(ba, "dflash", "greedy", 0.6)
+    pin(ba, "mtp", "greedy", 0.6)
+    assert ba.could_pay("mtp", "greedy", 1, optimistic=False)
+    assert not ba.could_pay("mtp", "greedy", 4, optimistic=False)
+    assert not ba.could_pay("dflash", "greedy", 4, optimistic=False)
+    gen = BatchGenerator(sess.model, auto=ba)
+    rows = [gen.add(request(sess, ids[i], "auto", params(), 0, 8)) for i in range(4)]
+    while gen.waiting:
+        gen.step()
+    assert [set(r.options) for r in rows] == [{"ngram"}] * 4
+    ba.measured, ba.ratio = {}, None  # what the steps above measured: the curve alone again
+    assert ba.could_pay("mtp", "greedy", 1, optimistic=False)
+    alone = BatchGenerator(sess.model, auto=ba)
+    row = alone.add(request(sess, ids[0], "auto", params(), 0, 8))
+    alone.step()
+    assert {"ngram", "mtp"} <= set(row.options)
+
+
+def test_the_server_sizes_an_auto_request_for_the_jobs_running_and_queued(sess, ids, monkeypatch):
+    """`glimmer serve` chooses an auto request's drafters (with its prompt-cache lookup) when it moves the job into
+    the batch: four requests arriving together are each sized for a batch of four, not as if alone."""
+    from glimmer_mlx.serve.api import Request
+    from glimmer_mlx.serve.worker import Worker
+    from glimmer_mlx.speculative.auto.batch import BatchAuto
+
+    sizes, real = [], BatchAuto.options
+    monkeypatch.setattr(BatchAuto, "options", lambda self, regime, batch=1: (sizes.append(batch),
+                                                                            real(self, regime, batch))[1])
+    worker = Worker(sess, max_queue=8, max_batch=8)
+    for i in range(4):
+        worker.submit(Request(list(ids[i]), params(), 0, None, 8, DecodeSpec("auto", None)))
+    worker._take_jobs(wait=False)
+    assert len(worker.running) == 4 and sizes == [4, 4, 4, 4]
+
+
 def test_a_new_auto_row_carries_only_drafters_that_pay_by_their_mean(ba):
     """`BatchAuto.options`: a model drafter joins a new auto row only if it beats plain at the batch's size by its
     mean estimate (what `choose` goes by); one that only its optimistic scenario makes pay would never draft and

@@ -172,8 +172,9 @@ class Worker:
             self.batch.auto = s.drafters.batch_auto()
 
         def fresh() -> dict:
-            if auto:
-                return self.batch.auto.options("greedy" if p.sampler.params.greedy else "sampling")
+            if auto:  # sized for the batch it will decode in: the jobs running and those queued behind it
+                batch = min(self.max_batch, len(self.running) + self.jobs.qsize() + 1)
+                return self.batch.auto.options("greedy" if p.sampler.params.greedy else "sampling", batch)
             return {} if p.drafter is None else {p.drafter.kind: p.drafter.fork()}
 
         drafters, cache, reuse, reason = fresh(), None, 0, "fresh: no cached prefix"

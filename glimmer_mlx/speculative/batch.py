@@ -263,9 +263,8 @@ class BatchGenerator:
     def add(self, req: BatchRequest) -> Row:
         if req.auto and (self.auto is None or req.drafter is not None):
             raise ValueError("an auto row needs the batch's auto chooser and no drafter of its own")
-        regime = "greedy" if req.sampler.params.greedy else "sampling"
-        options = (req.options if req.options is not None else self.auto.options(regime, len(self.rows) + 1)) \
-            if req.auto else None
+        # an auto row's drafters are chosen when its prefill starts (`_prefill_chunk`), not here
+        options = (req.options if req.options is not None else {}) if req.auto else None
         row = Row(req, self.model, self.prefill_step, options=options)
         self.waiting.append(row)
         return row
@@ -278,6 +277,13 @@ class BatchGenerator:
     def _prefill_chunk(self, row: Row) -> GenerationChunk | None:
         """One prefill chunk of `row`; after the last one its first token (the chunk returned) and it joins."""
         ids, s = row.req.ids, row.done_prefill
+        if s == row.req.reuse and row.req.auto and row.req.options is None:
+            # an auto row's own drafters (before its prefill: they take its taps), for the batch it will decode in:
+            # the rows decoding now and those queued with it, which join before it or right after (a burst of
+            # requests added at once must not each be sized as if alone — the first would carry a model drafter,
+            # its taps and bookkeeping, until `PRUNE_EVERY` steps drop it)
+            n = min(self.max_batch, len(self.rows) + len(self.waiting))
+            row.options = self.auto.options(row.regime, max(1, n))
         e = min(len(ids), s + row.prefill_step)
         want = tuple(sorted({t for d in row.drafters for t in d.taps}))
         taps = want if row.drafters else None

@@ -602,19 +602,22 @@ class AutoChooser:
         it per token is a measurable share of a small model's step."""
         return None if self._spec_last else self.could_pay(regime, remaining)
 
-    def paying(self, regime: str = "greedy", remaining: int | None = None) -> frozenset:
-        """The options whose mean estimate beats plain by `ENTER_GAIN` at some width after a plain round — those a
-        plain stretch would be left for (`best`'s bar there). Only their drafters are kept in step on the taps of
-        plain forwards: one that pays less would never be entered, and its taps would cost every plain token."""
+    def paying(self, regime: str = "greedy", remaining: int | None = None, among: frozenset | None = None
+               ) -> frozenset:
+        """The options (of `among`; None: all) whose mean estimate beats plain by `ENTER_GAIN` at some width after a
+        plain round — those a plain stretch would be left for (`best`'s bar there). Only their drafters are kept in
+        step on the taps of plain forwards: one that pays less would never be entered, and its taps would cost every
+        plain token."""
         self.set_horizon(remaining)
-        key = ("paying", None, regime, self.horizon, self._lag_sig)
+        key = ("paying", None, regime, self.horizon, self._lag_sig, among)
         out = self._memo.get(key)
         if out is None:
             spec_last, self._spec_last = self._spec_last, False
             try:
                 bar = (1 + ENTER_GAIN) / self.plain_cal
                 out = self._memo[key] = frozenset(n for n in self.options
-                                                  if n not in self.barred and self._leaders(n, regime)[-1][1] > bar)
+                                                  if (among is None or n in among) and n not in self.barred
+                                                  and self._leaders(n, regime)[-1][1] > bar)
             finally:
                 self._spec_last = spec_last
         return out

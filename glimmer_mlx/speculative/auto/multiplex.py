@@ -334,8 +334,12 @@ class AutoDrafter:
         one of them pays by its mean estimate (`AutoChooser.paying`), it stays in step on them instead of catching up
         later; one that is only worth exploring catches up when it is tried (on a small model the taps of every
         plain token cost a few percent)."""
-        pays = {self._kind_of[o] for o in self.chooser.paying(regime, remaining)}
-        return any(n in pays for n in self._model if n not in self._lost)
+        kept = [n for n in self._model if n not in self._lost]
+        if not kept:
+            return False
+        among = frozenset(o for o, n in self._kind_of.items() if n in kept)  # only theirs: n-gram reads no taps
+        pays = {self._kind_of[o] for o in self.chooser.paying(regime, remaining, among)}
+        return any(n in pays for n in kept)
 
     def wants_taps(self, regime: str) -> bool:
         """Whether a model drafter pays in a new context by its mean estimate (a prefill then yields its taps)."""

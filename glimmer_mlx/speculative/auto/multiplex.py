@@ -99,6 +99,7 @@ class AutoDrafter:
             self._add_trees()
         self._ngram_options = frozenset(o for o, n in self._kind_of.items() if n == "ngram")
         self._model = [n for n in self.drafters if n != "ngram"]  # the drafters that read the target's taps
+        self._model_options = frozenset(self._kind_of) - self._ngram_options  # theirs (`_warm` asks about no other)
         # set by the decoder that drives it: fill(a) recomputes the target's taps over positions [a, now) (rewinding
         # its cache and running those tokens again; None when the cache cannot rewind that far), can_fill(n) says
         # whether n positions could be
@@ -334,12 +335,8 @@ class AutoDrafter:
         one of them pays by its mean estimate (`AutoChooser.paying`), it stays in step on them instead of catching up
         later; one that is only worth exploring catches up when it is tried (on a small model the taps of every
         plain token cost a few percent)."""
-        kept = [n for n in self._model if n not in self._lost]
-        if not kept:
-            return False
-        among = frozenset(o for o, n in self._kind_of.items() if n in kept)  # only theirs: n-gram reads no taps
-        pays = {self._kind_of[o] for o in self.chooser.paying(regime, remaining, among)}
-        return any(n in pays for n in kept)
+        pays = {self._kind_of[o] for o in self.chooser.paying(regime, remaining, self._model_options)}
+        return any(n in pays for n in self._model if n not in self._lost)
 
     def wants_taps(self, regime: str) -> bool:
         """Whether a model drafter pays in a new context by its mean estimate (a prefill then yields its taps)."""

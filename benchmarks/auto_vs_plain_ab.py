@@ -8,7 +8,9 @@ Modes: ar; ar2 (plain again: an A/A control, how far two identical modes drift a
 bookkeeping costs); notree (auto without its DFlash token-tree option); noledger (auto whose ledger never bars an
 option: what its estimates alone do); auto2 (a second auto built as the first: an A/A control for auto); emascale (auto
 with the speed scale of the sixth session: an EMA of plain tokens and unpipelined plain steps, not the median of the
-former); dflash, ngram, mtp (fixed, dflash at block 8).
+former); nocheck (auto whose speculative stretches never stop to measure plain tokens again, as in the seventh
+session); budget2 (auto whose ledger lets speculation lose 2 % of the decoding time, as before the eighth session,
+not 0.5 %); before (both: the seventh session's auto); dflash, ngram, mtp (fixed, dflash at block 8).
 
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
     AB_SET=DIR python benchmarks/auto_vs_plain_ab.py ...   the trained tiny set (benchmarks/bench_tiny_set.py DIR):
@@ -59,12 +61,26 @@ def unguarded(auto):
     return auto
 
 
+def budget(auto, share):
+    """auto whose ledger lets speculation lose `share` of the decoding time (`AutoChooser.loss_budget`)."""
+    auto.chooser.loss_budget = share
+    return auto
+
+
+def no_check(auto):
+    """auto as before the eighth session: a speculative stretch never stops to measure plain tokens again, however
+    old the scale it is priced on (`AutoChooser.check_due`)."""
+    auto.chooser.stale_rounds = 10**9
+    return auto
+
+
 def ema_scale(auto):
     """The speed scale as it was before the seventh session: an EMA (clipped 3x a sample) of the pipelined plain
     tokens and of the unpipelined plain steps through the speculative engine, instead of the median of the former."""
     from glimmer_mlx.speculative.auto.chooser import AutoChooser, robust_ema
 
     ch = auto.chooser
+    ch.stale_rounds = 10**9  # as it was then: a stretch never checks the scale (nor could: the EMA keeps no rounds)
 
     def observe_plain(seconds):
         ch.scale = robust_ema(ch.scale, seconds / ch.plain_cal, ch.scale_ema)
@@ -86,6 +102,9 @@ make = {
     "noledger": lambda: unguarded(second_auto()),
     "auto2": second_auto,
     "emascale": lambda: ema_scale(second_auto()),
+    "budget2": lambda: budget(second_auto(), 0.02),
+    "nocheck": lambda: no_check(second_auto()),
+    "before": lambda: budget(no_check(second_auto()), 0.02),
     "dflash": lambda: d.dflash, "ngram": d.ngram, "mtp": lambda: d.mtp,
 }
 drafter = {mo: make[mo]() for mo in modes}

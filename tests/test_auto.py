@@ -1250,11 +1250,12 @@ def test_only_a_drafter_that_would_be_entered_keeps_its_taps_warm():
 # -- the ledger: what speculation measurably did against plain decoding (`AutoChooser.credit`) -----------------------
 
 
-def ledger_sitting(ch, options, rounds, wall, guard=True, seed=0):
+def ledger_sitting(ch, options, rounds, wall, guard=True, seed=0, plain=10 * MS):
     """`rounds` rounds of a chooser driven as AutoDecoder drives it, on a clock: a plain round costs 10 ms; a round
     of option `name` drafts k, accepts each draft with probability options[name] and takes wall(name, k) seconds —
     a cost the chooser's model may not have (it is told only the acceptance). guard=False: the ledger is kept but
-    never bars (what auto did without it). Returns (seconds, tokens, {option: its rounds})."""
+    never bars (what auto did without it). plain: what a plain token costs on the clock (each one is measured, as
+    AutoDecoder measures those of a plain stretch). Returns (seconds, tokens, {option: its rounds})."""
     import random
 
     from glimmer_mlx.speculative.auto import chooser as chooser_mod
@@ -1267,8 +1268,9 @@ def ledger_sitting(ch, options, rounds, wall, guard=True, seed=0):
         for _ in range(rounds):
             name, k = ch.choose({n: ch.options[n].max_k for n in options}, remaining=4096)
             if name is None:
-                ch.elapse(10 * MS)
-                clock, tokens = clock + 10 * MS, tokens + 1
+                ch.elapse(plain)
+                ch.observe_plain(plain)
+                clock, tokens = clock + plain, tokens + 1
                 continue
             acc = 0
             while acc < k and rng.random() < options[name]:
@@ -1300,6 +1302,50 @@ def test_the_ledger_bounds_what_a_cost_the_model_does_not_have_can_lose():
     assert loss_unguarded > 0.15 and used_unguarded["dflash"] > 1000  # what the estimates alone do
     assert loss <= LOSS_BUDGET + 0.001 and 0 < used["dflash"] < 200  # tried now and then, as the budget allows
     assert "dflash" in ch.summary()["barred"] or ch.saved["dflash"] + LOSS_BUDGET * ch.elapsed >= 0
+
+
+def test_a_stretch_on_a_stale_scale_is_checked_and_its_ledger_priced_again(monkeypatch):
+    """The scale was measured in a slow moment (plain tokens at 20 ms) and the machine then runs at full speed again
+    (10 ms) while a DFlash stretch runs whose rounds take 60 ms for ~4.2 tokens (a 31 % loss). Priced on the frozen
+    scale every round looks like a saving (4.2 × 10 − 60 / 2) and the stretch never samples plain decoding again:
+    without the check it drafts every one of 3 000 rounds. With it, after `STALE_ROUNDS` rounds plain tokens are
+    measured, the stretch's credits are priced at the scale they measure, and the losing option is barred."""
+    from glimmer_mlx.speculative.auto import chooser as chooser_mod
+
+    def sitting(stale):
+        monkeypatch.setattr(chooser_mod, "STALE_ROUNDS", stale)
+        ch = chooser(flat(9), {"dflash": (7, "affine", (2 * MS, 0.0), [0.8] * 7)})
+        for _ in range(9):
+            ch.observe_plain(20 * MS)
+        ch.elapse(20.0)  # what was decoded before (the ledger's budget)
+        return sitting_result(*ledger_sitting(ch, {"dflash": 0.8}, 3000, lambda n, k: 60 * MS)), ch
+
+    (loss_frozen, used_frozen), frozen = sitting(10**9)
+    (loss, used), ch = sitting(256)
+    assert used_frozen["dflash"] == 3000 and loss_frozen > 0.25 and frozen.saved["dflash"] > 0
+    assert used["dflash"] <= 256 + 2 and loss < 0.15
+    assert ch.scale == pytest.approx(1.0) and ch.saved["dflash"] < 0 and "dflash" in ch.barred
+
+
+def test_a_check_of_the_scale_keeps_only_its_own_plain_tokens():
+    """Once due, every round is plain until `CHECK_SAMPLES` plain tokens are measured, and the scale is theirs alone
+    (not the median with the stale ones); a chooser that never measured a plain token has nothing to check."""
+    from glimmer_mlx.speculative.auto.chooser import CHECK_SAMPLES, STALE_ROUNDS
+
+    ch = chooser(flat(9), {"ngram": (8, "free", 0.0, [0.9] * 8)})
+    for _ in range(STALE_ROUNDS + 10):
+        assert ch.choose({"ngram": 8})[0] == "ngram"
+    for _ in range(9):
+        ch.observe_plain(30 * MS)
+    assert ch.scale == pytest.approx(3.0)
+    for _ in range(STALE_ROUNDS):
+        assert ch.choose({"ngram": 8})[0] == "ngram"
+    assert ch.choose({"ngram": 8})[0] == "ngram"
+    for i in range(CHECK_SAMPLES):
+        assert ch.choose({"ngram": 8}) == (None, 0)
+        ch.observe_plain(10 * MS)
+        assert ch.scale == pytest.approx(3.0 if i + 1 < CHECK_SAMPLES else 1.0)
+    assert ch.choose({"ngram": 8})[0] == "ngram"
 
 
 def sitting_result(clock, tokens, used):
@@ -1364,10 +1410,12 @@ def test_the_ledger_bars_what_lost_when_the_losses_together_exceed_the_budget():
     measurably saves still is, and a quarter of its saving (`SURPLUS_SHARE`) joins the budget; one never tried may
     be tried (once: then it is on the ledger)."""
     opts = {n: (8, "free", 0.0, [0.9] * 8) for n in ("a", "b", "c", "untried")}
+    from glimmer_mlx.speculative.auto.chooser import LOSS_BUDGET
+
     ch = chooser(flat(9), opts)
     ch.observe_plain(10 * MS)
-    ch.elapse(1.0)
-    ch.credit("a", 1, 35 * MS)  # −25 ms: over the 20 ms budget of 1 s
+    ch.elapse(20 * MS / LOSS_BUDGET)  # a decoding time whose budget is 20 ms
+    ch.credit("a", 1, 35 * MS)  # −25 ms: over the 20 ms budget
     assert ch.barred == {"a"}
     ch.credit("c", 8, 20 * MS)  # saved 60 ms: 15 of them join the budget
     assert not ch.barred
@@ -1383,7 +1431,7 @@ def test_the_ledger_bars_what_lost_when_the_losses_together_exceed_the_budget():
 def test_one_stall_during_a_speculative_round_bars_speculation_only_briefly():
     """A one-second stall (another process, a first-call build) inside one speculative round is charged at most
     `LEDGER_ROUND_CAP` plain tokens: speculation is open again after a few hundred plain tokens, not after the 50 s
-    of decoding a 2 % budget needs to pay for a whole second (or the thousands of rounds the ledger takes to fade
+    of decoding the budget needs to pay for a whole second (or the thousands of rounds the ledger takes to fade
     it). Catches: a round's loss charged uncapped."""
     from glimmer_mlx.speculative.auto.chooser import LEDGER_ROUND_CAP, LOSS_BUDGET
 

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import collections
 import math
-import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -181,6 +180,13 @@ def alpha_from_tau(tau: float, width: int) -> float:
         else:
             hi = mid
     return (lo + hi) / 2
+
+
+def _median(xs: list[float]) -> float:
+    """statistics.median of a short list, without its overhead (it runs after every plain token)."""
+    xs.sort()
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
 
 
 def robust_ema(old: float | None, x: float, w: float, clip: float = 3.0) -> float:
@@ -803,15 +809,16 @@ class AutoChooser:
         self._speeds.append((self.round, seconds / self.plain_cal))
         self._sampled_at = self.round
         if self._check_from is None:
-            self.scale = statistics.median(x for _, x in self._speeds)
-            self._unconfirmed.clear()  # priced on a scale measured in the latest `STALE_ROUNDS` rounds
+            self.scale = _median([x for _, x in self._speeds])
+            if self._unconfirmed:
+                self._unconfirmed.clear()  # priced on a scale measured in the latest `STALE_ROUNDS` rounds
             return
         fresh = [(r, x) for r, x in self._speeds if r >= self._check_from]
         if len(fresh) < CHECK_SAMPLES:
             return
         self._speeds = collections.deque(fresh, maxlen=SCALE_WINDOW)
         self._check_from = None
-        self.scale = statistics.median(x for _, x in fresh)
+        self.scale = _median([x for _, x in fresh])
         self._forget()  # a plain verdict held for the check does not hold past it
         self._confirm()
 

@@ -13,6 +13,7 @@ session); budget2 (auto whose ledger lets speculation lose 2 % of the decoding t
 not 0.5 %); before (both: the seventh session's auto); dflash, ngram, mtp (fixed, dflash at block 8).
 
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
+    AB_OUT=FILE ...   also appends the sitting to FILE as one JSON line (every run, each auto's summary)
     AB_SET=DIR python benchmarks/auto_vs_plain_ab.py ...   the trained tiny set (benchmarks/bench_tiny_set.py DIR):
         its target, DFlash drafter and MTP layers; the prompts byte-encoded as `glimmer bench` does
 """
@@ -128,3 +129,17 @@ for mo, dr in drafter.items():
         sm = dr.chooser.summary()
         print(mo, "chosen", sm["chosen"], "ledger", sm.get("ledger_saved_ms"), sm.get("ledger_elapsed_ms"), sm.get("barred"),
               "scale", sm["speed_scale_now"])
+out = os.environ.get("AB_OUT")
+if out:  # every run's seconds per token and each auto's summary, appended as one JSON line per sitting
+    import json
+    import platform
+    import time
+
+    sitting = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "set": SET or "embedded",
+               "temperature": T, "reps": reps, "max_tokens": maxt, "machine": platform.machine(),
+               "ld_preload": os.environ.get("LD_PRELOAD", ""),
+               "x_plain": {mo: base / sum(v) for mo, v in seconds.items()},
+               "seconds_per_token": seconds,
+               "auto": {mo: dr.chooser.summary() for mo, dr in drafter.items() if hasattr(dr, "chooser")}}
+    with open(out, "a") as f:
+        f.write(json.dumps(sitting) + "\n")

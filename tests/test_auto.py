@@ -1345,7 +1345,7 @@ def test_a_check_of_the_scale_keeps_only_its_own_plain_tokens():
         assert ch.choose({"ngram": 8}) == (None, 0)
         ch.observe_plain(10 * MS)
         assert ch.scale == pytest.approx(3.0 if i + 1 < CHECK_SAMPLES else 1.0)
-    assert ch.choose({"ngram": 8})[0] == "ngram"
+    assert ch.choose({"ngram": 8})[0] == "ngram" and ch.summary()["scale_checks"] == 1
 
 
 def sitting_result(clock, tokens, used):

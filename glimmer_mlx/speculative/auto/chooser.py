@@ -145,7 +145,8 @@ RESCORE_EVERY = 8
 # median said 2.3), pricing every drafter against a plain token that much dearer than it was
 SCALE_WINDOW = 9
 # ... and it is kept honest: after this many rounds without a plain token (a speculative stretch that runs on), the
-# next rounds are plain until CHECK_SAMPLES fresh plain tokens are measured, and only those make the scale (`check_due`).
+# next rounds are plain until CHECK_SAMPLES fresh plain tokens are measured, and only those make the scale
+# (`check_due`).
 # A stretch priced on a scale frozen in a slow moment (the machine measured slower than it is now) sees its rounds
 # as cheap and its ledger in surplus, and nothing in it would ever sample plain decoding again: on the embedded model
 # such a stretch of DFlash rounds ran for ~1 500 rounds at 0.81x plain
@@ -328,6 +329,7 @@ class AutoChooser:
         self._sampled_at: int | None = None  # the round of the latest plain token measured (`check_due`)
         self._check_from: int | None = None  # the round a running check of the scale began at
         self.stale_rounds = STALE_ROUNDS
+        self.checks = 0  # checks of the scale begun (`check_due`)
         # option -> [wall seconds, calibrated seconds charged] its ledger was credited since the latest plain token
         # measured: priced again, if the machine measures faster then (`_confirm`)
         self._unconfirmed: dict[str, list[float]] = {}
@@ -834,13 +836,14 @@ class AutoChooser:
         if self._sampled_at is None or self.round - self._sampled_at <= self.stale_rounds:
             return False
         self._check_from = self.round
+        self.checks += 1
         self._forget()
         return True
 
     def _confirm(self) -> None:
         """The ledger's credits since the latest measured plain token before a check, at the scale the check
-        measured if that is lower (plain decoding cheaper than they were priced against: they saved less, or lost more); a higher one
-        changes nothing (the ledger never rises on a re-pricing)."""
+        measured if that is lower (plain decoding cheaper than they were priced against: they saved less, or lost
+        more); a higher one changes nothing (the ledger never rises on a re-pricing)."""
         changed = False
         for name, (wall, charged) in self._unconfirmed.items():
             extra = wall / self.scale - charged
@@ -858,6 +861,7 @@ class AutoChooser:
             "verify_cost_ms": {L: round(1000 * c, 3) for L, c in sorted(self.costs.items())},
             "verify_cost_ratio": {L - 1: round(c / self.costs[1], 3) for L, c in sorted(self.costs.items())},
             "speed_scale_now": round(self.scale, 3),
+            "scale_checks": self.checks,
             "verify_factor": {r: round(v, 3) for r, v in sorted(self.verify_factor.items())},
             "round_overhead_ms": round(1000 * self.scale * self.round_overhead, 3),
             "switch_cost_ms": round(1000 * self.scale * self.switch_cost, 3),

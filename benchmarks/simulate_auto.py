@@ -1,7 +1,7 @@
 """Simulate `auto`'s chooser (`AutoChooser`, the real decision code) against fixed choices on a synthetic drafter:
 per-position acceptance drawn at random, the trained tiny set's verify cost curve (OpenBLAS, BENCHMARKS.md), a plain
 token 3.2 ms, the first plain token after a speculative round unpipelined (+0.9 of a step), a drafter idle for more
-than a block recomputing its taps (C(L)). Noise-free, so decision-rule changes can be compared without a quiet
+than a block recomputing its taps (C(L)); the chooser's ledger is kept as AutoDecoder keeps it (`credit`, `elapse`). Noise-free, so decision-rule changes can be compared without a quiet
 machine; the figures it prints are tokens per second relative to plain decoding, averaged over seeds.
 
     python benchmarks/simulate_auto.py --draft-ms 3 [--future-tokens 128] [--requests 10 --tokens 96]
@@ -47,9 +47,11 @@ def simulate(policy: str, draft: float, *, requests: int, tokens: int, seed: int
             if name is None:
                 seconds += PLAIN * (1.9 if spec_last else 1.0)
                 if policy == "auto":
+                    ch.elapse(PLAIN * (1.9 if spec_last else 1.0))
                     ch.observe_plain(PLAIN)
                     if spec_last:
                         ch.observe_switch(0.9 * PLAIN)
+                        ch.credit("dflash", 0, 0.9 * PLAIN)  # the stretch's unpipelined plain token (its ledger)
                 left, done, lag, spec_last = left - 1, done + 1, lag + 1, False
                 continue
             fill = COSTS[9] if lag > 8 else 0.0
@@ -61,6 +63,8 @@ def simulate(policy: str, draft: float, *, requests: int, tokens: int, seed: int
             left, done, lag, spec_last = left - got, done + got, n + 1, True
             if policy == "auto":
                 ch.update("dflash", kk, n, regime, draft, COSTS[kk + 1])
+                ch.elapse(draft + COSTS[kk + 1] + fill)
+                ch.credit("dflash", got, draft + COSTS[kk + 1] + fill)
     return done / seconds, sum(ch.explored.values())
 
 
@@ -70,6 +74,8 @@ def main() -> None:
     ap.add_argument("--future-tokens", type=int, default=None, help="override chooser.FUTURE_TOKENS")
     ap.add_argument("--prior-tau", type=float, default=2.2, help="the drafter's eval.json τ at 7 drafts")
     ap.add_argument("--prior-weight", type=float, default=None, help="override chooser.PRIOR_WEIGHT")
+    ap.add_argument("--loss-budget", type=float, default=None, help="override chooser.LOSS_BUDGET (the ledger's)")
+    ap.add_argument("--ledger-floor", type=float, default=None, help="override chooser.LEDGER_FLOOR (plain tokens)")
     ap.add_argument("--requests", type=int, default=10)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--seeds", type=int, default=16)
@@ -78,12 +84,17 @@ def main() -> None:
         chooser_mod.FUTURE_TOKENS = a.future_tokens
     if a.prior_weight is not None:
         chooser_mod.PRIOR_WEIGHT = a.prior_weight
+    if a.loss_budget is not None:
+        chooser_mod.LOSS_BUDGET = a.loss_budget
+    if a.ledger_floor is not None:
+        chooser_mod.LEDGER_FLOOR = a.ledger_floor
     res = {p: [simulate(p, a.draft_ms * MS, requests=a.requests, tokens=a.tokens, seed=s, prior_tau=a.prior_tau)
                 for s in range(a.seeds)]
            for p in ("plain", "dflash", "auto")}
     base = statistics.mean(r for r, _ in res["plain"])
     rel = {p: round(statistics.mean(r for r, _ in v) / base, 3) for p, v in res.items()}
-    print(f"draft {a.draft_ms} ms, prior τ {a.prior_tau}, FUTURE_TOKENS {chooser_mod.FUTURE_TOKENS}, PRIOR_WEIGHT {chooser_mod.PRIOR_WEIGHT}: × plain {rel}, auto explored "
+    print(f"draft {a.draft_ms} ms, prior τ {a.prior_tau}, FUTURE_TOKENS {chooser_mod.FUTURE_TOKENS}, PRIOR_WEIGHT "
+          f"{chooser_mod.PRIOR_WEIGHT}, LOSS_BUDGET {chooser_mod.LOSS_BUDGET}, LEDGER_FLOOR {chooser_mod.LEDGER_FLOOR}: × plain {rel}, auto explored "
           f"{statistics.mean(e for _, e in res['auto']):.1f} rounds a run")
 
 

@@ -165,6 +165,14 @@ SURPLUS_SHARE = 0.25
 # ... and one round (or one stretch's plain tokens) is charged at most this many plain tokens' time: a stall of the
 # machine (another process, a first-call build) during a speculative round must not bar speculation for minutes
 LEDGER_ROUND_CAP = 16
+# ... and together they may always lose this many plain tokens' time: early in a process 0.5 % of the short decoding
+# time so far is less than one losing round, so the first round a paying drafter lost (its catch-up, an unlucky
+# acceptance) barred it for hundreds of rounds. Later the budget is the larger (the decoding time fades with the
+# ledger: 0.5 % of ~1024 rounds is ~5 plain tokens), so the floor does not raise the share auto may lose.
+# `benchmarks/simulate_auto.py` (64 seeds of ten 96-token requests): a drafter paying 1.66x, auto 1.40x without the
+# floor (1.51x at the former 2 % budget), 1.63x with it; one paying 1.17x: 1.05x / 1.08x / 1.09x; one losing 19 %:
+# 0.993x / 0.984x / 0.992x plain
+LEDGER_FLOOR = 4
 
 
 PRIOR_WEIGHT = 4.0  # a drafter's own measured τ (its eval.json) counts as this many observed rounds
@@ -694,6 +702,8 @@ class AutoChooser:
         for u in self._unconfirmed.values():
             u[0] *= fade
             u[1] *= fade
+        if self.barred:
+            self._bar()  # the losses faded under the floor (`LEDGER_FLOOR`): the bar may lift
         factor = self.age ** self.age_every
         for opt in self.options.values():
             for regime, stats in opt.stats.items():
@@ -757,7 +767,7 @@ class AutoChooser:
     def _bar(self) -> None:
         lost = sum(v for v in self.saved.values() if v < 0.0)
         short = -lost - SURPLUS_SHARE * sum(v for v in self.saved.values() if v > 0.0)
-        if short > self.loss_budget * self.elapsed:
+        if short > max(self.loss_budget * self.elapsed, LEDGER_FLOOR * self.plain_cal):
             barred = frozenset(n for n, v in self.saved.items() if v <= 0.0)
             self._reopen = short / self.loss_budget
         else:

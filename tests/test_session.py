@@ -95,6 +95,31 @@ def test_common_prefix():
     assert common_prefix([], [1]) == 0 and common_prefix([1, ("image", "k", 0)], [1, ("image", "k", 0)]) == 2
 
 
+def test_an_auto_drafter_that_sat_out_a_turn_is_extended_not_restarted(spec_models, monkeypatch):
+    """auto over a session: DFlash drafts in turn 1, sits out every round of turn 2 (plain), drafts again in turn 3.
+    It is started once and extended since — rewound again from the point turn 2 left it at, not restarted on the
+    whole context (which recomputes its state over every token) — and every turn's output is plain decoding's."""
+    from test_auto import Scripted
+
+    model, dflash, mtp, _ = spec_models
+    session = Session(model, drafters={"dflash": dflash, "mtp": mtp})
+    auto = session.auto_drafter()
+    auto.chooser = Scripted(auto.chooser, [("dflash", 3)])
+    calls = {"start": 0, "extend": 0}
+    d = auto.drafters["dflash"]
+    for name in calls:
+        real = getattr(d, name)
+        monkeypatch.setattr(d, name, lambda *a, _n=name, _r=real: (calls.__setitem__(_n, calls[_n] + 1), _r(*a))[1])
+    ids = ids_of(1, 9)
+    for turn, script in enumerate(([("dflash", 3)], [(None, 0)], [("dflash", 3)])):
+        auto.chooser.script, auto.chooser.i = script, 0
+        toks, _, _, st = session.generate(ids, mode="auto", max_tokens=20)
+        assert toks == glimmer_mlx.generate(model, ids, max_tokens=20).tokens
+        assert turn == 0 or st.extra["cache"] == "reused"
+        ids = ids + toks + ids_of(10 + turn, 5)
+    assert calls == {"start": 1, "extend": 1}
+
+
 @pytest.mark.parametrize("mode,width", [("ar", None), ("dflash", None), ("dflash", 3), ("dflash", "auto"),
                                         ("mtp", 2), ("mtp", 3), ("auto", None)])
 def test_reuse_matches_fresh_generation(spec_models, monkeypatch, tmp_path, mode, width):

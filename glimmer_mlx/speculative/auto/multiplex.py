@@ -430,7 +430,7 @@ class AutoDrafter:
 
     def rewind_context(self, keep: int) -> int:
         """Each model drafter rewinds to its own point (see their `rewind_context`; one that cannot, or has no
-        state, starts afresh). The target re-runs from `keep`, or from the point of a drafter that was in step to the
+        state, starts afresh; one that sat out the whole previous turn rewinds again from the point it was left at). The target re-runs from `keep`, or from the point of a drafter that was in step to the
         end (MTP restarts its chain a few positions back): their taps then come with that prefill. A drafter that
         was behind stays behind, and catches up (`fill`) only if it is asked to draft."""
         keep = max(0, min(keep, self.context_length()))
@@ -438,7 +438,7 @@ class AutoDrafter:
         lowest = keep
         for n in self._model:
             in_step = self._how[n] == "accept" and self._at[n] == end
-            if self._how[n] != "accept" or n in self._lost:
+            if self._how[n] == "start" or n in self._lost:  # no state, or one that cannot catch up here
                 self._how[n] = "start"
                 continue
             try:

@@ -127,8 +127,8 @@ print("T", T, "reps", reps, "tokens", maxt, "x plain:", {mo: round(base / sum(v)
 for mo, dr in drafter.items():
     if hasattr(dr, "chooser"):
         sm = dr.chooser.summary()
-        print(mo, "chosen", sm["chosen"], "ledger", sm.get("ledger_saved_ms"), sm.get("ledger_elapsed_ms"), sm.get("barred"),
-              "scale", sm["speed_scale_now"])
+        print(mo, "chosen", sm["chosen"], "ledger", sm.get("ledger_saved_ms"), sm.get("ledger_elapsed_ms"),
+              sm.get("barred"), "scale", sm["speed_scale_now"])
 out = os.environ.get("AB_OUT")
 if out:  # every run's seconds per token and each auto's summary, appended as one JSON line per sitting
     import json

@@ -1,8 +1,9 @@
 """Simulate `auto`'s chooser (`AutoChooser`, the real decision code) against fixed choices on a synthetic drafter:
 per-position acceptance drawn at random, the trained tiny set's verify cost curve (OpenBLAS, BENCHMARKS.md), a plain
 token 3.2 ms, the first plain token after a speculative round unpipelined (+0.9 of a step), a drafter idle for more
-than a block recomputing its taps (C(L)); the chooser's ledger is kept as AutoDecoder keeps it (`credit`, `elapse`). Noise-free, so decision-rule changes can be compared without a quiet
-machine; the figures it prints are tokens per second relative to plain decoding, averaged over seeds.
+than a block recomputing its taps (C(L)); the chooser's ledger is kept as AutoDecoder keeps it (`credit`,
+`elapse`). Noise-free, so decision-rule changes can be compared without a quiet machine; the figures it prints are
+tokens per second relative to plain decoding, averaged over seeds.
 
     python benchmarks/simulate_auto.py --draft-ms 3 [--future-tokens 128] [--requests 10 --tokens 96]
 """
@@ -94,7 +95,8 @@ def main() -> None:
     base = statistics.mean(r for r, _ in res["plain"])
     rel = {p: round(statistics.mean(r for r, _ in v) / base, 3) for p, v in res.items()}
     print(f"draft {a.draft_ms} ms, prior τ {a.prior_tau}, FUTURE_TOKENS {chooser_mod.FUTURE_TOKENS}, PRIOR_WEIGHT "
-          f"{chooser_mod.PRIOR_WEIGHT}, LOSS_BUDGET {chooser_mod.LOSS_BUDGET}, LEDGER_FLOOR {chooser_mod.LEDGER_FLOOR}: × plain {rel}, auto explored "
+          f"{chooser_mod.PRIOR_WEIGHT}, LOSS_BUDGET {chooser_mod.LOSS_BUDGET}, LEDGER_FLOOR "
+          f"{chooser_mod.LEDGER_FLOOR}: × plain {rel}, auto explored "
           f"{statistics.mean(e for _, e in res['auto']):.1f} rounds a run")
 
 

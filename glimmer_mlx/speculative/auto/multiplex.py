@@ -430,9 +430,10 @@ class AutoDrafter:
 
     def rewind_context(self, keep: int) -> int:
         """Each model drafter rewinds to its own point (see their `rewind_context`; one that cannot, or has no
-        state, starts afresh; one that sat out the whole previous turn rewinds again from the point it was left at). The target re-runs from `keep`, or from the point of a drafter that was in step to the
-        end (MTP restarts its chain a few positions back): their taps then come with that prefill. A drafter that
-        was behind stays behind, and catches up (`fill`) only if it is asked to draft."""
+        state, starts afresh; one that sat out the whole previous turn rewinds again from the point it was left at).
+        The target re-runs from `keep`, or from the point of a drafter that was in step to the end (MTP restarts its
+        chain a few positions back): their taps then come with that prefill. A drafter that was behind stays behind,
+        and catches up (`fill`) only if it is asked to draft."""
         keep = max(0, min(keep, self.context_length()))
         end = self.context_length()
         lowest = keep

@@ -60,7 +60,11 @@ class AcceptanceStats:
     with the counts), not toward 0.5: a position rarely reached keeps what the earlier ones measured instead of
     leaning on an optimistic constant (n-gram drafts at T = 1 rarely get past the first). then: a prior (accepted,
     tried) for every deeper position as well, for drafters whose later drafts follow their first (an n-gram copy:
-    once its first token is right, the rest mostly are)."""
+    once its first token is right, the rest mostly are); position 1 is then shrunk toward that prior, not toward
+    position 0: what a copy does once it started right says nothing of how often it starts right, and pulling it
+    toward the first draft's acceptance priced a copy that is rarely right but then runs to the end (n-gram lookup
+    after a 1-gram on repetitive text: first draft accepted 1 time in 5, the next seven in 10 of 12 such rounds) as
+    worth nothing."""
 
     def __init__(self, max_k: int, decay: float = 0.97, prior: tuple[float, float] = (1.0, 2.0),
                  then: tuple[float, float] | None = None):
@@ -69,12 +73,14 @@ class AcceptanceStats:
         self.base = ([prior[0]] + [deep[0]] * (max_k - 1), [prior[1]] + [deep[1]] * (max_k - 1))  # prior counts
         self.acc, self.tried = list(self.base[0]), list(self.base[1])
         self.shrink = prior[1]  # weight of "like the position before" for positions >= 1
+        self.then = None if not then or then[1] <= 0 else then[0] / then[1]  # position 1's anchor, if given
 
     def alphas(self) -> list[float]:
         out = [self.acc[0] / self.tried[0] if self.tried[0] > 0 else 0.5]
         for j in range(1, self.max_k):
             w = self.tried[j] + self.shrink
-            out.append((self.acc[j] + self.shrink * out[-1]) / w if w > 0 else out[-1])
+            anchor = self.then if j == 1 and self.then is not None else out[-1]
+            out.append((self.acc[j] + self.shrink * anchor) / w if w > 0 else anchor)
         return out
 
     def alpha(self, j: int) -> float:
@@ -160,8 +166,11 @@ CHECK_SAMPLES = 2
 LOSS_BUDGET = 0.005
 LEDGER_ROUNDS = 1024
 # ... plus this share of what the options in surplus measurably saved (what speculation earned may pay for trying
-# the others: on a set where n-gram lookup doubles the speed, a drafter explored for a few rounds is affordable)
-SURPLUS_SHARE = 0.25
+# the others: on a set where n-gram lookup doubles the speed, a drafter explored for a few rounds is affordable).
+# Small: against an option that runs g times plain decoding's speed, losers may cost auto share × (g − 1) of its time
+# (at 0.25 an MTP that its estimates kept choosing between n-gram rounds on the trained tiny set lost 0.45 s of a 1.5 s
+# sitting, auto 0.85x n-gram lookup alone); at 0.01, 2 % at g = 3, still a few exploration rounds per sitting
+SURPLUS_SHARE = 0.01
 # ... and one round (or one stretch's plain tokens) is charged at most this many plain tokens' time: a stall of the
 # machine (another process, a first-call build) during a speculative round must not bar speculation for minutes
 LEDGER_ROUND_CAP = 16
@@ -324,10 +333,14 @@ class AutoChooser:
     idle fade toward its prior (`age`), so the question comes back when the context may have changed."""
 
     def __init__(self, verify_costs: dict[int, float], scale_ema: float = 0.1,
-                 plain_cost: float | None = None, age_every: int = 64, age: float = 0.998):
+                 plain_cost: float | None = None, age_every: int = 64, age: float = 0.998,
+                 wide: tuple[int, float] | None = None):
         if 1 not in verify_costs:
             raise ValueError("verify_costs needs L = 1 (a plain step)")
         self.costs = {int(L): float(c) for L, c in verify_costs.items()}
+        # (rows, calibrated seconds) of one forward far wider than the curve (the calibration's prefill-sized one):
+        # what a forward over a drafter's backlog of that many positions costs (`forward_cost`)
+        self.wide = None if not wide or int(wide[0]) <= max(self.costs) else (int(wide[0]), float(wide[1]))
         self.plain_cal = float(plain_cost) if plain_cost else self.costs[1]
         self.options: dict[str, Option] = {}
         self.scale_ema = scale_ema
@@ -379,6 +392,7 @@ class AutoChooser:
         self.barred: frozenset = frozenset()
         self._reopen = math.inf
         self.loss_budget = LOSS_BUDGET
+        self.surplus_share = SURPLUS_SHARE
 
     def add(self, name: str, max_k: int, shape: str, draft_prior=None, decay: float = 0.97,
             measured_tau: dict | None = None, then_alpha: dict | None = None, sporadic: bool = False,
@@ -418,14 +432,28 @@ class AutoChooser:
         L = 1 << (lag - 1).bit_length()
         opt = self.options.get(name)
         own = 0.0 if opt is None else opt.catch_up * max(0, L - opt.steady)
-        if not fill:
-            return own
-        top = max(self.costs)
+        return own + (self.forward_cost(L) if fill else 0.0)
+
+    def forward_cost(self, L: int) -> float:
+        """Calibrated seconds of one target forward over L positions: the verify curve's C(L); past its end, toward
+        the calibration's wide forward (`wide`) and in proportion to it beyond (a forward that wide is compute-bound);
+        without one, the curve extended linearly. A flat curve (a verify of 9 rows costs what one row does) says
+        nothing of a forward over hundreds of positions: extended, it priced the tiny set's catch-up over a 256-token
+        prompt at a third of what it measures."""
         if L in self.costs:
-            return self.costs[L] + own
+            return self.costs[L]
+        top = max(self.costs)
+        if L < top:
+            return self.costs[min(c for c in self.costs if c >= L)]
+        if self.wide is not None:
+            rows, seconds = self.wide
+            seconds = max(seconds, self.costs[top])
+            if L >= rows:
+                return seconds * L / rows
+            return self.costs[top] + (seconds - self.costs[top]) * (L - top) / (rows - top)
         mid = max(1, top // 2)
         slope = max(0.0, (self.costs[top] - self.costs.get(mid, self.costs[1])) / max(1, top - mid))
-        return self.costs[top] + (L - top) * slope + own
+        return self.costs[top] + (L - top) * slope
 
     def set_lag(self, name: str, lag: int, fill: bool = True) -> None:
         """Option `name`'s drafter is `lag` target positions behind (0: in step); fill: their taps must be
@@ -485,7 +513,7 @@ class AutoChooser:
         span = self.horizon
         if regime in opt.stretch and not self._spec_last:
             span = max(1.0, min(span, opt.stretch[regime]))
-        vf = opt.verify_factor.get(regime, self.verify_factor.get(regime, 1.0))
+        vf = self._verify_factor(opt, regime)
         out, e, p = [], 1.0, 1.0
         alphas = stats.alphas()
         for k in range(1, min(cap, opt.max_k) + 1):
@@ -494,6 +522,17 @@ class AutoChooser:
             cost = opt.cost(k) + vf * self.costs[opt.verify_rows(k)] + fixed + switch * min(1.0, e / span)
             out.append(e / (self.scale * cost))
         return out
+
+    def _verify_factor(self, opt: Option, regime: str) -> float:
+        return opt.verify_factor.get(regime, self.verify_factor.get(regime, 1.0))
+
+    def _lone_round(self, name: str, k: int, regime: str) -> float:
+        """Calibrated seconds of one round of option `name` at k drafts that is the only one of its stretch: its
+        draft, verify and overhead, and the whole switch into it and its drafter's catch-up (`_switch`), which
+        `rates` spreads over the stretch it expects."""
+        opt = self.options[name]
+        return (opt.cost(k) + self._verify_factor(opt, regime) * self.costs[opt.verify_rows(k)]
+                + max(0.0, self.round_overhead) + self._switch(name))
 
     def _switch(self, name: str) -> float:
         """Calibrated seconds a round of option `name` pays once, beyond its own work: the switch into a
@@ -557,9 +596,12 @@ class AutoChooser:
                     ei += (t_inc - 1.0 / top) / len(SCENARIOS)
                 if z == SCENARIOS[-1]:  # the width the optimistic scenario would draft at: the one to try
                     k_e = 1 + rs.index(top)
-            mean = self.rates(name, k_e, regime)[k_e - 1] * self.scale
             e_mean = stats.expected_tokens(k_e)
-            loss = max(0.0, e_mean * (1.0 / mean - t_inc))  # calibrated seconds this round loses on the incumbent
+            # calibrated seconds this round loses on the incumbent by the mean estimate — a round that then ends its
+            # stretch: by that estimate the option does not pay (else it would be chosen, not explored), so nothing
+            # spreads the switch into it and its drafter's catch-up over a stretch (the scenarios in which it pays
+            # and a stretch follows are the EI's)
+            loss = max(0.0, self._lone_round(name, k_e, regime) - e_mean * t_inc)
             n_new = min(e_mean, k_e)  # positions one round tries, about
             share = n_new / (max(stats.tried[0], 0.0) + n_new)
             out = self._memo[key] = (ei * share, loss, k_e)
@@ -766,7 +808,7 @@ class AutoChooser:
 
     def _bar(self) -> None:
         lost = sum(v for v in self.saved.values() if v < 0.0)
-        short = -lost - SURPLUS_SHARE * sum(v for v in self.saved.values() if v > 0.0)
+        short = -lost - self.surplus_share * sum(v for v in self.saved.values() if v > 0.0)
         if short > max(self.loss_budget * self.elapsed, LEDGER_FLOOR * self.plain_cal):
             barred = frozenset(n for n, v in self.saved.items() if v <= 0.0)
             self._reopen = short / self.loss_budget

@@ -80,7 +80,9 @@ class AutoDrafter:
             verify_costs, self.calibration = load_or_calibrate(target, self.taps, self.max_drafts + 1,
                                                                directory=calibration_dir, recalibrate=recalibrate,
                                                                log=log)
-        self.chooser = AutoChooser(verify_costs, plain_cost=self.calibration.get("plain_token_s"))
+        wide = self.calibration.get("wide_forward_s")
+        self.chooser = AutoChooser(verify_costs, plain_cost=self.calibration.get("plain_token_s"),
+                                   wide=(wide["rows"], wide["seconds"]) if wide else None)
         self.draft_costs = measure_draft_costs(target, self.drafters, self.taps, self._tap_idx)
         self._kind_of: dict[str, str] = {}  # option name -> drafter kind
         for n, d in self.drafters.items():

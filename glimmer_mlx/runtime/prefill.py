@@ -21,7 +21,7 @@ def prefill(model, cache, ids: list[int], step: int = DEFAULT_PREFILL_STEP, taps
         chunk = arr[:, s : s + step]
         last = s + step >= len(ids)
         kw = {} if input_embeddings is None else {"input_embeddings": input_embeddings[:, s : s + step]}
-        out = model(chunk, cache, taps=taps, last=1 if (last and taps is None) else None, **kw)
+        out = model(chunk, cache, taps=taps, last=1, **kw)  # logits of the last position only, taps or not
         if taps is not None:
             logits, tapped = out
             tapped_all.append(tapped)

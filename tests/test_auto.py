@@ -1103,6 +1103,21 @@ def test_an_idle_drafter_catches_up_when_it_next_drafts(tiny, tmp_path, monkeypa
     assert cold_drafts == warm_drafts and len(cold_drafts) >= 6
 
 
+def test_a_prompts_taps_from_its_prefill_serve_a_drafter_first_asked_later(tiny, tmp_path, monkeypatch):
+    """A prefill yields the model drafters' taps (one could pay); a drafter first asked tokens later recomputes only
+    the tokens since (the chunks' coverage without a gap, then `fill`), never the 20-token prompt again — which had
+    made trying a drafter in a long request cost a second prefill. Drafts and output as a drafter kept in step."""
+    model, _, dpath = tiny
+    warm, warm_drafts, _ = _scripted_run(model, dpath, tmp_path, monkeypatch, warm=True)
+    starts = []
+    real_fill = AutoDecoder._fill
+    monkeypatch.setattr(AutoDecoder, "_fill", lambda self, a: (starts.append(a), real_fill(self, a))[1])
+    cold, cold_drafts, fills = _scripted_run(model, dpath, tmp_path, monkeypatch, warm=False)
+    assert cold == warm and cold_drafts == warm_drafts
+    assert len(starts) >= 4 and min(starts) >= 20  # the prompt's 20 positions came from its prefill
+    assert max(fills) < 36
+
+
 def test_a_drafter_whose_backlog_cannot_be_recomputed_sits_out(tiny, tmp_path, monkeypatch):
     """The target's cache cannot rewind as far as a drafter is behind (a sliding window past its spare rows): that
     drafter is not offered for the rest of the request, the others still are, and nothing else changes."""
@@ -1146,6 +1161,10 @@ def test_a_backlog_forward_is_priced_toward_the_calibrated_wide_forward():
     ch.add("dflash", 8, "block", draft_prior=1 * MS)
     ch.set_lag("dflash", 200)
     assert ch.catch_up_cost("dflash") == pytest.approx(1200 * MS)
+    ch.set_lag("dflash", 200, fill=5)  # 200 behind, the taps of all but the latest 5 kept by forwards since
+    assert ch.catch_up_cost("dflash") == pytest.approx(costs[8])
+    ch.set_lag("dflash", 200, fill=False)
+    assert ch.catch_up_cost("dflash") == 0.0
     assert AutoChooser(costs).forward_cost(256) == pytest.approx(costs[9])  # no wide point: the flat curve, extended
     assert AutoChooser(costs, wide=(8, 1.0)).wide is None  # a "wide" point inside the curve is no wide point
 

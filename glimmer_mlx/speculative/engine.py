@@ -259,8 +259,8 @@ class AutoDecoder(SpeculativeDecoder):
         return plain
 
     def prefill(self, ids: list[int], input_embeddings=None, reuse: int = 0) -> None:
-        """The prompt's taps only when a model drafter pays by its mean estimate (or the prompt has images, whose
-        positions a later recomputation from the ids could not reproduce)."""
+        """The prompt's taps only when a model drafter could pay (`AutoDrafter.wants_taps`; or the prompt has images,
+        whose positions a later recomputation from the ids could not reproduce)."""
         if input_embeddings is not None or self.drafter.wants_taps(self._regime):
             self.plain.taps = self.taps
         try:

@@ -422,17 +422,17 @@ class AutoChooser:
         return opt
 
     def catch_up_cost(self, name: str) -> float:
-        """Calibrated seconds that bring option `name`'s drafter up to date (`lags`), for L positions behind, L
-        rounded up to a power of two (so the memoised tables stay few): the forward that recomputes their taps when
-        they are missing (the curve's C(L), extended linearly past its end), plus what the drafter itself measurably
-        spends per position beyond a steady round's backlog (`Option.catch_up`)."""
-        lag, fill = self.lags.get(name, (0, False))
+        """Calibrated seconds that bring option `name`'s drafter up to date (`lags`), for L positions behind (L and
+        the positions to run again rounded up to powers of two, so the memoised tables stay few): the forward that
+        recomputes the taps of those of them no forward kept (`forward_cost`), plus what the drafter itself
+        measurably spends per position beyond a steady round's backlog (`Option.catch_up`)."""
+        lag, rows = self.lags.get(name, (0, 0))
         if lag <= 0:
             return 0.0
         L = 1 << (lag - 1).bit_length()
         opt = self.options.get(name)
         own = 0.0 if opt is None else opt.catch_up * max(0, L - opt.steady)
-        return own + (self.forward_cost(L) if fill else 0.0)
+        return own + (self.forward_cost(1 << (rows - 1).bit_length()) if rows > 0 else 0.0)
 
     def forward_cost(self, L: int) -> float:
         """Calibrated seconds of one target forward over L positions: the verify curve's C(L); past its end, toward
@@ -455,11 +455,12 @@ class AutoChooser:
         slope = max(0.0, (self.costs[top] - self.costs.get(mid, self.costs[1])) / max(1, top - mid))
         return self.costs[top] + (L - top) * slope
 
-    def set_lag(self, name: str, lag: int, fill: bool = True) -> None:
-        """Option `name`'s drafter is `lag` target positions behind (0: in step); fill: their taps must be
-        recomputed (a plain stretch computed none)."""
+    def set_lag(self, name: str, lag: int, fill: bool | int = True) -> None:
+        """Option `name`'s drafter is `lag` target positions behind (0: in step); fill: how many of them (the
+        latest) must be run again for their taps (a plain stretch computed none); True: all of them, False: none."""
         old = self._lag_key(name)
-        self.lags[name] = (lag, fill)
+        rows = (lag if fill else 0) if isinstance(fill, bool) else min(int(fill), lag)
+        self.lags[name] = (lag, max(0, rows))
         if self._lag_key(name) != old:
             self._lag_sig = tuple(sorted((n, self._lag_key(n)) for n in self.lags if self.lags[n][0] > 0))
 
@@ -470,8 +471,8 @@ class AutoChooser:
         self.version += 1  # a drafter's catch-up no longer weighs on it: a decision taken behind does not hold
 
     def _lag_key(self, name: str) -> tuple:
-        lag, fill = self.lags.get(name, (0, False))
-        return (0, False) if lag <= 0 else ((lag - 1).bit_length() + 1, fill)
+        lag, rows = self.lags.get(name, (0, 0))
+        return (0, 0) if lag <= 0 else ((lag - 1).bit_length() + 1, rows and (rows - 1).bit_length() + 1)
 
     def steady(self, name: str, lag: int) -> bool:
         """Whether a round of option `name` with its drafter `lag` positions behind costs what its rounds cost in a

@@ -153,15 +153,16 @@ class AutoDrafter:
     # Every committed token is kept (`_tokens`, position = index); the target's taps only where a forward produced
     # them anyway (a prefill that asked for them, a verify round of a model drafter: `_chunks`). A plain round hands
     # over nothing, so a plain stretch costs what plain decoding costs. A drafter asked to draft first gets what it
-    # missed in one go: its taps from the chunks where they cover its backlog, else recomputed by the decoder
-    # (`fill`, a forward over the backlog that the chooser charges to the option: `AutoChooser.lags`).
+    # missed in one go: its taps from the chunks as far as they cover its backlog without a gap, the rest recomputed
+    # by the decoder (`fill`, a forward over those positions that the chooser charges to the option:
+    # `AutoChooser.lags`). So a prompt's taps, collected by its prefill, serve a drafter first asked tokens later:
+    # only the tokens since are run again.
 
     def _reset(self, ids: list[int], taps, first: int = 0) -> None:
         """A new context `ids`; `taps` (or None) cover target positions [first, len(ids) − 1)."""
         self.chooser.end_stretch()  # a stretch the last request ended in is over
         self._tokens = list(ids)
         self._chunks: list[tuple[int, list]] = []  # (first position, taps) not yet handed to every model drafter
-        self._hole = first if taps else max(0, len(ids) - 1)  # positions below it may lack taps
         if taps:
             self._chunks.append((first, list(taps)))
         self.chooser.clear_lags()
@@ -176,19 +177,29 @@ class AutoDrafter:
         """Target positions drafter `n` is behind."""
         return len(self._tokens) - 1 - self._from(n)
 
+    def _covered(self, a: int) -> int:
+        """The end of the chunks' coverage of the positions from `a` on without a gap (`a`: not even a)."""
+        cur = a
+        for p0, taps in self._chunks:
+            end = p0 + taps[0].shape[1]
+            if p0 <= cur < end:
+                cur = end
+        return cur
+
     def _gather(self, a: int, pos: int) -> list | None:
         """The taps of positions [a, pos) from the chunks, or None where they do not cover them."""
-        if a < self._hole:
-            return None
         parts, cur = [], a
         for p0, taps in self._chunks:
+            if cur >= pos:
+                break
             end = p0 + taps[0].shape[1]
             if end <= cur:
                 continue
             if p0 > cur:
                 return None
-            parts.append([t[:, cur - p0:] for t in taps] if cur > p0 else taps)
-            cur = end
+            hi = min(end, pos)
+            parts.append([t[:, cur - p0:hi - p0] for t in taps] if cur > p0 or hi < end else taps)
+            cur = hi
         if cur < pos:
             return None
         if len(parts) == 1:
@@ -207,13 +218,16 @@ class AutoDrafter:
             taps = []
         else:
             taps = self._gather(a, pos)
-            if taps is None:
+            if taps is None:  # the chunks cover [a, c): the rest is recomputed
+                c = min(self._covered(a), pos)
                 t0 = time.perf_counter()
-                taps = self.fill(a) if self.fill is not None else None
-                if taps is None:
+                rest = self.fill(c) if self.fill is not None else None
+                if rest is None:
                     self._lost.add(name)
                     return None
                 spent = time.perf_counter() - t0
+                head = self._gather(a, c) if c > a else None
+                taps = rest if head is None else [mx.concatenate([h, r], axis=1) for h, r in zip(head, rest)]
             taps = [taps[i] for i in self._tap_idx[name]]
         if how == "accept":
             d.accept(taps, self._tokens[a + 1:])
@@ -233,10 +247,11 @@ class AutoDrafter:
         """Whether model drafter `n` can draft now (its backlog is in the chunks or can be recomputed)."""
         if n in self._lost:
             return False
-        a, pos = self._from(n), len(self._tokens) - 1
-        if a >= self._hole or a == pos:
+        pos = len(self._tokens) - 1
+        c = self._covered(self._from(n))
+        if c >= pos:
             return True
-        if self.can_fill is None or not self.can_fill(pos - a):
+        if self.can_fill is None or not self.can_fill(pos - c):
             self._lost.add(n)
             return False
         return True
@@ -264,8 +279,9 @@ class AutoDrafter:
             names = [o for o in (n, self._tree_of.get(n)) if o is not None and (among is None or o in among)]
             if not names or not self._ready(n):
                 continue
+            missing = max(0, len(self._tokens) - 1 - self._covered(self._from(n)))  # positions to run again
             for o in names:
-                self.chooser.set_lag(o, self._lag(n), fill=self._from(n) < self._hole)
+                self.chooser.set_lag(o, self._lag(n), fill=missing)
                 cap = min(k, self.chooser.options[o].max_k)
                 if cap >= 1:
                     available[o] = cap
@@ -341,10 +357,13 @@ class AutoDrafter:
         return any(n in pays for n in self._model if n not in self._lost)
 
     def wants_taps(self, regime: str) -> bool:
-        """Whether a model drafter pays in a new context by its mean estimate (a prefill then yields its taps)."""
+        """Whether a prefill in a new context should yield the model drafters' taps: where one could pay (its
+        optimistic scenario beats plain: `AutoChooser.could_pay`). They cost a prefill next to nothing (the LM head
+        runs over its last position either way) and they spare a drafter tried later in the request a forward over
+        the whole prompt: its catch-up then runs again only the tokens decoded since (`_sync`)."""
         self.chooser.clear_lags()
         self._lost.clear()
-        return self._warm(regime, None)
+        return not self.chooser.could_pay(regime, None).isdisjoint(self._model_options)
 
     def propose(self, anchor: int, pos: int, k: int, sampler, history: list[int]):
         """`remaining`: the request's tokens still to generate in this round (set by the decoder)."""
@@ -392,8 +411,6 @@ class AutoDrafter:
         p = len(self._tokens) - 1
         if taps:
             self._chunks.append((p, list(taps)))
-        else:
-            self._hole = p + len(new_tokens)
         self._tokens += new_tokens
         self.needs_taps = False
 

@@ -523,10 +523,10 @@ def test_the_batch_ledger_turns_speculation_off_once_it_lost_its_budget(ba):
     their wall time) beyond `LOSS_BUDGET` of the batch's decoding time make every step plain, whatever the estimates
     say; plain steps earn the budget back. `BatchGenerator._observe` credits a speculative step and the unpipelined
     plain step after it. Catches: a ledger never consulted, a speculative step credited at the wrong plain cost, the
-    plain step after it not charged."""
+    plain step after it not charged. And `LEDGER_FLOOR`: early on a loss of a few plain steps bars nothing."""
     from types import SimpleNamespace
 
-    from glimmer_mlx.speculative.auto.chooser import LEDGER_ROUNDS, LOSS_BUDGET
+    from glimmer_mlx.speculative.auto.chooser import LEDGER_FLOOR, LEDGER_ROUNDS, LOSS_BUDGET
     from glimmer_mlx.speculative.batch import BatchGenerator
 
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
@@ -537,17 +537,22 @@ def test_the_batch_ledger_turns_speculation_off_once_it_lost_its_budget(ba):
     gen = SimpleNamespace(auto=ba, _landed=0.0, _prefilling=0.0, _after_spec=None)
     # a speculative step of 2 rows x 9 positions committing 6 tokens in 40 ms: 6 x 5 ms - 40 ms = -10 ms
     st = SimpleNamespace(drafting=0.0, chained=False, t0=0.0)
-    ba.elapse(0.2)  # decoded before: a 4 ms budget
+    ba.elapse(0.2)  # decoded before: a 1 ms budget, under the floor's LEDGER_FLOOR plain steps of 10 ms
     BatchGenerator._observe(gen, st, 2, 9, 0.040, 6)
     assert ba.saved == pytest.approx(-0.010, rel=1e-3)
+    assert not ba.barred and ba.choose(rows, 0, 1, 0.0, 15)[0] > 0  # one unlucky step of a young batch
+    # a speculative step committing 6 tokens in 60 ms more: -65 ms in all, past the floor's 40
+    gen._landed = 0.0
+    BatchGenerator._observe(gen, st, 2, 9, 0.085, 6)
+    assert ba.saved == pytest.approx(-0.065, rel=1e-2)
     assert ba.barred and ba.choose(rows, 0, 1, 0.0, 15) == (0, [(None, 0)] * 2)
     # the plain step after it, not pipelined: 15 ms where a plain step of 2 rows costs 10
     gen._landed = 0.0
     BatchGenerator._observe(gen, st, 2, 1, 0.015, None)
-    assert ba.saved == pytest.approx(-0.015, rel=1e-2)
+    assert ba.saved == pytest.approx(-0.070, rel=1e-2)
     while ba.barred:  # plain steps of 10 ms earn it back
         ba.elapse(0.010)
-    assert ba.saved + LOSS_BUDGET * ba.elapsed >= 0
+    assert ba.saved + max(LOSS_BUDGET * ba.elapsed, LEDGER_FLOOR * 0.010) >= 0
     assert ba.choose(rows, 0, 1, 0.0, 15)[0] > 0
     # a speculative step of fixed-mode rows only (no auto row drafted): not the ledger's, but the unpipelined plain
     # step after it is still that step's cost (`charge`), not a plain step's

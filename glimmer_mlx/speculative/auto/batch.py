@@ -22,12 +22,13 @@ drafted row is verified by `verify`); the choice only changes speed.
 As the solo chooser does (`chooser.AutoChooser.credit`), the batch keeps a ledger of what its speculative steps
 measurably saved over plain steps of as many rows (the step's committed tokens × a plain step's time per row − its
 wall time, the unpipelined plain step after it included): while it is below −`LOSS_BUDGET` × the batch's decoding
-time, every step is plain, until plain steps have earned the budget back.
+time (and below −`LEDGER_FLOOR` plain steps: early in a server's life 0.5 % of its decoding time is less than one
+unlucky step), every step is plain, until plain steps have earned the budget back.
 """
 
 from __future__ import annotations
 
-from .chooser import ENTER_GAIN, LEDGER_ROUND_CAP, LEDGER_ROUNDS, LOSS_BUDGET, AcceptanceStats
+from .chooser import ENTER_GAIN, LEDGER_FLOOR, LEDGER_ROUND_CAP, LEDGER_ROUNDS, LOSS_BUDGET, AcceptanceStats
 from .multiplex import AutoDrafter
 
 EMA = 0.2  # weight of a new step time in its n's estimate
@@ -51,6 +52,7 @@ class BatchAuto:
         # both fading by 1 − 1/LEDGER_ROUNDS a step
         self.elapsed = 0.0
         self.saved = 0.0
+        self.plain_step = 0.0  # seconds of a plain step of the batch, as the latest credit priced it (the floor's)
 
     def options(self, regime: str, batch: int = 1) -> dict:
         """A new auto row's own drafters: forks of the auto's (shared weights, empty state) — n-gram lookup always
@@ -156,11 +158,13 @@ class BatchAuto:
         plain step's time per row less its wall time, or the plain step after it less a pipelined one; a loss of at
         most `LEDGER_ROUND_CAP` plain steps (`plain_step` seconds each: a stall must not bar speculation for long)."""
         self.saved += max(seconds, -LEDGER_ROUND_CAP * plain_step)
+        self.plain_step = plain_step
 
     @property
     def barred(self) -> bool:
-        """Whether speculation lost more than `LOSS_BUDGET` of the decoding time (every step is plain until not)."""
-        return self.saved + LOSS_BUDGET * self.elapsed < 0.0
+        """Whether speculation lost more than `LOSS_BUDGET` of the decoding time and more than `LEDGER_FLOOR` plain
+        steps (every step is plain until not)."""
+        return self.saved + max(LOSS_BUDGET * self.elapsed, LEDGER_FLOOR * self.plain_step) < 0.0
 
     def charge(self, n: int, seconds: float) -> None:
         """What a speculative step over n positions cost beyond its own time (the plain step after it, which could

@@ -15,8 +15,8 @@ catch-up spread over a stretch, as before the ninth session); shrunk (n-gram's s
 as before the ninth session); nowide (a drafter's catch-up forward priced by the verify curve extended linearly, as
 before the ninth session); surplus25 (losers may lose a quarter of what the others saved, as before the ninth
 session, not 1 %); meantaps (a prefill yields the drafters' taps only where one pays by its mean estimate, as
-before the ninth session); eighth (all five: the eighth session's rules; its catch-ups still run only what the
-chunks miss); dflash, ngram, mtp (fixed, dflash at block 8).
+before the ninth session); noshadow (greedy n-gram offers passed over are not scored, as before the ninth session);
+eighth (all six: the eighth session's rules; its catch-ups still run only what the chunks miss); dflash, ngram, mtp (fixed, dflash at block 8).
 
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
     AB_OUT=FILE ...   also appends the sitting to FILE as one JSON line (every run, each auto's summary)
@@ -123,6 +123,12 @@ def shrunk(auto):
     return auto
 
 
+def no_shadow(auto):
+    """auto as before the ninth session: n-gram offers passed over are not scored (`AutoDrafter._shadow`)."""
+    auto._shadow = lambda regime, taken, k: None
+    return auto
+
+
 def mean_taps(auto):
     """auto as before the ninth session: a prefill yields the drafters' taps only where one pays by its mean
     estimate, not where one could pay (`AutoDrafter.wants_taps`)."""
@@ -161,8 +167,8 @@ make = {
     "nocheck": lambda: no_check(second_auto()),
     "before": lambda: budget(no_check(second_auto()), 0.02),
     "spread": lambda: spread_explore(second_auto()), "shrunk": lambda: shrunk(second_auto()),
-    "nowide": lambda: no_wide(second_auto()), "surplus25": lambda: surplus(second_auto(), 0.25), "meantaps": lambda: mean_taps(second_auto()),
-    "eighth": lambda: mean_taps(surplus(no_wide(shrunk(spread_explore(second_auto()))), 0.25)),
+    "nowide": lambda: no_wide(second_auto()), "surplus25": lambda: surplus(second_auto(), 0.25), "meantaps": lambda: mean_taps(second_auto()), "noshadow": lambda: no_shadow(second_auto()),
+    "eighth": lambda: no_shadow(mean_taps(surplus(no_wide(shrunk(spread_explore(second_auto()))), 0.25))),
     "dflash": lambda: d.dflash, "ngram": d.ngram, "mtp": lambda: d.mtp,
 }
 drafter = {mo: make[mo]() for mo in modes}

@@ -651,30 +651,63 @@ def test_auto_greedy_identical_to_plain_with_every_drafter_in_turn(tiny, tmp_pat
     assert used == {n or "plain" for n, _ in script}
 
 
-def _ngram_auto(model, alphas: dict):
+def _ngram_auto(model, alphas: dict, regime: str = "greedy"):
     auto = make_auto(model, ngram=4, verify_costs=flat())
     for name, opt in auto.chooser.options.items():
-        opt.acceptance("greedy").set_alphas([alphas.get(name, 0.0)])
+        opt.acceptance(regime).set_alphas([alphas.get(name, 0.0)])
     return auto
 
 
 def test_plan_in_a_plain_stretch_does_not_ask_drafters_that_cannot_win(tiny, monkeypatch):
     """Nothing beats plain, not even optimistically: `plan` counts plain rounds without an n-gram lookup (on a 2-core
-    machine that per-token bookkeeping was a measurable share of a small model's step), however long the request."""
+    machine that per-token bookkeeping was a measurable share of a small model's step), however long the request.
+    (Sampling: at greedy every offer is scored, `test_greedy_ngram_offers_passed_over_are_scored`.)"""
     model, _, _ = tiny
-    auto = _ngram_auto(model, {})
+    auto = _ngram_auto(model, {}, "sampling")
     ng = auto.drafters["ngram"]
     peeks, real = [], ng.peek
     monkeypatch.setattr(ng, "peek", lambda k: (peeks.append(k), real(k))[1])
     auto.start([], [1, 2, 1, 2])
     plans = []
     for i in range(200):
-        plans.append(auto.plan(4, "greedy", 10_000))
+        plans.append(auto.plan(4, "sampling", 10_000))
         auto.accept([], [1 if i % 2 == 0 else 2])
     assert plans == [True] * 200  # (1 2 1 2 … always matches, but every n-gram option is pinned at α = 0)
     assert peeks == [] and auto.chooser.chosen[("plain", 0)] == 200
     auto._sync("ngram")
     assert auto.drafters["ngram"].index.tokens == [1, 2] * 102  # the lookup saw every token committed, in one go
+
+
+def test_greedy_ngram_offers_passed_over_are_scored(tiny, monkeypatch):
+    """At greedy an n-gram offer no round took is scored once the tokens it drafted are committed (`_shadow`,
+    `AutoChooser.observe_offer`): accepted = the drafts' common prefix with those tokens, one offer per position. The
+    plain stretch above, n-gram lookup pinned at α = 0 but every copy right, learns from the offers that it pays
+    and leaves plain for it (without the scoring: 200 plain rounds)."""
+    model, _, _ = tiny
+    auto = make_auto(model, ngram=4, verify_costs=flat())
+    seen = []
+    real = auto.chooser.observe_offer
+    monkeypatch.setattr(auto.chooser, "observe_offer", lambda n, k, a, r="greedy": (seen.append((n, k, a)),
+                                                                                   real(n, k, a, r))[1])
+    auto.start([], [5, 6, 7, 8, 5])  # "5" occurred before: the offer drafts 6 7 8 5
+    auto.chooser.options["ngram@1"].acceptance("greedy").set_alphas([0.0])
+    assert auto.plan(4, "greedy", 100)  # plain: its offer kept
+    auto.accept([], [6])
+    auto.accept([], [7])
+    assert seen == []  # two drafts confirmed, two to go
+    auto.accept([], [9])
+    assert seen[0] == ("ngram@1", 4, 2)
+
+    auto = _ngram_auto(model, {})
+    auto.start([], [1, 2, 1, 2])
+    plans = []
+    for i in range(200):
+        plans.append(auto.plan(4, "greedy", 10_000))
+        if not plans[-1]:
+            break
+        auto.accept([], [1 if i % 2 == 0 else 2])
+    assert plans[-1] is False and len(plans) < 100
+    assert auto.chooser.shadowed >= len(plans) - 8
 
 
 def test_a_plain_choice_stays_plain_as_the_request_runs_on():

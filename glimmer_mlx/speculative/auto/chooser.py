@@ -184,6 +184,10 @@ LEDGER_ROUND_CAP = 16
 LEDGER_FLOOR = 4
 
 
+# offers scored without a round (`observe_offer`) between two refreshes of the memo
+SHADOW_BATCH = 16
+
+
 PRIOR_WEIGHT = 4.0  # a drafter's own measured τ (its eval.json) counts as this many observed rounds
 
 
@@ -393,6 +397,7 @@ class AutoChooser:
         self._reopen = math.inf
         self.loss_budget = LOSS_BUDGET
         self.surplus_share = SURPLUS_SHARE
+        self.shadowed = 0  # offers scored without a round (`observe_offer`)
 
     def add(self, name: str, max_k: int, shape: str, draft_prior=None, decay: float = 0.97,
             measured_tau: dict | None = None, then_alpha: dict | None = None, sporadic: bool = False,
@@ -783,6 +788,18 @@ class AutoChooser:
             if opt is not None:
                 opt.verify_factor[regime] = robust_ema(opt.verify_factor.get(regime, shared), x, self.scale_ema)
 
+    def observe_offer(self, name: str, k: int, n_accepted: int, regime: str = "greedy") -> None:
+        """An offer of option `name` that no round took: k drafts of which a verify would have accepted n (known
+        after the fact: greedy n-gram lookup, `AutoDrafter._shadow`). Its acceptance learns from it as from a round;
+        the memo is refreshed every `SHADOW_BATCH` of them, not after each (a plain stretch would otherwise be scored
+        afresh every token)."""
+        opt = self.options[name]
+        opt.acceptance(regime).update(k, n_accepted)
+        opt.touched[regime] = self.round
+        self.shadowed += 1
+        if self.shadowed % SHADOW_BATCH == 0:
+            self._forget()
+
     def elapse(self, seconds: float) -> None:
         """A round took `seconds` (commit to commit), whatever it was: the decoding time the ledger's budget grows
         with (`credit`)."""
@@ -914,7 +931,7 @@ class AutoChooser:
             "verify_cost_ms": {L: round(1000 * c, 3) for L, c in sorted(self.costs.items())},
             "verify_cost_ratio": {L - 1: round(c / self.costs[1], 3) for L, c in sorted(self.costs.items())},
             "speed_scale_now": round(self.scale, 3),
-            "scale_checks": self.checks,
+            "scale_checks": self.checks, "offers_scored": self.shadowed,
             "verify_factor": {r: round(v, 3) for r, v in sorted(self.verify_factor.items())},
             "round_overhead_ms": round(1000 * self.scale * self.round_overhead, 3),
             "switch_cost_ms": round(1000 * self.scale * self.switch_cost, 3),

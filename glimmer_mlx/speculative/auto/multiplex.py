@@ -168,6 +168,8 @@ class AutoDrafter:
         self.chooser.clear_lags()
         self._verdict = None
         self._lost: set[str] = set()  # model drafters whose backlog cannot be recomputed in this context
+        self._offer = None  # (position, option, drafts) of the latest n-gram offer (`_ngram_offer`)
+        self._shadows: list[tuple[int, str, list[int]]] = []  # offers not taken, awaiting the tokens (`_shadow`)
 
     def _from(self, n: str) -> int:
         """The first target position drafter `n` has not been handed."""
@@ -293,7 +295,39 @@ class AutoDrafter:
         self._sync("ngram")
         d = self.drafters["ngram"]
         drafts, m = d.peek(min(k, d.max_drafts))
+        self._offer = (len(self._tokens), f"ngram@{m}", drafts) if drafts else None
         return (f"ngram@{m}", len(drafts)) if drafts else None
+
+    # Greedy n-gram offers not taken are scored anyway (`_shadow`): their drafts are known before the round, and the
+    # tokens committed after it are what a greedy verify would have compared them with, so how many it would have
+    # accepted is known for free once those tokens are. Each option's acceptance is then learned from every offer,
+    # not only from the rounds that drafted it — which are few and chosen (exploration, or where it already looked
+    # good): on the trained tiny set a 1-gram copy explored in a few rounds measured 0.03 where its 63 offers passed
+    # over in plain rounds would have accepted 1.1 tokens each.
+
+    def _shadow(self, regime: str, taken: str | None, k: int) -> None:
+        """This round, at most k drafts, took `taken` (None: a plain step): at greedy, keep the n-gram offer of this
+        position to score (`_resolve`) unless it was the option taken."""
+        if regime != "greedy" or "ngram" not in self.drafters:
+            return
+        if self._offer is None or self._offer[0] != len(self._tokens):
+            self._ngram_offer(k)
+        offer = self._offer
+        if offer is not None and offer[1] != taken and (not self._shadows or self._shadows[-1][0] < offer[0]):
+            self._shadows.append(offer)
+
+    def _resolve(self) -> None:
+        """Score the offers whose drafts the committed tokens now confirm or refute (`AutoChooser.observe_offer`)."""
+        toks, keep = self._tokens, []
+        for p0, name, drafts in self._shadows:
+            n = 0
+            while n < len(drafts) and p0 + n < len(toks) and toks[p0 + n] == drafts[n]:
+                n += 1
+            if n == len(drafts) or p0 + n < len(toks):
+                self.chooser.observe_offer(name, len(drafts), n, "greedy")
+            else:
+                keep.append((p0, name, drafts))
+        self._shadows = keep
 
     def plan(self, k: int, regime: str, remaining: int) -> bool:
         """Whether the next round (with `remaining` tokens of the request left) is plain, decided before this round's
@@ -306,6 +340,7 @@ class AutoDrafter:
         if self._held(k, regime):
             self.chooser.count_plain()
             self.needs_taps = self._verdict[3]
+            self._shadow(regime, None, k)
             return True
         among = self.chooser.relevant(regime, remaining)
         available = self._available(k, among)
@@ -315,6 +350,7 @@ class AutoDrafter:
             self.chooser.count_plain()
             self.needs_taps = self._warm(regime, remaining)
             self._hold(key, among, available)
+            self._shadow(regime, None, k)
             return True
         self._verdict = None
         # after a speculative round nothing is pending: `propose` will see this very state and takes this answer
@@ -374,6 +410,7 @@ class AutoDrafter:
         else:  # chosen afresh: `plan` decided one token behind (the n-gram index without the latest token)
             available, picked = self._available(k), None
         name, kk = self.chooser.choose(available, regime, self.remaining, picked)
+        self._shadow(regime, name, k)
         t0 = time.perf_counter()
         lag, spent = 0, 0.0
         kind = None if name is None else self._kind_of[name]
@@ -412,6 +449,8 @@ class AutoDrafter:
         if taps:
             self._chunks.append((p, list(taps)))
         self._tokens += new_tokens
+        if self._shadows:
+            self._resolve()
         self.needs_taps = False
 
     def end_round(self, seconds: float, tokens: int) -> bool:

@@ -10,13 +10,14 @@ option: what its estimates alone do); auto2 (a second auto built as the first: a
 with the speed scale of the sixth session: an EMA of plain tokens and unpipelined plain steps, not the median of the
 former); nocheck (auto whose speculative stretches never stop to measure plain tokens again, as in the seventh
 session); budget2 (auto whose ledger lets speculation lose 2 % of the decoding time, as before the eighth session,
-not 0.5 %); before (both: the seventh session's auto); spread (an exploration round's loss with its switch and
-catch-up spread over a stretch, as before the ninth session); shrunk (n-gram's second draft shrunk toward the first,
-as before the ninth session); nowide (a drafter's catch-up forward priced by the verify curve extended linearly, as
-before the ninth session); surplus25 (losers may lose a quarter of what the others saved, as before the ninth
-session, not 1 %); meantaps (a prefill yields the drafters' taps only where one pays by its mean estimate, as
+not 0.5 %); before (both: the seventh session's auto); servable (an exploration's value counts every future token,
+not only those the option could serve, as before the ninth session); shrunk (n-gram's second draft shrunk toward the
+first, as before the ninth session); nowide (a drafter's catch-up forward priced by the verify curve extended
+linearly, as before the ninth session); surplus25 (losers may lose a quarter of what the others saved, as before the
+ninth session, not 1 %); meantaps (a prefill yields the drafters' taps only where one pays by its mean estimate, as
 before the ninth session); noshadow (greedy n-gram offers passed over are not scored, as before the ninth session);
-eighth (all six: the eighth session's rules; its catch-ups still run only what the chunks miss); dflash, ngram, mtp (fixed, dflash at block 8).
+eighth (all six: the eighth session's rules; its catch-ups still run only what the chunks miss); dflash, ngram, mtp
+(fixed, dflash at block 8).
 
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
     AB_OUT=FILE ...   also appends the sitting to FILE as one JSON line (every run, each auto's summary)
@@ -101,15 +102,10 @@ def ema_scale(auto):
     return auto
 
 
-def spread_explore(auto):
-    """auto as before the ninth session: an exploration round's loss counts the switch into it and its drafter's
-    catch-up spread over the stretch it would start, not whole (`AutoChooser._lone_round`)."""
-    ch = auto.chooser
-
-    def lone_round(name, k, regime):
-        return ch.options[name].acceptance(regime).expected_tokens(k) / (ch.rates(name, k, regime)[k - 1] * ch.scale)
-
-    ch._lone_round = lone_round
+def all_servable(auto):
+    """auto as before the ninth session: an exploration's value counts every future token, not only the share the
+    option could serve (`AutoChooser._servable`)."""
+    auto.chooser._servable = lambda name, top, regime: 1.0
     return auto
 
 
@@ -166,9 +162,11 @@ make = {
     "budget2": lambda: budget(second_auto(), 0.02),
     "nocheck": lambda: no_check(second_auto()),
     "before": lambda: budget(no_check(second_auto()), 0.02),
-    "spread": lambda: spread_explore(second_auto()), "shrunk": lambda: shrunk(second_auto()),
-    "nowide": lambda: no_wide(second_auto()), "surplus25": lambda: surplus(second_auto(), 0.25), "meantaps": lambda: mean_taps(second_auto()), "noshadow": lambda: no_shadow(second_auto()),
-    "eighth": lambda: no_shadow(mean_taps(surplus(no_wide(shrunk(spread_explore(second_auto()))), 0.25))),
+    "servable": lambda: all_servable(second_auto()), "shrunk": lambda: shrunk(second_auto()),
+    "nowide": lambda: no_wide(second_auto()),
+    "surplus25": lambda: surplus(second_auto(), 0.25), "meantaps": lambda: mean_taps(second_auto()),
+    "noshadow": lambda: no_shadow(second_auto()),
+    "eighth": lambda: no_shadow(mean_taps(surplus(no_wide(shrunk(all_servable(second_auto()))), 0.25))),
     "dflash": lambda: d.dflash, "ngram": d.ngram, "mtp": lambda: d.mtp,
 }
 drafter = {mo: make[mo]() for mo in modes}

@@ -1202,30 +1202,37 @@ def test_a_backlog_forward_is_priced_toward_the_calibrated_wide_forward():
     assert AutoChooser(costs, wide=(8, 1.0)).wide is None  # a "wide" point inside the curve is no wide point
 
 
-def test_an_exploration_round_is_charged_its_whole_catch_up():
-    """An option explored (not chosen by its mean estimate) is expected to run one round and stop: its drafter's
-    catch-up and the switch into it are that round's whole loss, not a share spread over a stretch. A drafter
-    hundreds of positions behind is not explored for the few tokens a request has left; in step, it is."""
+def test_exploring_counts_only_the_tokens_the_option_could_serve():
+    """`_servable`: where n-gram lookup commits nine tokens in ten at many times plain speed, what exploring an
+    uncertain DFlash drafter could teach serves only the tenth plain rounds commit, so a request long enough to
+    explore it where plain rounds commit every token does not explore it there. The tokens each option committed
+    are kept as rounds are chosen and updated, fading with the ledger."""
     costs = {L: 10 * MS * (1 + 0.05 * (L - 1)) for L in range(1, 17)}
 
-    def fresh():
-        ch = AutoChooser(costs, wide=(128, 400 * MS))
+    def fresh(served):
+        ch = AutoChooser(costs)
         ch.add("dflash", 7, "block", draft_prior=6 * MS, measured_tau={"width": 7, "greedy": 1.4, "sampling": 1.4})
+        ch.add("ngram@4", 8, "free").acceptance("greedy").set_alphas([0.95])
+        ch.served = dict(served)
         return ch
 
-    ch = fresh()
-    name, _, explores = ch.pick({"dflash": 7}, remaining=200)
-    assert name == "dflash" and explores  # in step: worth a try
-    ch.set_lag("dflash", 300, fill=True)
-    assert ch.pick({"dflash": 7}, remaining=200)[0] is None
-    value, loss, k = ch._explore_terms("dflash", 7, "greedy", (None, 1 / costs[1]))
-    assert loss > 80 * costs[1]  # the forward over 512 positions, whole
-    assert 200 * value < loss
-    spread = fresh()
-    spread.set_lag("dflash", 300, fill=True)
-    e = spread.options["dflash"].acceptance("greedy").expected_tokens(k)
-    spread_loss = e / spread.rates("dflash", k)[k - 1] - e * costs[1]  # the same round, its catch-up spread
-    assert spread_loss < 0.2 * loss
+    threshold = next(r for r in range(1, 4000) if fresh({None: 100.0}).pick({"dflash": 7}, remaining=r)[2])
+    assert 4 < threshold < 1000
+    r = 3 * threshold
+    assert fresh({None: 100.0}).pick({"dflash": 7}, remaining=r)[2]
+    assert fresh({None: 100.0, "dflash": 50.0}).pick({"dflash": 7}, remaining=r)[2]  # its own tokens count
+    assert fresh({None: 10.0, "ngram@4": 90.0}).pick({"dflash": 7}, remaining=r)[0] is None
+    assert fresh({None: 10.0, "ngram@4": 90.0})._servable("dflash", 1.5 / costs[1], "greedy") == pytest.approx(0.1)
+
+    ch = fresh({})
+    ch.observe_plain(10 * MS)
+    assert ch.choose({"ngram@4": 8})[0] == "ngram@4"
+    ch.update("ngram@4", 8, 6)
+    ch.choose({})
+    assert ch.served == {"ngram@4": 7.0, None: 1.0}
+    for _ in range(64):
+        ch.count_plain()
+    assert ch.served["ngram@4"] == pytest.approx(7.0 * (1 - 1 / 1024) ** 64)
 
 
 # -- token trees inside auto ----------------------------------------------------------------------------------------

@@ -398,6 +398,8 @@ class AutoChooser:
         self.loss_budget = LOSS_BUDGET
         self.surplus_share = SURPLUS_SHARE
         self.shadowed = 0  # offers scored without a round (`observe_offer`)
+        # option (None: plain) -> tokens its rounds committed, fading as the ledger does (`_servable`)
+        self.served: dict[str | None, float] = {}
 
     def add(self, name: str, max_k: int, shape: str, draft_prior=None, decay: float = 0.97,
             measured_tau: dict | None = None, then_alpha: dict | None = None, sporadic: bool = False,
@@ -519,7 +521,7 @@ class AutoChooser:
         span = self.horizon
         if regime in opt.stretch and not self._spec_last:
             span = max(1.0, min(span, opt.stretch[regime]))
-        vf = self._verify_factor(opt, regime)
+        vf = opt.verify_factor.get(regime, self.verify_factor.get(regime, 1.0))
         out, e, p = [], 1.0, 1.0
         alphas = stats.alphas()
         for k in range(1, min(cap, opt.max_k) + 1):
@@ -528,17 +530,6 @@ class AutoChooser:
             cost = opt.cost(k) + vf * self.costs[opt.verify_rows(k)] + fixed + switch * min(1.0, e / span)
             out.append(e / (self.scale * cost))
         return out
-
-    def _verify_factor(self, opt: Option, regime: str) -> float:
-        return opt.verify_factor.get(regime, self.verify_factor.get(regime, 1.0))
-
-    def _lone_round(self, name: str, k: int, regime: str) -> float:
-        """Calibrated seconds of one round of option `name` at k drafts that is the only one of its stretch: its
-        draft, verify and overhead, and the whole switch into it and its drafter's catch-up (`_switch`), which
-        `rates` spreads over the stretch it expects."""
-        opt = self.options[name]
-        return (opt.cost(k) + self._verify_factor(opt, regime) * self.costs[opt.verify_rows(k)]
-                + max(0.0, self.round_overhead) + self._switch(name))
 
     def _switch(self, name: str) -> float:
         """Calibrated seconds a round of option `name` pays once, beyond its own work: the switch into a
@@ -602,12 +593,12 @@ class AutoChooser:
                     ei += (t_inc - 1.0 / top) / len(SCENARIOS)
                 if z == SCENARIOS[-1]:  # the width the optimistic scenario would draft at: the one to try
                     k_e = 1 + rs.index(top)
+            mean = self.rates(name, k_e, regime)[k_e - 1] * self.scale
             e_mean = stats.expected_tokens(k_e)
-            # calibrated seconds this round loses on the incumbent by the mean estimate — a round that then ends its
-            # stretch: by that estimate the option does not pay (else it would be chosen, not explored), so nothing
-            # spreads the switch into it and its drafter's catch-up over a stretch (the scenarios in which it pays
-            # and a stretch follows are the EI's)
-            loss = max(0.0, self._lone_round(name, k_e, regime) - e_mean * t_inc)
+            # calibrated seconds this round loses on the incumbent by the mean estimate, its switch and catch-up
+            # spread as its rate spreads them. (Charging them whole — a round that ends its stretch — explored less
+            # and found less: `benchmarks/simulate_auto.py`, a drafter paying 1.17x, auto 1.063x against 1.093x.)
+            loss = max(0.0, e_mean * (1.0 / mean - t_inc))
             n_new = min(e_mean, k_e)  # positions one round tries, about
             share = n_new / (max(stats.tried[0], 0.0) + n_new)
             out = self._memo[key] = (ei * share, loss, k_e)
@@ -625,8 +616,9 @@ class AutoChooser:
         return out
 
     def explore(self, available: dict[str, int], regime: str, incumbent: tuple, remaining: int):
-        """(name, k) of the option worth exploring now, or None: remaining · EI · share must exceed the round's loss
-        against the incumbent ((name or None, rate × scale)); the largest surplus wins."""
+        """(name, k) of the option worth exploring now, or None: remaining · (the share of it that option could
+        serve: `_servable`) · EI · share must exceed the round's loss against the incumbent ((name or None,
+        rate × scale)); the largest surplus wins."""
         best, surplus = None, 0.0
         # the incumbent's rate to 1 % (its estimate moves a little every round: the tables need not)
         incumbent = (incumbent[0], math.exp(round(100 * math.log(incumbent[1])) / 100))
@@ -634,12 +626,27 @@ class AutoChooser:
             if cap < 1 or name == incumbent[0]:
                 continue
             cap = min(cap, self.options[name].max_k)
-            if self._optimistic(name, cap, regime) <= incumbent[1] * (1 + MIN_GAIN):
+            top = self._optimistic(name, cap, regime)
+            if top <= incumbent[1] * (1 + MIN_GAIN):
                 continue  # not even its optimistic scenario beats the incumbent: EI = 0 (and no scoring pass)
             value, loss, k = self._explore_terms(name, cap, regime, incumbent)
-            if remaining * value - loss > surplus:
-                best, surplus = (name, k), remaining * value - loss
+            gain = remaining * self._servable(name, top, regime) * value - loss
+            if gain > surplus:
+                best, surplus = (name, k), gain
         return best
+
+    def _servable(self, name: str, top: float, regime: str) -> float:
+        """The share of the tokens decoded lately (`served`) that option `name` could have served had it been as
+        good as its optimistic rate `top` (× scale): those of plain rounds, its own, and those of options whose best
+        rate by the mean estimates is below it. What is learned about it serves only such tokens: where n-gram
+        lookup commits most of the tokens at five times plain speed, a DFlash drafter's answer serves the rest alone
+        (on the trained tiny set a fresh auto explored DFlash, its trees and MTP there again and again)."""
+        total = sum(self.served.values())
+        if total <= 0.0:
+            return 1.0
+        ok = sum(v for y, v in self.served.items()
+                 if y is None or y == name or (y in self.options and self._leaders(y, regime)[-1][1] < top))
+        return ok / total
 
     def pick(self, available: dict[str, int], regime: str = "greedy",
              remaining: int | None = None) -> tuple[str | None, int, bool]:
@@ -667,6 +674,7 @@ class AutoChooser:
         if explores:
             self.explored[name] += 1
         self.chosen[(name or "plain", k)] += 1
+        self.served[name] = self.served.get(name, 0.0) + 1.0  # its first token; the accepted drafts: `update`
         if name is None:
             self.end_stretch()
         elif not self._spec_last and self.options[name].sporadic:
@@ -723,6 +731,7 @@ class AutoChooser:
         `choose` counts it."""
         self._tick()
         self.chosen[("plain", 0)] += 1
+        self.served[None] = self.served.get(None, 0.0) + 1.0
         self.end_stretch()
         self._spec_last = False
 
@@ -747,6 +756,7 @@ class AutoChooser:
         self.elapsed *= fade
         self._reopen *= fade
         self.saved = {n: v * fade for n, v in self.saved.items()}
+        self.served = {n: v * fade for n, v in self.served.items()}
         for u in self._unconfirmed.values():
             u[0] *= fade
             u[1] *= fade
@@ -765,6 +775,7 @@ class AutoChooser:
         self._rescore(name if name is not None and k > 0 else None)
         if name is not None and k > 0:
             self.decoded += n_accepted
+            self.served[name] = self.served.get(name, 0.0) + n_accepted
             if self._stretch_from is not None:
                 self._stretch_tokens += n_accepted + 1
             opt = self.options[name]

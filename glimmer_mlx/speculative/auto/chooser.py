@@ -328,7 +328,8 @@ class AutoChooser:
     option resolves a share of that uncertainty, n_new / (n + n_new) with n the counts so far and n_new the positions
     it tries; over the H tokens that will use the answer that is worth H · EI · share, H = the request's remaining
     tokens plus what this chooser has decoded so far, at most `FUTURE_TOKENS` (what it learns serves the requests of
-    the same session or server too). It is explored only when that exceeds what the round costs against the
+    the same session or server too), times the share of tokens the option could serve (`_servable`). It is explored
+    only when that exceeds what the round costs against the
     incumbent by the mean estimates. So an option whose optimistic scenario cannot beat plain is never tried (EI = 0),
     a fresh process's short request pays for no exploration that cannot pay back, and a long one tries a promising
     option until its estimate settles (`benchmarks/simulate_auto.py`, 64 seeds of ten

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -1149,6 +1150,26 @@ def test_a_prompts_taps_from_its_prefill_serve_a_drafter_first_asked_later(tiny,
     assert cold == warm and cold_drafts == warm_drafts
     assert len(starts) >= 4 and min(starts) >= 20  # the prompt's 20 positions came from its prefill
     assert max(fills) < 36
+
+
+def test_the_prompts_taps_are_let_go_once_no_drafter_could_pay(tiny, tmp_path, monkeypatch):
+    """The taps a prefill kept for the model drafters stay while one of them could pay (its optimistic scenario beats
+    plain) and are dropped at the first plain verdict after none could: a long prompt's taps are 3 × its length ×
+    the hidden size, held for the whole request otherwise."""
+    model, _, dpath = tiny
+    auto = _auto(model, dpath, tmp_path)
+    for opt in auto.chooser.options.values():
+        opt.acceptance("greedy").set_alphas([0.0])
+    ids = [int(x) for x in np.random.RandomState(3).randint(10, 500, size=24)]
+    taps = [mx.zeros((1, len(ids) - 1, model.args.hidden_size)) for _ in auto.taps]
+    could = {"now": frozenset({"dflash"})}
+    monkeypatch.setattr(auto.chooser, "could_pay", lambda regime="greedy", remaining=None: could["now"])
+    auto.start(taps, ids)
+    assert auto.plan(3, "greedy", 100) and auto._chunks  # DFlash could pay: kept
+    auto.accept([], [7])
+    could["now"] = frozenset()
+    auto.chooser._forget()  # an estimate changed: the plain verdict is taken again
+    assert auto.plan(3, "greedy", 100) and auto._chunks == []
 
 
 def test_a_drafter_whose_backlog_cannot_be_recomputed_sits_out(tiny, tmp_path, monkeypatch):

@@ -369,6 +369,10 @@ class AutoDrafter:
         if among is None:
             self._verdict = None
             return
+        if self._chunks and among.isdisjoint(self._model_options):
+            # no model drafter could pay now: the taps kept for one (a long prompt's: 3 taps × its length × the
+            # hidden size) are let go; one asked later recomputes what it needs (`fill`)
+            self._chunks = []
         if self._verdict is None or self._verdict[0] != key or self._verdict[3] != self.needs_taps:
             self._verdict = (key, among & self._ngram_options, set(), self.needs_taps)
         self._verdict[2].update(o for o in available.items() if o[0] in self._ngram_options)

@@ -1152,6 +1152,38 @@ def test_a_prompts_taps_from_its_prefill_serve_a_drafter_first_asked_later(tiny,
     assert max(fills) < 36
 
 
+def test_the_chunks_coverage_is_the_gap_free_run_from_a_position(tiny, tmp_path):
+    """`_covered` (its fast path inside the newest run of chunks included) against the positions the chunks hold,
+    counted one by one: a prompt's taps, plain rounds without any (a gap), rounds with theirs, a prune."""
+    model, _, dpath = tiny
+    auto = _auto(model, dpath, tmp_path)
+    D = model.args.hidden_size
+
+    def taps(n):
+        return [mx.zeros((1, n, D)) for _ in auto.taps]
+
+    def reference(a):
+        held = {p0 + i for p0, t in auto._chunks for i in range(t[0].shape[1])}
+        while a in held:
+            a += 1
+        return a
+
+    ids = list(range(10, 31))  # 21 tokens: the prompt's taps cover positions 0..19
+    auto.start(taps(20), ids)
+    for t in (5, 6, 7):
+        auto.accept([], [t])  # no taps: positions 20..22 held by no chunk
+    auto.accept(taps(1), [8])
+    auto.accept(taps(3), [9, 10, 11])
+    auto.accept(taps(1), [12])
+    for a in range(0, len(auto._tokens)):
+        assert auto._covered(a) == reference(a), a
+    assert auto._covered(0) == 20 and auto._covered(20) == 20 and auto._covered(24) == 28
+    auto._from = lambda n: 24  # every drafter past 24: the chunks below go
+    auto._prune()
+    for a in range(24, len(auto._tokens)):
+        assert auto._covered(a) == reference(a), a
+
+
 def test_the_prompts_taps_are_let_go_once_no_drafter_could_pay(tiny, tmp_path, monkeypatch):
     """The taps a prefill kept for the model drafters stay while one of them could pay (its optimistic scenario beats
     plain) and are dropped at the first plain verdict after none could: a long prompt's taps are 3 × its length ×

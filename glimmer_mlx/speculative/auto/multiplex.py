@@ -163,8 +163,10 @@ class AutoDrafter:
         self.chooser.end_stretch()  # a stretch the last request ended in is over
         self._tokens = list(ids)
         self._chunks: list[tuple[int, list]] = []  # (first position, taps) not yet handed to every model drafter
+        self._tail = None  # (start, end) of the gap-free run of chunks the newest one ends (`_covered`'s fast path)
         if taps:
             self._chunks.append((first, list(taps)))
+            self._tail = (first, first + taps[0].shape[1])
         self.chooser.clear_lags()
         self._verdict = None
         self._lost: set[str] = set()  # model drafters whose backlog cannot be recomputed in this context
@@ -180,12 +182,17 @@ class AutoDrafter:
         return len(self._tokens) - 1 - self._from(n)
 
     def _covered(self, a: int) -> int:
-        """The end of the chunks' coverage of the positions from `a` on without a gap (`a`: not even a)."""
+        """The end of the chunks' coverage of the positions from `a` on without a gap (`a`: not even a). Asked every
+        round a model drafter is offered: inside the newest run of chunks (every round adds one while a drafter is
+        kept warm) it is that run's end at once; before it, the chunks up to the first gap."""
+        t = self._tail
+        if t is not None and t[0] <= a < t[1]:
+            return t[1]
         cur = a
         for p0, taps in self._chunks:
-            end = p0 + taps[0].shape[1]
-            if p0 <= cur < end:
-                cur = end
+            if p0 > cur:
+                break
+            cur = max(cur, p0 + taps[0].shape[1])
         return cur
 
     def _gather(self, a: int, pos: int) -> list | None:
@@ -244,6 +251,8 @@ class AutoDrafter:
         """Drop the chunks every model drafter still in play is past."""
         lo = min((self._from(n) for n in self._model if n not in self._lost), default=len(self._tokens))
         self._chunks = [c for c in self._chunks if c[0] + c[1][0].shape[1] > lo]
+        if self._tail is not None:
+            self._tail = (max(self._tail[0], lo), self._tail[1]) if self._tail[1] > lo else None
 
     def _ready(self, n: str) -> bool:
         """Whether model drafter `n` can draft now (its backlog is in the chunks or can be recomputed)."""
@@ -372,7 +381,7 @@ class AutoDrafter:
         if self._chunks and among.isdisjoint(self._model_options):
             # no model drafter could pay now: the taps kept for one (a long prompt's: 3 taps × its length × the
             # hidden size) are let go; one asked later recomputes what it needs (`fill`)
-            self._chunks = []
+            self._chunks, self._tail = [], None
         if self._verdict is None or self._verdict[0] != key or self._verdict[3] != self.needs_taps:
             self._verdict = (key, among & self._ngram_options, set(), self.needs_taps)
         self._verdict[2].update(o for o in available.items() if o[0] in self._ngram_options)
@@ -452,6 +461,8 @@ class AutoDrafter:
         p = len(self._tokens) - 1
         if taps:
             self._chunks.append((p, list(taps)))
+            end = p + taps[0].shape[1]
+            self._tail = (self._tail[0], end) if self._tail is not None and self._tail[1] == p else (p, end)
         self._tokens += new_tokens
         if self._shadows:
             self._resolve()

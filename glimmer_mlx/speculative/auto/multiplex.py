@@ -226,9 +226,10 @@ class AutoDrafter:
         if name == "ngram":
             taps = []
         else:
-            taps = self._gather(a, pos)
-            if taps is None:  # the chunks cover [a, c): the rest is recomputed
-                c = min(self._covered(a), pos)
+            c = min(self._covered(a), pos)  # the chunks cover [a, c): the rest is recomputed
+            if c >= pos:
+                taps = self._gather(a, pos)
+            else:
                 t0 = time.perf_counter()
                 rest = self.fill(c) if self.fill is not None else None
                 if rest is None:
@@ -254,18 +255,19 @@ class AutoDrafter:
         if self._tail is not None:
             self._tail = (max(self._tail[0], lo), self._tail[1]) if self._tail[1] > lo else None
 
-    def _ready(self, n: str) -> bool:
-        """Whether model drafter `n` can draft now (its backlog is in the chunks or can be recomputed)."""
+    def _missing(self, n: str) -> int | None:
+        """The positions of model drafter `n`'s backlog whose taps no chunk holds (run again when it drafts: `fill`),
+        or None when it cannot draft now (they cannot be recomputed: it sits out this context)."""
         if n in self._lost:
-            return False
+            return None
         pos = len(self._tokens) - 1
         c = self._covered(self._from(n))
         if c >= pos:
-            return True
+            return 0
         if self.can_fill is None or not self.can_fill(pos - c):
             self._lost.add(n)
-            return False
-        return True
+            return None
+        return pos - c
 
     def start(self, taps: list[mx.array] | None, ids: list[int]) -> None:
         self._at = dict.fromkeys(self.drafters, 0)
@@ -288,9 +290,9 @@ class AutoDrafter:
                     available[offer[0]] = offer[1]
                 continue
             names = [o for o in (n, self._tree_of.get(n)) if o is not None and (among is None or o in among)]
-            if not names or not self._ready(n):
+            missing = self._missing(n) if names else None
+            if missing is None:
                 continue
-            missing = max(0, len(self._tokens) - 1 - self._covered(self._from(n)))  # positions to run again
             for o in names:
                 self.chooser.set_lag(o, self._lag(n), fill=missing)
                 cap = min(k, self.chooser.options[o].max_k)

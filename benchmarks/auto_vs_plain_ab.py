@@ -16,14 +16,17 @@ first, as before the ninth session); nowide (a drafter's catch-up forward priced
 linearly, as before the ninth session); surplus25 (losers may lose a quarter of what the others saved, as before the
 ninth session, not 1 %); meantaps (a prefill yields the drafters' taps only where one pays by its mean estimate, as
 before the ninth session); noshadow (greedy n-gram offers passed over are not scored, as before the ninth session);
-eighth (all six: the eighth session's rules; its catch-ups still run only what the chunks miss); dflash, ngram, mtp
-(fixed, dflash at block 8).
+eighth (all six: the eighth session's rules; its catch-ups still run only what the chunks miss); nophase (one set of
+acceptance estimates and ledger entries for a whole response, as before the tenth session, not one per phase:
+`chooser.PHASES`); dfauto, dfauto_nophase (auto over the DFlash drafter alone: plain, its chains or its trees per
+round; and the same without phases); dflash, ngram, mtp (fixed, dflash at block 8).
 
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
     AB_OUT=FILE ...   also appends the sitting to FILE as one JSON line (every run, each auto's summary)
     AB_SET=DIR python benchmarks/auto_vs_plain_ab.py ...   the trained tiny set (benchmarks/bench_tiny_set.py DIR):
         its target, DFlash drafter and MTP layers; the prompts byte-encoded as `glimmer bench` does
 """
+import copy
 import os
 import statistics
 import sys
@@ -143,6 +146,13 @@ def surplus(auto, share):
     return auto
 
 
+def no_phase(auto):
+    """auto as before the tenth session: one set of acceptance estimates and ledger entries per regime for a whole
+    response, not one per phase of it (`AutoChooser.set_phase`)."""
+    auto.chooser.phases = None
+    return auto
+
+
 def no_wide(auto):
     """auto as before the ninth session: a forward over a drafter's backlog priced by the verify curve extended
     linearly, not toward the calibration's wide forward (`AutoChooser.forward_cost`)."""
@@ -165,8 +175,10 @@ make = {
     "servable": lambda: all_servable(second_auto()), "shrunk": lambda: shrunk(second_auto()),
     "nowide": lambda: no_wide(second_auto()),
     "surplus25": lambda: surplus(second_auto(), 0.25), "meantaps": lambda: mean_taps(second_auto()),
-    "noshadow": lambda: no_shadow(second_auto()),
+    "noshadow": lambda: no_shadow(second_auto()), "nophase": lambda: no_phase(second_auto()),
     "eighth": lambda: no_shadow(mean_taps(surplus(no_wide(shrunk(all_servable(second_auto()))), 0.25))),
+    "dfauto": lambda: make_auto(m, dflash=copy.copy(d.dflash), ngram=False),
+    "dfauto_nophase": lambda: no_phase(make_auto(m, dflash=copy.copy(d.dflash), ngram=False)),
     "dflash": lambda: d.dflash, "ngram": d.ngram, "mtp": lambda: d.mtp,
 }
 drafter = {mo: make[mo]() for mo in modes}

@@ -653,7 +653,9 @@ def test_auto_greedy_identical_to_plain_with_every_drafter_in_turn(tiny, tmp_pat
 
 
 def _ngram_auto(model, alphas: dict, regime: str = "greedy"):
+    """n-gram-only auto whose options' acceptance is pinned (one set of estimates: no phases of the response)."""
     auto = make_auto(model, ngram=4, verify_costs=flat())
+    auto.chooser.phases = None
     for name, opt in auto.chooser.options.items():
         opt.acceptance(regime).set_alphas([alphas.get(name, 0.0)])
     return auto
@@ -686,10 +688,11 @@ def test_greedy_ngram_offers_passed_over_are_scored(tiny, monkeypatch):
     and leaves plain for it (without the scoring: 200 plain rounds)."""
     model, _, _ = tiny
     auto = make_auto(model, ngram=4, verify_costs=flat())
+    auto.chooser.phases = None  # one set of estimates (the phases' own: `test_a_response_s_phases_*`)
     seen = []
     real = auto.chooser.observe_offer
-    monkeypatch.setattr(auto.chooser, "observe_offer", lambda n, k, a, r="greedy": (seen.append((n, k, a)),
-                                                                                   real(n, k, a, r))[1])
+    monkeypatch.setattr(auto.chooser, "observe_offer", lambda n, k, a, r="greedy", p="now": (seen.append((n, k, a)),
+                                                                                             real(n, k, a, r, p))[1])
     auto.start([], [5, 6, 7, 8, 5])  # "5" occurred before: the offer drafts 6 7 8 5
     auto.chooser.options["ngram@1"].acceptance("greedy").set_alphas([0.0])
     assert auto.plan(4, "greedy", 100)  # plain: its offer kept
@@ -1192,6 +1195,7 @@ def test_the_prompts_taps_are_let_go_once_no_drafter_could_pay(tiny, tmp_path, m
     the hidden size, held for the whole request otherwise."""
     model, _, dpath = tiny
     auto = _auto(model, dpath, tmp_path)
+    auto.chooser.phases = None  # one set of estimates (the phases' own: `test_a_response_s_phases_*`)
     for opt in auto.chooser.options.values():
         opt.acceptance("greedy").set_alphas([0.0])
     ids = [int(x) for x in np.random.RandomState(3).randint(10, 500, size=24)]
@@ -1650,3 +1654,103 @@ def test_one_stall_during_a_speculative_round_bars_speculation_only_briefly():
         rounds += 1
     assert rounds < LEDGER_ROUND_CAP / LOSS_BUDGET  # 800: a capped loss, earned back by plain decoding
 
+
+
+# -- a response's phases (`chooser.PHASES`, `AutoChooser.set_phase`) -----------------------------------------------
+
+def _opening_loser_run(phases, requests: int = 8, tokens: int = 96):
+    """A drafter (7 drafts a round, 1.5 plain steps to draft, a verify of 8 rows 1.4 plain steps: a failed round
+    loses ~2 plain steps, as the tiny set's DFlash round with its catch-up did) that never hits in a response's
+    first 16 tokens and always after them — the trained tiny set's DFlash. The chooser drives it request after
+    request, told every round's cost exactly. Returns (tokens drafted after the opening in the last request,
+    chooser)."""
+    plain = 10 * MS
+    ch = AutoChooser({L: plain * (1.0 if L == 1 else 1.4) for L in range(1, 9)})
+    ch.phases = phases
+    ch.add("dflash", 7, "block", draft_prior=15 * MS)
+    drafted = 0
+    for _ in range(requests):
+        ch.clear_lags()
+        pos, drafted = 0, 0
+        while pos < tokens:
+            ch.set_phase(pos)
+            name, k = ch.choose({"dflash": min(7, tokens - pos - 1)} if tokens - pos > 1 else {}, "greedy",
+                                tokens - pos)
+            if name is None:
+                ch.observe_plain(plain)
+                ch.elapse(plain)
+                pos += 1
+                continue
+            accepted = k if pos >= 16 else 0
+            seconds = 15 * MS + 14 * MS
+            ch.update(name, k, accepted, "greedy", 15 * MS, 14 * MS)
+            ch.elapse(seconds)
+            ch.credit(name, accepted + 1, seconds)
+            drafted += accepted if pos >= 16 else 0
+            pos += accepted + 1
+    return drafted, ch
+
+
+def test_a_response_s_phases_keep_a_drafter_that_loses_in_the_opening_for_the_rest():
+    """A drafter that loses in every response's opening tokens and pays after them: with phases, its failures in the
+    opening bar it (estimates and ledger) there only, and the rest of each response drafts; pooled, the first
+    failures drag its one estimate down and the ledger bars it everywhere (the trained tiny set's DFlash: auto 1.0x
+    plain where DFlash alone ran 1.7-1.9x)."""
+    phased, ch = _opening_loser_run((16, 64))
+    pooled, _ = _opening_loser_run(None)
+    assert phased >= 60  # of the 80 tokens after the opening
+    assert pooled == 0
+    # the opening's ledger entry lost, the later phases' saved; only the losing one can be barred
+    assert ch.saved["dflash#0"] < 0 < ch.saved["dflash#1"]
+    assert ch.options["dflash"].acceptance("greedy#0").alpha(0) < 0.5 < 0.8 < ch.options["dflash"].acceptance(
+        "greedy#1").alpha(0)
+
+
+def test_a_response_s_phase_follows_the_tokens_it_generated(tiny, monkeypatch):
+    """`AutoDrafter` tells the chooser the phase of every round by the tokens generated in the context (0 before
+    the first, whatever the previous request reached), and scores a passed-over n-gram offer in the phase it was
+    made in."""
+    model, _, _ = tiny
+    auto = make_auto(model, ngram=4, verify_costs=flat())
+    for opt in auto.chooser.options.values():
+        for p in range(3):
+            opt.acceptance(f"sampling#{p}").set_alphas([0.0])  # never worth a round: every round plain
+    for _ in range(2):
+        assert not auto.wants_taps("sampling") and auto.chooser.phase == 0
+        auto.start([], [1, 2, 3, 1])  # the prefill's token "1" makes the context; "1" occurred before
+        phases = []
+        for i in range(70):
+            assert auto.plan(3, "sampling", 1000)
+            phases.append(auto.chooser.phase)
+            auto.accept([], [2 + i % 2])
+        assert phases == [0] * 15 + [1] * 48 + [2] * 7  # 1 generated, then one more per round
+    # greedy: an offer passed over is kept with the phase it was made in, and scored in it
+    seen = []
+    real = auto.chooser.observe_offer
+    monkeypatch.setattr(auto.chooser, "observe_offer",
+                        lambda n, k, a, r="greedy", p="now": (seen.append((n, p)), real(n, k, a, r, p))[1])
+    auto.wants_taps("greedy")
+    auto.start([], [5, 6, 7, 8, 5])  # "5" occurred before: the offer drafts 6 7 8 5
+    for opt in auto.chooser.options.values():
+        opt.acceptance("greedy#0").set_alphas([0.0])
+    assert auto.plan(4, "greedy", 100) and auto._shadows[-1][3] == 0
+    auto.chooser.set_phase(20)  # (as if the response had moved on before the offer's tokens came)
+    for t in (6, 7, 8, 9):
+        auto.accept([], [t])
+    assert seen == [("ngram@1", 0)]  # scored in the opening's estimates, not the current phase's
+
+
+def test_a_drafter_that_could_pay_later_in_the_response_keeps_the_prompt_s_taps():
+    """`could_pay_ahead`: in the opening, an option whose opening estimate cannot pay but whose later phases' could
+    is still wanted (its drafter's prompt taps are kept); in the last phase only that phase counts."""
+    ch = AutoChooser({L: 10 * MS * (1.0 if L == 1 else 1.2) for L in range(1, 9)})
+    ch.add("d", 7, "block", draft_prior=2 * MS)
+    ch.options["d"].acceptance("greedy#0").set_alphas([0.0])
+    ch.options["d"].acceptance("greedy#2").set_alphas([0.0])
+    ch.set_phase(0)
+    assert ch.could_pay("greedy") == frozenset() and ch.could_pay_ahead("greedy") == {"d"}
+    ch.set_phase(100)
+    assert ch.phase == 2 and ch.could_pay_ahead("greedy") == frozenset()
+    ch.phases = None
+    ch.set_phase(5)
+    assert ch.phase is None and ch.could_pay_ahead("greedy") == ch.could_pay("greedy") == {"d"}  # the pooled prior

@@ -261,7 +261,8 @@ class AutoDecoder(SpeculativeDecoder):
     def prefill(self, ids: list[int], input_embeddings=None, reuse: int = 0) -> None:
         """The prompt's taps only when a model drafter could pay (`AutoDrafter.wants_taps`; or the prompt has images,
         whose positions a later recomputation from the ids could not reproduce)."""
-        if input_embeddings is not None or self.drafter.wants_taps(self._regime):
+        wants = self.drafter.wants_taps(self._regime)  # (a new context for the drafter either way)
+        if input_embeddings is not None or wants:
             self.plain.taps = self.taps
         try:
             super().prefill(ids, input_embeddings, reuse)

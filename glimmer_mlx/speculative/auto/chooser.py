@@ -40,6 +40,11 @@ what the options in surplus saved), none of them is chosen (an option never trie
 decoding has earned the budget back: auto then loses at most that share against plain decoding plus a round per
 option, whatever its estimates.
 
+What a drafter accepts changes along a response, the same way request after request (an answer's opening tokens
+are predicted worse, or better, than the rest of it), so the acceptance estimates and the ledger's entries are kept
+per phase of the response as well (`PHASES`, `AutoChooser.set_phase`, told by the drafter that multiplexes the
+options): a drafter that fails in every opening is barred there and still tried, and kept, after it.
+
 `AutoChooser` is this decision logic, pure (unit-tested against synthetic cost/acceptance tables): it is told what
 each round cost and accepted, and it never touches a model.
 """
@@ -188,6 +193,17 @@ LEDGER_FLOOR = 4
 SHADOW_BATCH = 16
 
 
+# a response's phases, by the tokens it has generated: [0, 16), [16, 64), 64 on. A drafter's acceptance is not the
+# same throughout a response, and it moves the same way request after request; each phase keeps its own estimates and
+# ledger entries (`AutoChooser.set_phase`). Measured (fixed modes drafting every round, 96 tokens, accepted drafts
+# per round in each phase): on the trained tiny set at T = 0, DFlash 0.41 / 3.63 / 3.48 and n-gram lookup
+# 0.90 / 7.79 / 7.17 — every answer opens with tokens no drafter predicts, then settles into what they copy; on the
+# embedded model the other way, DFlash 2.34 / 1.76 / 0.95 and MTP 0.70 / 0.64 / 0.58. Pooled, a fresh auto on the
+# tiny set tried DFlash in the first rounds of a request, saw it fail, and its ledger barred it for the rest of the
+# run (1.0x plain where DFlash alone ran 1.7-1.9x); on the embedded model a drafter that pays in the opening only is
+# averaged away by the rest
+PHASES = (16, 64)
+
 PRIOR_WEIGHT = 4.0  # a drafter's own measured τ (its eval.json) counts as this many observed rounds
 
 
@@ -298,8 +314,11 @@ class Option:
         return self.max_k + 1
 
     def acceptance(self, regime: str) -> AcceptanceStats:
+        """The acceptance estimates of `regime` — "greedy" or "sampling", or one of them with a phase of the response
+        ("greedy#0": `AutoChooser.set_phase`); every phase starts from the regime's prior."""
         if regime not in self.stats:
-            a, t = self.prior_alpha.get(regime), self.then_alpha.get(regime)
+            base = regime.split("#", 1)[0]
+            a, t = self.prior_alpha.get(base), self.then_alpha.get(base)
             prior = (1.0, 2.0) if a is None else (a * PRIOR_WEIGHT, PRIOR_WEIGHT)
             then = None if t is None else (t * PRIOR_WEIGHT / 2, PRIOR_WEIGHT / 2)
             self.stats[regime] = AcceptanceStats(self.max_k, self.decay, prior=prior, then=then)
@@ -398,6 +417,10 @@ class AutoChooser:
         self._reopen = math.inf
         self.loss_budget = LOSS_BUDGET
         self.surplus_share = SURPLUS_SHARE
+        # the phase of the response the rounds are in (`set_phase`: None — the chooser is not told — one set of
+        # estimates and ledger entries per regime and option, as the batch's rows use them)
+        self.phase: int | None = None
+        self.phases = PHASES
         self.shadowed = 0  # offers scored without a round (`observe_offer`)
         # option (None: plain) -> tokens its rounds committed, fading as the ledger does (`_servable`)
         self.served: dict[str | None, float] = {}
@@ -510,13 +533,14 @@ class AutoChooser:
             return 1.0 / self.plain_cost
         return self.rates(name, k, regime)[k - 1]
 
-    def rates(self, name: str, cap: int, regime: str = "greedy", shift: float = 0.0) -> list[float]:
+    def rates(self, name: str, cap: int, regime: str = "greedy", shift: float = 0.0,
+              phase: int | None | str = "now") -> list[float]:
         """[rate(name, k) for k = 1..min(cap, max_k)] in one pass; shift: every position's acceptance moved by it
         (a scenario of `explore`). After a plain round a drafter's round also carries the cost of switching to it,
         spread over the tokens the stretch can run: the horizon, or as many as its stretches measurably last
-        (`Option.stretch`), if fewer."""
+        (`Option.stretch`), if fewer. phase: whose acceptance estimates (`set_phase`; "now": the current one)."""
         opt = self.options[name]
-        stats = opt.acceptance(regime)
+        stats = opt.acceptance(self._key(regime, phase))
         fixed = max(0.0, self.round_overhead)
         switch = self._switch(name)
         span = self.horizon
@@ -542,6 +566,25 @@ class AutoChooser:
         unknown, the most), rounded down to a power of two (so the memoised tables stay few)."""
         h = SWITCH_HORIZON if remaining is None else max(1, min(int(remaining), SWITCH_HORIZON))
         self.horizon = 1 << (h.bit_length() - 1)
+
+    def set_phase(self, generated: int | None) -> None:
+        """The rounds to come are in the phase of a response that has generated `generated` tokens so far (None: the
+        phases are not told): the number of `phases` boundaries it has reached. Each phase has its own acceptance
+        estimates and ledger entries (`_key`, `_entry`); a change of phase rescores every option."""
+        phase = None if generated is None or self.phases is None else sum(generated >= b for b in self.phases)
+        if phase != self.phase:
+            self.phase = phase
+            self._forget()
+
+    def _key(self, regime: str, phase: int | None | str = "now") -> str:
+        """The acceptance estimates' key of `regime` in `phase` (the current one by default)."""
+        phase = self.phase if phase == "now" else phase
+        return regime if phase is None else f"{regime}#{phase}"
+
+    def _entry(self, name: str) -> str:
+        """Option `name`'s ledger entry in the current phase: a drafter that loses in a response's opening tokens
+        and pays after them is barred from the opening only."""
+        return name if self.phase is None else f"{name}#{self.phase}"
 
     def _leaders(self, name: str, regime: str) -> list[tuple[int, float]]:
         """[(best k, its rate × scale) among k = 1..cap for cap = 1..max_k] of option `name`, kept until an estimate
@@ -583,7 +626,7 @@ class AutoChooser:
         key = ("explore", name, regime, self._spec_last, self.horizon, self._lag_key(name), cap, incumbent)
         out = self._memo.get(key)
         if out is None:
-            stats = self.options[name].acceptance(regime)
+            stats = self.options[name].acceptance(self._key(regime))
             sd = stats.spread()
             t_inc = 1.0 / incumbent[1]  # calibrated seconds per token of the incumbent
             ei, k_e = 0.0, 1
@@ -612,7 +655,7 @@ class AutoChooser:
         key = ("optimistic", name, regime, self._spec_last, self.horizon, self._lag_key(name), cap)
         out = self._memo.get(key)
         if out is None:
-            sd = self.options[name].acceptance(regime).spread()
+            sd = self.options[name].acceptance(self._key(regime)).spread()
             out = self._memo[key] = max(self.rates(name, cap, regime, shift=SCENARIOS[-1] * sd)) * self.scale
         return out
 
@@ -657,7 +700,7 @@ class AutoChooser:
         if self.check_due():
             return None, 0, False
         if self.barred:
-            available = {n: c for n, c in available.items() if n not in self.barred}
+            available = {n: c for n, c in available.items() if self._entry(n) not in self.barred}
         name, k, rate = self.best(available, regime)
         if remaining is not None and remaining > 1:
             horizon = remaining + min(self.decoded, FUTURE_TOKENS)
@@ -708,7 +751,8 @@ class AutoChooser:
             try:
                 bar = (1 + ENTER_GAIN) / self.plain_cal
                 out = self._memo[key] = frozenset(n for n in self.options
-                                                  if (among is None or n in among) and n not in self.barred
+                                                  if (among is None or n in among)
+                                                  and self._entry(n) not in self.barred
                                                   and self._leaders(n, regime)[-1][1] > bar)
             finally:
                 self._spec_last = spec_last
@@ -720,12 +764,30 @@ class AutoChooser:
         key = ("pays", None, regime, self.horizon, self._lag_sig)
         rel = self._memo.get(key)
         if rel is None:
-            plain = 1.0 / self.plain_cal
+            plain, phased = 1.0 / self.plain_cal, self._key(regime)
             rel = self._memo[key] = frozenset(
-                n for n, o in self.options.items() if n not in self.barred
-                and max(self.rates(n, o.max_k, regime, shift=SCENARIOS[-1] * o.acceptance(regime).spread()))
+                n for n, o in self.options.items() if self._entry(n) not in self.barred
+                and max(self.rates(n, o.max_k, regime, shift=SCENARIOS[-1] * o.acceptance(phased).spread()))
                 * self.scale > plain * (1 + MIN_GAIN))
         return rel
+
+    def could_pay_ahead(self, regime: str = "greedy") -> frozenset:
+        """The options that could pay (`could_pay`) in the current phase of the response or in any phase after it:
+        those whose drafters' taps are worth keeping now (a drafter that loses in the opening tokens and pays after
+        them still wants the prompt's)."""
+        if self.phase is None or self.phases is None:
+            return self.could_pay(regime)
+        key = ("ahead", None, regime, self.phase, self.horizon, self._lag_sig)
+        out = self._memo.get(key)
+        if out is None:
+            plain, ahead = 1.0 / self.plain_cal, set()
+            for p in range(self.phase, len(self.phases) + 1):
+                phased = self._key(regime, p)
+                ahead.update(n for n, o in self.options.items() if f"{n}#{p}" not in self.barred and max(
+                    self.rates(n, o.max_k, regime, shift=SCENARIOS[-1] * o.acceptance(phased).spread(), phase=p))
+                    * self.scale > plain * (1 + MIN_GAIN))
+            out = self._memo[key] = frozenset(ahead)
+        return out
 
     def count_plain(self) -> None:
         """A plain round chosen without `choose` (nothing `relevant` was available, or `pick` said plain): counted as
@@ -780,8 +842,9 @@ class AutoChooser:
             if self._stretch_from is not None:
                 self._stretch_tokens += n_accepted + 1
             opt = self.options[name]
-            opt.acceptance(regime).update(k, n_accepted)
-            opt.touched[regime] = self.round
+            key = self._key(regime)
+            opt.acceptance(key).update(k, n_accepted)
+            opt.touched[key] = self.round
             if draft_time is not None:
                 opt.cost.observe(k, draft_time / self.scale)
         if verify_time is None:
@@ -800,14 +863,17 @@ class AutoChooser:
             if opt is not None:
                 opt.verify_factor[regime] = robust_ema(opt.verify_factor.get(regime, shared), x, self.scale_ema)
 
-    def observe_offer(self, name: str, k: int, n_accepted: int, regime: str = "greedy") -> None:
+    def observe_offer(self, name: str, k: int, n_accepted: int, regime: str = "greedy",
+                      phase: int | None | str = "now") -> None:
         """An offer of option `name` that no round took: k drafts of which a verify would have accepted n (known
-        after the fact: greedy n-gram lookup, `AutoDrafter._shadow`). Its acceptance learns from it as from a round;
-        the memo is refreshed every `SHADOW_BATCH` of them, not after each (a plain stretch would otherwise be scored
-        afresh every token)."""
+        after the fact: greedy n-gram lookup, `AutoDrafter._shadow`). Its acceptance learns from it as from a round
+        (that of `phase`, the response's phase the offer was made in; "now": the current one); the memo is
+        refreshed every `SHADOW_BATCH` of them, not after each (a plain stretch would otherwise be scored afresh
+        every token)."""
         opt = self.options[name]
-        opt.acceptance(regime).update(k, n_accepted)
-        opt.touched[regime] = self.round
+        key = self._key(regime, self.phase if phase == "now" else phase)
+        opt.acceptance(key).update(k, n_accepted)
+        opt.touched[key] = self.round
         self.shadowed += 1
         if self.shadowed % SHADOW_BATCH == 0:
             self._forget()
@@ -829,6 +895,7 @@ class AutoChooser:
         never tried may be tried once, which puts it on the ledger), until `elapse` has brought the budget back
         (module docstring)."""
         gain = max(tokens * self.plain_cal - seconds / self.scale, -LEDGER_ROUND_CAP * self.plain_cal)
+        name = self._entry(name)
         self.saved[name] = self.saved.get(name, 0.0) + gain
         if gain > -LEDGER_ROUND_CAP * self.plain_cal:  # a capped loss is charged in full however plain is priced
             u = self._unconfirmed.setdefault(name, [0.0, 0.0])

@@ -171,7 +171,9 @@ class AutoDrafter:
         self._verdict = None
         self._lost: set[str] = set()  # model drafters whose backlog cannot be recomputed in this context
         self._offer = None  # (position, option, drafts) of the latest n-gram offer (`_ngram_offer`)
-        self._shadows: list[tuple[int, str, list[int]]] = []  # offers not taken, awaiting the tokens (`_shadow`)
+        # offers not taken, awaiting the tokens (`_shadow`), with the response's phase they were made in
+        self._shadows: list[tuple[int, str, list[int], int | None]] = []
+        self._opened = len(ids) - 1  # where the response starts in `_tokens` (its first token's position)
 
     def _from(self, n: str) -> int:
         """The first target position drafter `n` has not been handed."""
@@ -325,19 +327,19 @@ class AutoDrafter:
             self._ngram_offer(k)
         offer = self._offer
         if offer is not None and offer[1] != taken and (not self._shadows or self._shadows[-1][0] < offer[0]):
-            self._shadows.append(offer)
+            self._shadows.append((*offer, self.chooser.phase))
 
     def _resolve(self) -> None:
         """Score the offers whose drafts the committed tokens now confirm or refute (`AutoChooser.observe_offer`)."""
         toks, keep = self._tokens, []
-        for p0, name, drafts in self._shadows:
+        for p0, name, drafts, phase in self._shadows:
             n = 0
             while n < len(drafts) and p0 + n < len(toks) and toks[p0 + n] == drafts[n]:
                 n += 1
             if n == len(drafts) or p0 + n < len(toks):
-                self.chooser.observe_offer(name, len(drafts), n, "greedy")
+                self.chooser.observe_offer(name, len(drafts), n, "greedy", phase)
             else:
-                keep.append((p0, name, drafts))
+                keep.append((p0, name, drafts, phase))
         self._shadows = keep
 
     def plan(self, k: int, regime: str, remaining: int) -> bool:
@@ -348,6 +350,7 @@ class AutoDrafter:
         may already have broken. Inside a plain stretch only the options that could change a plain choice are asked
         what they offer (`AutoChooser.relevant`), and a plain verdict is kept while nothing it rests on changed
         (`_held`): then a plain round asks nothing but the n-gram index, and only where a match could matter."""
+        self._phase()
         if self._held(k, regime):
             self.chooser.count_plain()
             self.needs_taps = self._verdict[3]
@@ -380,9 +383,11 @@ class AutoDrafter:
         if among is None:
             self._verdict = None
             return
-        if self._chunks and among.isdisjoint(self._model_options):
-            # no model drafter could pay now: the taps kept for one (a long prompt's: 3 taps × its length × the
-            # hidden size) are let go; one asked later recomputes what it needs (`fill`)
+        if self._chunks and among.isdisjoint(self._model_options) \
+                and self.chooser.could_pay_ahead(key[1]).isdisjoint(self._model_options):
+            # no model drafter could pay now or in a later phase of the response: the taps kept for one (a long
+            # prompt's: 3 taps × its length × the hidden size) are let go; one asked later recomputes what it needs
+            # (`fill`)
             self._chunks, self._tail = [], None
         if self._verdict is None or self._verdict[0] != key or self._verdict[3] != self.needs_taps:
             self._verdict = (key, among & self._ngram_options, set(), self.needs_taps)
@@ -407,6 +412,11 @@ class AutoDrafter:
         pays = {self._kind_of[o] for o in self.chooser.paying(regime, remaining, self._model_options)}
         return any(n in pays for n in self._model if n not in self._lost)
 
+    def _phase(self) -> None:
+        """Tell the chooser which phase of the response the coming round is in (`chooser.PHASES`): by the tokens
+        generated in this context so far (a new context before its first token: none)."""
+        self.chooser.set_phase(0 if self._opened is None else len(self._tokens) - self._opened)
+
     def wants_taps(self, regime: str) -> bool:
         """Whether a prefill in a new context should yield the model drafters' taps: where one could pay (its
         optimistic scenario beats plain: `AutoChooser.could_pay`). They cost a prefill next to nothing (the LM head
@@ -414,11 +424,15 @@ class AutoDrafter:
         the whole prompt: its catch-up then runs again only the tokens decoded since (`_sync`)."""
         self.chooser.clear_lags()
         self._lost.clear()
-        return not self.chooser.could_pay(regime, None).isdisjoint(self._model_options)
+        self._opened = None  # a new response: its opening phase until it starts (`_reset`)
+        self._phase()
+        self.chooser.set_horizon(None)
+        return not self.chooser.could_pay_ahead(regime).isdisjoint(self._model_options)
 
     def propose(self, anchor: int, pos: int, k: int, sampler, history: list[int]):
         """`remaining`: the request's tokens still to generate in this round (set by the decoder)."""
         regime = "greedy" if sampler.params.greedy else "sampling"
+        self._phase()
         planned, self._planned = self._planned, None
         if planned is not None and planned[0] == (self.chooser.version, regime, self.remaining, k, len(self._tokens)):
             available, picked = planned[1], planned[2]  # `plan` asked of this same state (the round after a spec one)

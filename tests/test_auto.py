@@ -1754,3 +1754,28 @@ def test_a_drafter_that_could_pay_later_in_the_response_keeps_the_prompt_s_taps(
     ch.phases = None
     ch.set_phase(5)
     assert ch.phase is None and ch.could_pay_ahead("greedy") == ch.could_pay("greedy") == {"d"}  # the pooled prior
+
+
+def test_a_stretch_s_last_charge_goes_to_the_phase_it_ran_in(tiny):
+    """The plain token that ends a speculative stretch (`AutoDrafter.restart`) is charged to the ledger entry of the
+    phase the stretch's rounds ran in, even when that token falls in the next phase: charged to the next phase's
+    entry, the opening's one losing stretch left a loss on an option never tried after the opening, and the ledger
+    barred it there before it was ever tried (a sitting on the trained tiny set stayed plain throughout)."""
+    from glimmer_mlx.sampling import Sampler, SamplingParams
+
+    model, _, _ = tiny
+    auto = make_auto(model, ngram=4, verify_costs=flat())
+    ch = auto.chooser
+    for opt in ch.options.values():
+        opt.acceptance("greedy#0").set_alphas([0.95])
+    auto.wants_taps("greedy")
+    ids = [5, 6, 7, 8, 5]  # "5" occurred before: n-gram lookup drafts 6 7 8 5
+    auto.start([], ids)
+    assert not auto.plan(4, "greedy", 100) and ch.phase == 0
+    drafts, _ = auto.propose(5, len(ids) - 1, 4, Sampler(SamplingParams()), ids)
+    assert drafts == [6, 7, 8, 5]
+    auto.accept([], [6, 7])
+    assert auto.end_round(0.01, 2)
+    ch.set_phase(16)  # the plain token after the stretch is the next phase's
+    auto.restart(0.005)
+    assert set(ch.saved) == {"ngram@1#0"}

@@ -570,7 +570,7 @@ class AutoChooser:
     def set_phase(self, generated: int | None) -> None:
         """The rounds to come are in the phase of a response that has generated `generated` tokens so far (None: the
         phases are not told): the number of `phases` boundaries it has reached. Each phase has its own acceptance
-        estimates and ledger entries (`_key`, `_entry`); a change of phase rescores every option."""
+        estimates and ledger entries (`_key`, `entry`); a change of phase rescores every option."""
         phase = None if generated is None or self.phases is None else sum(generated >= b for b in self.phases)
         if phase != self.phase:
             self.phase = phase
@@ -581,7 +581,7 @@ class AutoChooser:
         phase = self.phase if phase == "now" else phase
         return regime if phase is None else f"{regime}#{phase}"
 
-    def _entry(self, name: str) -> str:
+    def entry(self, name: str) -> str:
         """Option `name`'s ledger entry in the current phase: a drafter that loses in a response's opening tokens
         and pays after them is barred from the opening only."""
         return name if self.phase is None else f"{name}#{self.phase}"
@@ -700,7 +700,7 @@ class AutoChooser:
         if self.check_due():
             return None, 0, False
         if self.barred:
-            available = {n: c for n, c in available.items() if self._entry(n) not in self.barred}
+            available = {n: c for n, c in available.items() if self.entry(n) not in self.barred}
         name, k, rate = self.best(available, regime)
         if remaining is not None and remaining > 1:
             horizon = remaining + min(self.decoded, FUTURE_TOKENS)
@@ -752,7 +752,7 @@ class AutoChooser:
                 bar = (1 + ENTER_GAIN) / self.plain_cal
                 out = self._memo[key] = frozenset(n for n in self.options
                                                   if (among is None or n in among)
-                                                  and self._entry(n) not in self.barred
+                                                  and self.entry(n) not in self.barred
                                                   and self._leaders(n, regime)[-1][1] > bar)
             finally:
                 self._spec_last = spec_last
@@ -766,7 +766,7 @@ class AutoChooser:
         if rel is None:
             plain, phased = 1.0 / self.plain_cal, self._key(regime)
             rel = self._memo[key] = frozenset(
-                n for n, o in self.options.items() if self._entry(n) not in self.barred
+                n for n, o in self.options.items() if self.entry(n) not in self.barred
                 and max(self.rates(n, o.max_k, regime, shift=SCENARIOS[-1] * o.acceptance(phased).spread()))
                 * self.scale > plain * (1 + MIN_GAIN))
         return rel
@@ -885,7 +885,7 @@ class AutoChooser:
         if self.elapsed > self._reopen:
             self._bar()
 
-    def credit(self, name: str, tokens: int, seconds: float) -> None:
+    def credit(self, name: str, tokens: int, seconds: float, entry: str | None = None) -> None:
         """Option `name`'s ledger: a round of it committed `tokens` in `seconds` of wall time — or, tokens = 0,
         `seconds` its stretch cost beyond pipelined plain tokens (the plain tokens that start and end it). Its
         saving over plain decoding, tokens × a plain token now − seconds, is added (in calibrated seconds; a loss
@@ -893,9 +893,10 @@ class AutoChooser:
         `LOSS_BUDGET` × the decoding time plus `SURPLUS_SHARE` of what the others saved, every option that
         measurably lost is barred from being chosen (one that saves goes on: another's loss does not stop it; one
         never tried may be tried once, which puts it on the ledger), until `elapse` has brought the budget back
-        (module docstring)."""
+        (module docstring). entry: the ledger entry (`entry`) of the phase its rounds ran in, if not the current
+        one (the plain token that ends a stretch may fall in the next phase of the response)."""
         gain = max(tokens * self.plain_cal - seconds / self.scale, -LEDGER_ROUND_CAP * self.plain_cal)
-        name = self._entry(name)
+        name = entry if entry is not None else self.entry(name)
         self.saved[name] = self.saved.get(name, 0.0) + gain
         if gain > -LEDGER_ROUND_CAP * self.plain_cal:  # a capped loss is charged in full however plain is priced
             u = self._unconfirmed.setdefault(name, [0.0, 0.0])

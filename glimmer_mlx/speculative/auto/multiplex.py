@@ -113,6 +113,7 @@ class AutoDrafter:
         self._stretch = 0.0  # the running speculative stretch's cost beyond its rounds so far (`lead`)
         self._lead = 0.0  # what the plain token before the coming speculative round cost beyond a pipelined one
         self._option = None  # the option of the latest speculative round (its ledger: `AutoChooser.credit`)
+        self._entry = None  # ... and its ledger entry (`AutoChooser.entry`: the phase of the response it ran in)
         self.remaining: int | None = None  # tokens of the request still to generate (the decoder sets it per round)
         self._at = dict.fromkeys(self.drafters, 0)  # target positions each drafter has been handed (`_from`)
         self._how = dict.fromkeys(self.drafters, "start")  # how it gets them next: "start" | "extend" | "accept"
@@ -472,7 +473,7 @@ class AutoDrafter:
                                 now - t1)
             self._round = t_draft + now - t1 if k else None
             if k:
-                self._option = name
+                self._option, self._entry = name, self.chooser.entry(name)
             self._pending = None
         p = len(self._tokens) - 1
         if taps:
@@ -495,7 +496,7 @@ class AutoDrafter:
             return False
         self.chooser.observe_round_overhead(seconds - self._round)
         if self._option is not None:
-            self.chooser.credit(self._option, tokens, seconds + lead)
+            self.chooser.credit(self._option, tokens, seconds + lead, self._entry)
         self._round = None
         return True
 
@@ -509,8 +510,8 @@ class AutoDrafter:
         could not be queued behind the previous round's). Its whole cost beyond its rounds is then known."""
         self.chooser.observe_switch(self._stretch + extra)
         self._stretch = 0.0
-        if self._option is not None:
-            self.chooser.credit(self._option, 0, extra)
+        if self._option is not None:  # in the stretch's phase: the token after it may be in the next one
+            self.chooser.credit(self._option, 0, extra, self._entry)
 
     # -- prompt-cache reuse (session.Session) -------------------------------------------------------------------------
     def context_length(self) -> int:

@@ -1024,7 +1024,7 @@ def test_a_drafters_catch_up_is_charged_to_it_alone():
     assert ch.steady("mtp", 3) and not ch.steady("mtp", 40)
     ch.observe_catch_up("mtp", 40, 37 * 0.2 * MS)  # 0.2 ms per position beyond the 3 a steady round carries
     assert ch.options["mtp"].catch_up == pytest.approx(0.25 * 0.2 * MS)
-    assert ch.catch_up_cost("mtp") == pytest.approx(0.25 * 0.2 * MS * (64 - 3))  # 40 → the bucket 64
+    assert ch.catch_up_cost("mtp") == pytest.approx(0.25 * 0.2 * MS * (40 - 3))  # 40: its own bucket
     assert ch.switch_cost == 0.0 and ch.rate("ngram@4", 8) == pytest.approx(ng_before)
     assert ch.rate("mtp", 2) < mtp_before
     own = ch.catch_up_cost("mtp")
@@ -1222,22 +1222,34 @@ def test_a_drafter_whose_backlog_cannot_be_recomputed_sits_out(tiny, tmp_path, m
 
 
 def test_catch_up_cost_is_charged_to_a_drafter_that_is_behind():
-    """`lags`: a drafter L positions behind pays one forward over them (C(L), rounded up to a power of two, extended
-    linearly past the curve) once, spread over the horizon: a long backlog turns a paying drafter into a plain step,
-    a short one does not."""
+    """`lags`: a drafter L positions behind pays one forward over them (C(L), L rounded up by `lag_bucket`,
+    extended linearly past the curve) once, spread over the horizon: a long backlog turns a paying drafter into a
+    plain step, a short one does not."""
     costs = {L: 10 * MS * (1 + 0.1 * (L - 1)) for L in range(1, 10)}  # 8 drafts cost 1.8 plain steps
     ch = chooser(costs, {"dflash": (8, "block", 1 * MS, [0.9])})
     ch.set_horizon(64)
     assert ch.catch_up_cost("dflash") == 0.0
     assert ch.best({"dflash": 8})[0] == "dflash"
     ch.set_lag("dflash", 3)
-    assert ch.catch_up_cost("dflash") == pytest.approx(costs[4])
+    assert ch.catch_up_cost("dflash") == pytest.approx(costs[3])
     assert ch.best({"dflash": 8})[0] == "dflash"
     ch.set_lag("dflash", 2000)
     assert ch.catch_up_cost("dflash") == pytest.approx(costs[9] + (2048 - 9) * (costs[9] - costs[4]) / 5)
     assert ch.best({"dflash": 8})[0] is None
     ch.set_lag("dflash", 0)
     assert ch.best({"dflash": 8})[0] == "dflash"
+
+
+def test_backlogs_are_priced_within_an_eighth():
+    """`lag_bucket`: exact up to 16, then at most 1/8 above (8 steps per power of two), never below, monotone."""
+    from glimmer_mlx.speculative.auto.chooser import lag_bucket
+
+    out = [lag_bucket(n) for n in range(1, 5000)]
+    assert out[:16] == list(range(1, 17))
+    assert all(n <= b <= n * 1.125 for n, b in zip(range(1, 5000), out))
+    assert all(a <= b for a, b in zip(out, out[1:]))
+    assert len(set(out[1024:2048])) == 8  # 8 buckets over (1024, 2048]
+    assert lag_bucket(554) == 576 and lag_bucket(2000) == 2048
 
 
 def test_a_backlog_forward_is_priced_toward_the_calibrated_wide_forward():
@@ -1252,7 +1264,7 @@ def test_a_backlog_forward_is_priced_toward_the_calibrated_wide_forward():
     assert ch.forward_cost(64) == pytest.approx(costs[9] + (600 * MS - costs[9]) * (64 - 9) / (128 - 9))
     ch.add("dflash", 8, "block", draft_prior=1 * MS)
     ch.set_lag("dflash", 200)
-    assert ch.catch_up_cost("dflash") == pytest.approx(1200 * MS)
+    assert ch.catch_up_cost("dflash") == pytest.approx(600 * MS * 208 / 128)  # 200 positions priced as 208
     ch.set_lag("dflash", 200, fill=5)  # 200 behind, the taps of all but the latest 5 kept by forwards since
     assert ch.catch_up_cost("dflash") == pytest.approx(costs[8])
     ch.set_lag("dflash", 200, fill=False)

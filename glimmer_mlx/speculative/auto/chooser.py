@@ -220,6 +220,17 @@ def alpha_from_tau(tau: float, width: int) -> float:
     return (lo + hi) / 2
 
 
+def lag_bucket(n: int) -> int:
+    """n positions rounded up to one of 8 steps per power of two (at most 1/8 above; exact up to 16): how a
+    drafter's backlog is priced (`AutoChooser.catch_up_cost`). Rounded up to a power of two, as before, a prompt of
+    554 positions that the drafter had yet to start on was priced as 1 024 of them: on the trained tiny set the
+    rounds after a response's opening were then priced out for the longest prompts."""
+    if n <= 16:
+        return n
+    s = (n - 1).bit_length() - 4
+    return (((n - 1) >> s) + 1) << s
+
+
 def _median(xs: list[float]) -> float:
     """statistics.median of a short list, without its overhead (it runs after every plain token)."""
     xs.sort()
@@ -405,7 +416,7 @@ class AutoChooser:
         # the drafter that multiplexes them): a round of it first catches up on them (`catch_up_cost`), a one-time
         # cost spread over the horizon like the switch cost
         self.lags: dict[str, tuple[int, bool]] = {}  # set through `set_lag` / `clear_lags` (they keep `_lag_sig`)
-        self._lag_sig: tuple = ()  # the lags' power-of-two buckets, part of the memo keys
+        self._lag_sig: tuple = ()  # the lags' buckets (`lag_bucket`), part of the memo keys
         self.chosen: Counter = Counter()  # (name or "plain", k) -> rounds
         self.explored: Counter = Counter()  # name -> rounds chosen to explore it
         # the ledger (`credit`, `elapse`), in calibrated seconds, fading by 1 − 1/LEDGER_ROUNDS a round: the decoding
@@ -454,16 +465,16 @@ class AutoChooser:
 
     def catch_up_cost(self, name: str) -> float:
         """Calibrated seconds that bring option `name`'s drafter up to date (`lags`), for L positions behind (L and
-        the positions to run again rounded up to powers of two, so the memoised tables stay few): the forward that
+        the positions to run again rounded up to `lag_bucket`s, so the memoised tables stay few): the forward that
         recomputes the taps of those of them no forward kept (`forward_cost`), plus what the drafter itself
         measurably spends per position beyond a steady round's backlog (`Option.catch_up`)."""
         lag, rows = self.lags.get(name, (0, 0))
         if lag <= 0:
             return 0.0
-        L = 1 << (lag - 1).bit_length()
+        L = lag_bucket(lag)
         opt = self.options.get(name)
         own = 0.0 if opt is None else opt.catch_up * max(0, L - opt.steady)
-        return own + (self.forward_cost(1 << (rows - 1).bit_length()) if rows > 0 else 0.0)
+        return own + (self.forward_cost(lag_bucket(rows)) if rows > 0 else 0.0)
 
     def forward_cost(self, L: int) -> float:
         """Calibrated seconds of one target forward over L positions: the verify curve's C(L); past its end, toward
@@ -503,7 +514,7 @@ class AutoChooser:
 
     def _lag_key(self, name: str) -> tuple:
         lag, rows = self.lags.get(name, (0, 0))
-        return (0, 0) if lag <= 0 else ((lag - 1).bit_length() + 1, rows and (rows - 1).bit_length() + 1)
+        return (0, 0) if lag <= 0 else (lag_bucket(lag), rows and lag_bucket(rows))
 
     def steady(self, name: str, lag: int) -> bool:
         """Whether a round of option `name` with its drafter `lag` positions behind costs what its rounds cost in a

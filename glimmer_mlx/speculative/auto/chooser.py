@@ -592,10 +592,11 @@ class AutoChooser:
         phase = self.phase if phase == "now" else phase
         return regime if phase is None else f"{regime}#{phase}"
 
-    def entry(self, name: str) -> str:
-        """Option `name`'s ledger entry in the current phase: a drafter that loses in a response's opening tokens
-        and pays after them is barred from the opening only."""
-        return name if self.phase is None else f"{name}#{self.phase}"
+    def entry(self, name: str, phase: int | None | str = "now") -> str:
+        """Option `name`'s ledger entry in `phase` (the current one by default): a drafter that loses in a
+        response's opening tokens and pays after them is barred from the opening only."""
+        phase = self.phase if phase == "now" else phase
+        return name if phase is None else f"{name}#{phase}"
 
     def _leaders(self, name: str, regime: str) -> list[tuple[int, float]]:
         """[(best k, its rate × scale) among k = 1..cap for cap = 1..max_k] of option `name`, kept until an estimate
@@ -794,7 +795,7 @@ class AutoChooser:
             plain, ahead = 1.0 / self.plain_cal, set()
             for p in range(self.phase, len(self.phases) + 1):
                 phased = self._key(regime, p)
-                ahead.update(n for n, o in self.options.items() if f"{n}#{p}" not in self.barred and max(
+                ahead.update(n for n, o in self.options.items() if self.entry(n, p) not in self.barred and max(
                     self.rates(n, o.max_k, regime, shift=SCENARIOS[-1] * o.acceptance(phased).spread(), phase=p))
                     * self.scale > plain * (1 + MIN_GAIN))
             out = self._memo[key] = frozenset(ahead)

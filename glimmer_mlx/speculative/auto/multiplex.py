@@ -420,9 +420,10 @@ class AutoDrafter:
 
     def wants_taps(self, regime: str) -> bool:
         """Whether a prefill in a new context should yield the model drafters' taps: where one could pay (its
-        optimistic scenario beats plain: `AutoChooser.could_pay`). They cost a prefill next to nothing (the LM head
-        runs over its last position either way) and they spare a drafter tried later in the request a forward over
-        the whole prompt: its catch-up then runs again only the tokens decoded since (`_sync`)."""
+        optimistic scenario beats plain) in some phase of the response (`AutoChooser.could_pay_ahead`). They cost a
+        prefill next to nothing (the LM head runs over its last position either way) and they spare a drafter tried
+        later in the request a forward over the whole prompt: its catch-up then runs again only the tokens decoded
+        since (`_sync`)."""
         self.chooser.clear_lags()
         self._lost.clear()
         self._opened = None  # a new response: its opening phase until it starts (`_reset`)

@@ -593,10 +593,9 @@ class AutoChooser:
         return regime if phase is None else f"{regime}#{phase}"
 
     def entry(self, name: str, phase: int | None | str = "now") -> str:
-        """Option `name`'s ledger entry in `phase` (the current one by default): a drafter that loses in a
-        response's opening tokens and pays after them is barred from the opening only."""
-        phase = self.phase if phase == "now" else phase
-        return name if phase is None else f"{name}#{phase}"
+        """Option `name`'s ledger entry in `phase` (the current one by default), keyed as the estimates are: a
+        drafter that loses in a response's opening tokens and pays after them is barred from the opening only."""
+        return self._key(name, phase)
 
     def _leaders(self, name: str, regime: str) -> list[tuple[int, float]]:
         """[(best k, its rate × scale) among k = 1..cap for cap = 1..max_k] of option `name`, kept until an estimate
@@ -773,33 +772,27 @@ class AutoChooser:
     def could_pay(self, regime: str = "greedy", remaining: int | None = None) -> frozenset:
         """The options whose optimistic scenario beats plain by `MIN_GAIN` at some width, whatever came last."""
         self.set_horizon(remaining)
-        key = ("pays", None, regime, self.horizon, self._lag_sig)
-        rel = self._memo.get(key)
-        if rel is None:
-            plain, phased = 1.0 / self.plain_cal, self._key(regime)
-            rel = self._memo[key] = frozenset(
-                n for n, o in self.options.items() if self.entry(n) not in self.barred
-                and max(self.rates(n, o.max_k, regime, shift=SCENARIOS[-1] * o.acceptance(phased).spread()))
-                * self.scale > plain * (1 + MIN_GAIN))
-        return rel
+        return self._could_pay_in(regime, self.phase)
 
     def could_pay_ahead(self, regime: str = "greedy") -> frozenset:
         """The options that could pay (`could_pay`) in the current phase of the response or in any phase after it:
         those whose drafters' taps are worth keeping now (a drafter that loses in the opening tokens and pays after
         them still wants the prompt's)."""
         if self.phase is None or self.phases is None:
-            return self.could_pay(regime)
-        key = ("ahead", None, regime, self.phase, self.horizon, self._lag_sig)
-        out = self._memo.get(key)
-        if out is None:
-            plain, ahead = 1.0 / self.plain_cal, set()
-            for p in range(self.phase, len(self.phases) + 1):
-                phased = self._key(regime, p)
-                ahead.update(n for n, o in self.options.items() if self.entry(n, p) not in self.barred and max(
-                    self.rates(n, o.max_k, regime, shift=SCENARIOS[-1] * o.acceptance(phased).spread(), phase=p))
-                    * self.scale > plain * (1 + MIN_GAIN))
-            out = self._memo[key] = frozenset(ahead)
-        return out
+            return self._could_pay_in(regime, self.phase)
+        return frozenset().union(*(self._could_pay_in(regime, p) for p in range(self.phase, len(self.phases) + 1)))
+
+    def _could_pay_in(self, regime: str, phase: int | None) -> frozenset:
+        """`could_pay` by the estimates and ledger entries of `phase`, at the current horizon (memoised)."""
+        key = ("pays", None, regime, phase, self.horizon, self._lag_sig)
+        rel = self._memo.get(key)
+        if rel is None:
+            plain, phased = 1.0 / self.plain_cal, self._key(regime, phase)
+            rel = self._memo[key] = frozenset(
+                n for n, o in self.options.items() if self.entry(n, phase) not in self.barred
+                and max(self.rates(n, o.max_k, regime, shift=SCENARIOS[-1] * o.acceptance(phased).spread(),
+                                   phase=phase)) * self.scale > plain * (1 + MIN_GAIN))
+        return rel
 
     def count_plain(self) -> None:
         """A plain round chosen without `choose` (nothing `relevant` was available, or `pick` said plain): counted as
@@ -883,7 +876,7 @@ class AutoChooser:
         refreshed every `SHADOW_BATCH` of them, not after each (a plain stretch would otherwise be scored afresh
         every token)."""
         opt = self.options[name]
-        key = self._key(regime, self.phase if phase == "now" else phase)
+        key = self._key(regime, phase)
         opt.acceptance(key).update(k, n_accepted)
         opt.touched[key] = self.round
         self.shadowed += 1

@@ -776,3 +776,57 @@ def test_a_new_auto_row_carries_only_drafters_that_pay_by_their_mean(ba):
     a.acc, a.tried = [0.05] + [0.0] * (len(a.acc) - 1), [1.0] + [0.0] * (len(a.tried) - 1)
     assert ba.could_pay("dflash", "greedy", 1) and not ba.could_pay("dflash", "greedy", 1, optimistic=False)
     assert "dflash" not in ba.options("greedy", 1)
+
+
+class CountingModel:
+    """The target with its forwards counted."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, 0
+
+    def __call__(self, *a, **kw):
+        self.calls += 1
+        return self.model(*a, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+JOIN_CASES = [(m, p) for m in ("ar", "ngram") for p in ("greedy", "top_p", "penalty")] + [("auto", "greedy")]
+JOIN_PARAMS = {"greedy": params(), "top_p": params(1.0, top_p=0.9), "penalty": params(1.0, repetition_penalty=1.2)}
+
+
+@pytest.mark.parametrize("mode, regime", JOIN_CASES, ids=[f"{m}-{p}" for m, p in JOIN_CASES])
+def test_a_row_cached_to_its_last_prompt_token_joins_without_a_forward_of_its_own(sess, ids, mode, regime):
+    """A prompt-cache hit leaves one prompt token to feed (a fetch reuses at most len - 1 positions), and so does a
+    prompt one token past a prefill chunk: such a row joins the batch at once with that token as its anchor, and
+    the batch's next forward gives its first token — the same tokens as alone (greedy and seeded sampling: its
+    first token is a plain sampler call even for a drafting row), with every forward a batch step. Catches: a
+    one-token prefill forward per join (one forward more than the steps), a first token drafted (the n-gram index
+    matches the repetitive prompt at once: the seeded tokens differ from alone), a cached row fed from the wrong
+    position (greedy differs), the first token counted as a round. (A sampled auto row's tokens depend on its
+    choices: distribution-exact, not seed-identical — greedy only.)"""
+    p = JOIN_PARAMS[regime]
+    tok = sess.tokenizer
+    long = tok.encode(LONG_TEXT)
+    cached = long[:60]  # repetitive: n-gram lookup matches its suffix at once
+    pre = sess.model.make_cache()
+    sess.model(mx.array([cached[:-1]], dtype=mx.int32), pre)
+    mx.eval([c.state for c in pre])
+    model = CountingModel(sess.model)
+    gen = BatchGenerator(model, prefill_step=16, auto=sess.drafters.batch_auto() if mode == "auto" else None)
+    plan = [(0, request(sess, ids[0], "ar", p, 7, 12)),
+            (3, request(sess, cached, mode, p, 8, 10, cache=pre, reuse=len(cached) - 1)),
+            (5, request(sess, long[:17], mode, p, 9, 10))]  # 16-token chunk, then one token left
+    out, rows = run(gen, plan)
+    ref_mode = "ar" if mode == "auto" else mode
+    assert out[1][0] == solo(sess, cached, ref_mode, p, 8, 10)[0]
+    assert out[2][0] == solo(sess, long[:17], ref_mode, p, 9, 10)[0]
+    assert out[0][0] == solo(sess, ids[0], "ar", p, 7, 12)[0]
+    # the forwards: row 0's prefill (one chunk), row 2's first chunk, and the batch's steps — none for the joins
+    assert model.calls == gen.steps + 2
+    for i, n in ((1, len(cached)), (2, 17)):
+        r = rows[i]
+        assert r.stats.prompt_tokens == n and r.stats.prompt_time > 0 and r.t_first is not None
+        if r.drafters:  # its rounds committed every token but the first
+            assert sum(n * c for n, c in r.hist.items()) == len(out[i][0]) - 1

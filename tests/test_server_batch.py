@@ -277,6 +277,24 @@ def test_full_queue_is_503(served, monkeypatch):
         server.shutdown()
 
 
+def test_more_conversations_than_batch_rows_cycle_through_the_prompt_cache(served):
+    """20 conversations taken in turn, twice (clients cycling through more conversations than the batch has rows —
+    and more than a 16-entry LRU holds): on the second cycle every request continues its own first turn (cached
+    = prompt - 1). Catches: a prompt cache bounded at 16 entries for a 16-row batch (an LRU under a cyclic load
+    misses every time: each second-cycle request prefilled in full)."""
+    server, base, model, tok = served
+    prompts = [f"Conversation {i}: tell me something about the number {i * 7}." for i in range(20)]
+
+    def client():
+        for cycle in range(2):
+            for text in prompts:
+                u = complete(base, text, max_tokens=1, temperature=0)["usage"]
+                if cycle == 1:
+                    assert u["prompt_tokens_details"]["cached_tokens"] == u["prompt_tokens"] - 1, (text, u)
+
+    over_http(server, client)
+
+
 @pytest.mark.parametrize("mode", ["ar", "dflash"])
 def test_interleaved_conversations_reuse_the_prompt_cache(served, mode):
     """A turn 1, B turn 1, A turn 2, B turn 2: each turn 2 reuses its own conversation's cache (cached_tokens > 0:

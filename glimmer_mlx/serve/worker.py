@@ -17,13 +17,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from ..cache import CacheRewindError, rewind_cache
-from ..prompt_cache import PromptCache
+from ..prompt_cache import DEFAULT_MAX_ENTRIES, PromptCache
 from ..runtime.loop import GenerationChunk, GenerationStats, stop_ids
 from ..session import Session
 from ..speculative.batch import DEFAULT_MAX_BATCH, BatchGenerator, BatchRequest, Row
 from .api import APIError, Request, shutting_down
 
 DEFAULT_PROMPT_CACHE_BYTES = 4 << 30  # the prompt cache's memory budget (`glimmer serve --prompt-cache-gb`)
+# prompt-cache entries per batch row (`max_batch`); bytes are bounded by the budget above. A batch full of clients
+# cycling through more conversations than there are entries would miss every time (an LRU under a cyclic load):
+# 16 entries for 16 rows made every request of 8 clients over 20 conversations prefill its whole prompt
+ENTRIES_PER_ROW = 4
 POLL = 0.1  # seconds between checks that a waiting client is still connected
 
 
@@ -98,8 +102,8 @@ class Worker:
         self.stopped = threading.Event()
         self.batch = BatchGenerator(session.model, max_batch=max_batch, prefill_step=session.prefill_step)
         # a fetched entry's drafter states are copies: the entry keeps its own for the next row that continues it
-        self.prompts = PromptCache(prompt_cache_bytes, copy_extra=lambda states: {k: d.copy_state()
-                                                                                   for k, d in states.items()})
+        self.prompts = PromptCache(prompt_cache_bytes, max(DEFAULT_MAX_ENTRIES, ENTRIES_PER_ROW * max_batch),
+                                   copy_extra=lambda states: {k: d.copy_state() for k, d in states.items()})
         self.running: list[Job] = []  # jobs in the batch (decoding or being prefilled)
         self._admit = threading.Lock()  # a job is either refused or queued before `stop` drains the queue
         self._eos = stop_ids(session.model, session.tokenizer)

@@ -153,6 +153,17 @@ class Row:
     def finished(self) -> bool:
         return self.out.finish is not None or self.cancelled
 
+    @property
+    def first_pending(self) -> bool:
+        """Joined on its last prompt token (`BatchGenerator._prefill_chunk`): its first token is still to come. That
+        step is a plain round, whatever its drafters — alone, the prefill samples it with one sampler call."""
+        return len(self.history) == len(self.req.ids)
+
+    def started(self) -> None:
+        """Its first token is out: the prompt's statistics."""
+        self.t_first = time.perf_counter()
+        self.stats.prompt_tokens, self.stats.prompt_time = len(self.req.ids), self.t_first - self.t_added
+
     # -- one step --------------------------------------------------------------------------------------------------
     @property
     def drafters(self) -> list:
@@ -164,6 +175,9 @@ class Row:
     def drafting(self, choice: tuple | None = None) -> tuple:
         """(the drafter that drafts this step or None, drafts k): choice: an auto row's (option name, drafts) for
         this step (option None: plain)."""
+        if self.first_pending:
+            self.choice = None
+            return None, 0
         if self.options is not None:
             name, k = choice if choice is not None else (None, 0)
             self.choice = None if name is None else (name, name.split("@")[0])
@@ -202,11 +216,12 @@ class Row:
         round's token when already picked (greedy rows batched). Returns the new committed tokens (the cache keeps
         the anchor and the accepted drafts: len(new) rows)."""
         p = self.sampler.params
+        first = self.first_pending  # its first token: the prefill's sample, not a round
         if self.drafts is None:  # a plain round (PlainDecoder's sampler call)
             if token is None:
                 token = int(self.sampler(logits[-1:], history_window(p, self.history)).item())
             new = [token]
-            self.plain_rounds += int(bool(self.drafters))
+            self.plain_rounds += int(bool(self.drafters) and not first)
         else:
             if p.greedy:
                 n, nxt = verify_greedy(logits, self.drafts, self.sampler, self.history)
@@ -217,7 +232,9 @@ class Row:
         self.history.extend(new)
         for d in self.drafters:
             d.accept([taps[t][:, : len(new)] for t in d.taps], new)
-        if self.drafters:
+        if first:
+            self.started()
+        elif self.drafters:
             self.rounds += 1
             self.hist[len(new)] += 1
         return new
@@ -275,7 +292,8 @@ class BatchGenerator:
 
     # -- prefill ---------------------------------------------------------------------------------------------------
     def _prefill_chunk(self, row: Row) -> GenerationChunk | None:
-        """One prefill chunk of `row`; after the last one its first token (the chunk returned) and it joins."""
+        """One prefill chunk of `row`; after the last one its first token (the chunk returned) and it joins — or it
+        joins with its last prompt token still to feed (no chunk: its first token comes from a batch step)."""
         ids, s = row.req.ids, row.done_prefill
         if s == row.req.reuse and row.req.auto and row.req.options is None:
             # an auto row's own drafters (before its prefill: they take its taps), for the batch it will decode in:
@@ -284,6 +302,14 @@ class BatchGenerator:
             # its taps and bookkeeping, until `PRUNE_EVERY` steps drop it)
             n = min(self.max_batch, len(self.rows) + len(self.waiting))
             row.options = self.auto.options(row.regime, max(1, n))
+        if s == len(ids) - 1 and row.req.input_embeddings is None and not any(d.taps for d in row.drafters):
+            # all but its last prompt token cached (a prompt-cache hit, or a prompt one token past a chunk): that
+            # token is the row's anchor as after any round, so it joins now and the batch's next forward samples its
+            # first token — the forward a prefill would spend on one token is saved (`Row.first_pending`)
+            for d in row.drafters:  # n-gram lookup: its index of the prompt; the first token extends it
+                (d.extend if row.req.reuse else d.start)([], row.history)
+            self._join(row)
+            return None
         e = min(len(ids), s + row.prefill_step)
         want = tuple(sorted({t for d in row.drafters for t in d.taps}))
         taps = want if row.drafters else None
@@ -300,8 +326,7 @@ class BatchGenerator:
             return None
         y = row.sampler(logits[:, -1], history_window(row.sampler.params, row.history))
         t = int(y.item())
-        row.t_first = time.perf_counter()
-        row.stats.prompt_tokens, row.stats.prompt_time = len(ids), row.t_first - row.t_added
+        row.started()
         row.history.append(t)
         if row.drafters:
             parts = row.prefill_taps
@@ -355,8 +380,9 @@ class BatchGenerator:
             t = time.perf_counter()
             chunk = self._prefill_chunk(row)
             self._prefilling += time.perf_counter() - t
-            if chunk is not None:
+            if chunk is not None or row.cache is None:  # prefilled: it joined, or finished at its first token
                 self.waiting.popleft()
+            if chunk is not None:
                 events.append((row, chunk))
                 if row.finished:  # done at its first token: it never joined, its solo cache is the whole prompt
                     if keep_cache and not row.cancelled:
@@ -388,7 +414,7 @@ class BatchGenerator:
 
     def _choose(self, rows: list[Row]) -> dict[int, tuple]:
         """The auto rows' choices for this step ({row index: (option, drafts)}), from the batch's chooser."""
-        autos = [b for b, r in enumerate(rows) if r.options is not None]
+        autos = [b for b, r in enumerate(rows) if r.options is not None and not r.first_pending]
         if not autos:
             return {}
         if self.steps % PRUNE_EVERY == 0:
@@ -400,9 +426,10 @@ class BatchGenerator:
                     if not self.auto.could_pay(kind, r.regime, len(rows), optimistic=False):
                         del r.options[kind]
         k_max = max(d.max_drafts for b in autos for d in rows[b].options.values())
-        fixed = [r for r in rows if r.options is None]
-        fixed_width = max((1 + min(r.req.width, r.out.budget - 1) if r.drafter is not None else 1 for r in fixed),
-                          default=1)
+        chosen = set(autos)
+        fixed = [r for b, r in enumerate(rows) if b not in chosen]  # a row's first token: a plain round
+        fixed_width = max((1 + min(r.req.width, r.out.budget - 1) if r.drafter is not None and not r.first_pending
+                           else 1 for r in fixed), default=1)
         fixed_tokens = sum(r.tau() for r in fixed)
         _, plan = self.auto.choose([(r.regime, r.out.budget, r.available(k_max)) for r in (rows[b] for b in autos)],
                                    len(fixed), fixed_width, fixed_tokens, k_max)

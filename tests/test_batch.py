@@ -830,3 +830,25 @@ def test_a_row_cached_to_its_last_prompt_token_joins_without_a_forward_of_its_ow
         assert r.stats.prompt_tokens == n and r.stats.prompt_time > 0 and r.t_first is not None
         if r.drafters:  # its rounds committed every token but the first
             assert sum(n * c for n, c in r.hist.items()) == len(out[i][0]) - 1
+
+
+def test_a_burst_of_cached_rows_joins_in_one_step(sess, ids):
+    """Four requests arriving together, each with all but its last prompt token cached (a server's prompt-cache
+    hits), then two that need a real prefill: the four join at once (no forward each) and the fifth's prefill
+    forward follows in the same step (the first step has five rows), the sixth's in the next (one prefill forward
+    a step). Greedy output equals alone. Catches: one join per step (the batch ramping 1, 2, 3, ... rows), two
+    prefill forwards in a step, a burst that skips the prefill of a row behind it."""
+    model = CountingModel(sess.model)
+    gen = BatchGenerator(model, prefill_step=16)
+    reqs = []
+    for i in range(4):
+        pre = sess.model.make_cache()
+        sess.model(mx.array([ids[i][:-1]], dtype=mx.int32), pre)
+        mx.eval([c.state for c in pre])
+        reqs.append(request(sess, ids[i], "ar", params(), 0, 6, cache=pre, reuse=len(ids[i]) - 1))
+    reqs += [request(sess, ids[4], "ar", params(), 0, 6), request(sess, ids[4], "ar", params(), 0, 6)]
+    sizes = []
+    out, _ = run(gen, [(0, r) for r in reqs], on_step=lambda t, rows: sizes.append(len(gen.rows)))
+    assert sizes[:2] == [5, 6] and model.calls == gen.steps + 2  # the two prefill forwards
+    for i in range(6):
+        assert out[i][0] == solo(sess, ids[min(i, 4)], "ar", params(), 0, 6)[0], i

@@ -253,6 +253,7 @@ class Row:
 
 class BatchGenerator:
     """Rows join (`add`) and leave at any step; `step()` runs at most one prefill chunk of the oldest waiting row
+    (those before it with all but their last prompt token cached join without one, as many as there is room for)
     and one batched decode step of the rows in the batch, and returns [(row, chunk)] of this step. max_batch: rows
     decoding together (more wait, prefilled one by one as rows leave). auto: the `auto.batch.BatchAuto` that
     chooses for the rows added with `auto=True` (needed only for them)."""
@@ -373,10 +374,11 @@ class BatchGenerator:
             nxt = self._launch(self.pending) if self.rows and self._chainable(self.pending) else None
             events += self._land(self.pending, keep_cache)
             self.pending = nxt
-        while self.waiting and self.waiting[0].cancelled:
-            self.waiting.popleft()
-        if self.waiting and len(self.rows) < self.max_batch:
+        while self.waiting and len(self.rows) < self.max_batch:  # one prefill forward a step; joins without one
             row = self.waiting[0]
+            if row.cancelled:
+                self.waiting.popleft()
+                continue
             t = time.perf_counter()
             chunk = self._prefill_chunk(row)
             self._prefilling += time.perf_counter() - t
@@ -388,6 +390,8 @@ class BatchGenerator:
                     if keep_cache and not row.cancelled:
                         row.final_cache, row.cache = row.cache, None
                     self._finish(row)
+            if chunk is not None or row.cache is not None:  # it ran a forward: the batch's step comes next
+                break
         if self.pending is None:
             gone = [b for b, r in enumerate(self.rows) if r.cancelled]
             if gone:

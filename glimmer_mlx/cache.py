@@ -318,11 +318,15 @@ class BatchKVCache:
 
     def put_row(self, b: int, cache: KVCache) -> None:
         """Copy a solo cache's rows (batch 1) into row b (already counted in the layout, with length
-        cache.offset); a sliding-window solo cache may start after 0 (rows the window no longer sees: left zero)."""
+        cache.offset); a sliding-window solo cache may start after 0 (rows the window no longer sees: left zero). An
+        empty one (a one-token prompt joining on its only token) still gets its row in the buffers."""
+        B = len(self.layout)
         if cache.keys is None:
+            if self.keys is not None:
+                _, H, _, Dk = self.keys.shape
+                self._grow(self.cap, B, H, Dk, self.values.shape[3], self.keys.dtype)
             return
         keys, values, first = cache.view(0)
-        B = len(self.layout)
         _, H, _, Dk = keys.shape
         self._grow(cache.offset, B, H, Dk, values.shape[3], keys.dtype)
         self.keys[b : b + 1, :, first : cache.offset] = keys

@@ -804,7 +804,8 @@ def test_a_row_cached_to_its_last_prompt_token_joins_without_a_forward_of_its_ow
     first token is a plain sampler call even for a drafting row), with every forward a batch step. Catches: a
     one-token prefill forward per join (one forward more than the steps), a first token drafted (the n-gram index
     matches the repetitive prompt at once: the seeded tokens differ from alone), a cached row fed from the wrong
-    position (greedy differs), the first token counted as a round. (A sampled auto row's tokens depend on its
+    position (greedy differs), the first token counted as a round, an empty row left out of the batch's buffers
+    (`run` checks their rows after every step). (A sampled auto row's tokens depend on its
     choices: distribution-exact, not seed-identical — greedy only.)"""
     p = JOIN_PARAMS[regime]
     tok = sess.tokenizer
@@ -817,11 +818,13 @@ def test_a_row_cached_to_its_last_prompt_token_joins_without_a_forward_of_its_ow
     gen = BatchGenerator(model, prefill_step=16, auto=sess.drafters.batch_auto() if mode == "auto" else None)
     plan = [(0, request(sess, ids[0], "ar", p, 7, 12)),
             (3, request(sess, cached, mode, p, 8, 10, cache=pre, reuse=len(cached) - 1)),
-            (5, request(sess, long[:17], mode, p, 9, 10))]  # 16-token chunk, then one token left
+            (5, request(sess, long[:17], mode, p, 9, 10)),  # 16-token chunk, then one token left
+            (6, request(sess, long[:1], mode, p, 10, 8))]  # a one-token prompt: joins on an empty cache
     out, rows = run(gen, plan)
     ref_mode = "ar" if mode == "auto" else mode
     assert out[1][0] == solo(sess, cached, ref_mode, p, 8, 10)[0]
     assert out[2][0] == solo(sess, long[:17], ref_mode, p, 9, 10)[0]
+    assert out[3][0] == solo(sess, long[:1], ref_mode, p, 10, 8)[0]
     assert out[0][0] == solo(sess, ids[0], "ar", p, 7, 12)[0]
     # the forwards: row 0's prefill (one chunk), row 2's first chunk, and the batch's steps — none for the joins
     assert model.calls == gen.steps + 2

@@ -19,7 +19,8 @@ before the ninth session); noshadow (greedy n-gram offers passed over are not sc
 eighth (all six: the eighth session's rules; its catch-ups still run only what the chunks miss); nophase (one set of
 acceptance estimates and ledger entries for a whole response, as before the tenth session, not one per phase:
 `chooser.PHASES`); dfauto, dfauto_nophase (auto over the DFlash drafter alone: plain, its chains or its trees per
-round; and the same without phases); dflash, ngram, mtp (fixed, dflash at block 8).
+round; and the same without phases); ngauto (auto over n-gram lookup alone: plain or n-gram per round);
+dflash, ngram, mtp (fixed, dflash at block 8).
 
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
     AB_OUT=FILE ...   also appends the sitting to FILE as one JSON line (every run, each auto's summary)
@@ -179,6 +180,7 @@ make = {
     "eighth": lambda: no_shadow(mean_taps(surplus(no_wide(shrunk(all_servable(second_auto()))), 0.25))),
     "dfauto": lambda: make_auto(m, dflash=copy.copy(d.dflash), ngram=False),
     "dfauto_nophase": lambda: no_phase(make_auto(m, dflash=copy.copy(d.dflash), ngram=False)),
+    "ngauto": lambda: make_auto(m, ngram=8),
     "dflash": lambda: d.dflash, "ngram": d.ngram, "mtp": lambda: d.mtp,
 }
 drafter = {mo: make[mo]() for mo in modes}

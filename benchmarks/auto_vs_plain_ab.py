@@ -19,7 +19,8 @@ before the ninth session); noshadow (greedy n-gram offers passed over are not sc
 eighth (all six: the eighth session's rules; its catch-ups still run only what the chunks miss); nophase (one set of
 acceptance estimates and ledger entries for a whole response, as before the tenth session, not one per phase:
 `chooser.PHASES`); dfauto, dfauto_nophase (auto over the DFlash drafter alone: plain, its chains or its trees per
-round; and the same without phases); ngauto (auto over n-gram lookup alone: plain or n-gram per round);
+round; and the same without phases); ngauto (auto over n-gram lookup alone: plain or n-gram per round); nowarm
+(auto whose plain forwards never yield the model drafters' taps);
 dflash, ngram, mtp (fixed, dflash at block 8).
 
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
@@ -154,6 +155,13 @@ def no_phase(auto):
     return auto
 
 
+def no_warm(auto):
+    """auto whose plain forwards never yield the model drafters' taps (`AutoDrafter._warm` always False): a drafter
+    it tries catches up on its backlog then."""
+    auto._warm = lambda regime, remaining: False
+    return auto
+
+
 def no_wide(auto):
     """auto as before the ninth session: a forward over a drafter's backlog priced by the verify curve extended
     linearly, not toward the calibration's wide forward (`AutoChooser.forward_cost`)."""
@@ -181,6 +189,7 @@ make = {
     "dfauto": lambda: make_auto(m, dflash=copy.copy(d.dflash), ngram=False),
     "dfauto_nophase": lambda: no_phase(make_auto(m, dflash=copy.copy(d.dflash), ngram=False)),
     "ngauto": lambda: make_auto(m, ngram=8),
+    "nowarm": lambda: no_warm(second_auto()),
     "dflash": lambda: d.dflash, "ngram": d.ngram, "mtp": lambda: d.mtp,
 }
 drafter = {mo: make[mo]() for mo in modes}

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from glimmer_mlx.bench.serve import (CHART_SIZE, RequestRecord, ServeBenchError, ServeBenchSettings, ServerProcess,
                                      free_port, parse_sse, percentile, prompt_for, render_serve_table, request_body,
-                                     balanced_level, run_level, stream_request, summarize, table_rows, write_json,
+                                     balanced_levels, run_level, stream_request, summarize, table_rows, write_json,
                                      write_serve_chart)
 from glimmer_mlx.cli import app
 
@@ -39,31 +39,33 @@ def _rec(index, sent, ttft, latency, tokens, error=None, src="usage"):
                          tokens_from=src, done=True, finish_reason="length", error=error)
 
 
-def test_balanced_level_order_cancels_a_drifting_server():
-    """Modes of one server share a level in the order A B C, then C B A (half the rounds each): on a server that
-    gets slower with every pass (drift: a warmer cache, a fuller prompt cache, another process), two identical
-    modes measure the same aggregate tok/s; measured one after the other they would not. The wall time is the sum
-    of each mode's passes (not the span that holds the other modes' passes too); records merge by index."""
+def test_balanced_levels_order_cancels_a_drifting_server():
+    """Levels and modes of one server in the order N=1: A B C, N=2: A B C, then N=2: C B A, N=1: C B A (half the
+    rounds each): on a server that gets slower with every pass (drift: a warmer cache, a fuller prompt cache,
+    another process), identical modes measure the same aggregate tok/s, and so do identical levels — the ratio of
+    two levels is of cells measured side by side; measured one after the other they would not be. The wall time
+    is the sum of each cell's passes (not the span that holds the others' passes too); records merge by index."""
     calls = []
 
-    def run(mode, rounds, first):
+    def run(mode, n, rounds, first):
         i = len(calls)
-        calls.append((mode, rounds, first))
+        calls.append((mode, n, rounds, first))
         t = 1.0 + 0.2 * i  # each pass 20 % slower than the one before
         start = 10.0 * i
         return [_rec(r * 2 + c, start, 0.1, t, 8) for r in range(first, first + rounds) for c in range(2)]
 
-    out = balanced_level(["a", "b", "c"], 4, run, clients=2)
-    assert calls == [("a", 2, 0), ("b", 2, 0), ("c", 2, 0), ("c", 2, 2), ("b", 2, 2), ("a", 2, 2)]
-    assert out["a"]["aggregate_tps"] == pytest.approx(out["b"]["aggregate_tps"]) == pytest.approx(
-        out["c"]["aggregate_tps"])  # 64 tokens over passes 0+5, 1+4, 2+3: 1 + 2 = 1.2 + 1.8 = 1.4 + 1.6 s
-    assert out["a"]["wall_s"] == pytest.approx(3.0) and out["a"]["completion_tokens"] == 64
-    assert [r["index"] for r in out["b"]["runs"]] == list(range(8))
-    assert (out["a"]["order"], out["c"]["order"]) == ([0, 2], [2, 0])
+    out = balanced_levels([1, 2], ["a", "b", "c"], 4, run)
+    assert calls == [("a", 1, 2, 0), ("b", 1, 2, 0), ("c", 1, 2, 0), ("a", 2, 2, 0), ("b", 2, 2, 0), ("c", 2, 2, 0),
+                     ("c", 2, 2, 2), ("b", 2, 2, 2), ("a", 2, 2, 2), ("c", 1, 2, 2), ("b", 1, 2, 2), ("a", 1, 2, 2)]
+    tps = {(n, m): out[n][m]["aggregate_tps"] for n in (1, 2) for m in "abc"}
+    assert all(v == pytest.approx(tps[(1, "a")]) for v in tps.values())  # passes 0+11, 1+10, ...: 3.2 s each
+    assert out[1]["a"]["wall_s"] == pytest.approx(1.0 + 3.2) and out[1]["a"]["completion_tokens"] == 64
+    assert out[2]["b"]["clients"] == 2 and [r["index"] for r in out[2]["b"]["runs"]] == list(range(8))
+    assert (out[1]["a"]["order"], out[2]["c"]["order"]) == ([0, 2], [2, 0])
     calls.clear()
-    one = balanced_level(["a", "b"], 1, run, clients=2)  # one round: one pass, in order
-    assert calls == [("a", 1, 0), ("b", 1, 0)] and one["b"]["order"] == [1]
-    assert one["a"]["aggregate_tps"] > one["b"]["aggregate_tps"]  # what an unbalanced order measures
+    one = balanced_levels([1, 2], ["a", "b"], 1, run)  # one round: one pass, in order
+    assert calls == [("a", 1, 1, 0), ("b", 1, 1, 0), ("a", 2, 1, 0), ("b", 2, 1, 0)] and one[1]["b"]["order"] == [1]
+    assert one[1]["a"]["aggregate_tps"] > one[2]["a"]["aggregate_tps"]  # what an unbalanced order measures
 
 
 def test_summarize_hand_computed():

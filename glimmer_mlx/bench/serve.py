@@ -592,9 +592,6 @@ def _run_serve_bench(settings: ServeBenchSettings, *, model, draft_model, mtp_mo
                             temperature=settings.temperature, seed=seed, mode=mode,
                             timeout=settings.request_timeout, on_request=on_request, first_round=first_round)
 
-    def level(mode_label: str, port: int, n: int, mode: str | None, seed: int | None) -> dict:
-        return summarize(requests(mode_label, port, n, mode, seed, settings.requests), n)
-
     def skip_all(label: str, why: str) -> None:
         skipped[label] = why
         done[0] += sum(per_level.values())
@@ -626,9 +623,10 @@ def _run_serve_bench(settings: ServeBenchSettings, *, model, draft_model, mtp_mo
                     continue
                 warm_prompts(host, srv.port, settings, prompts, m)
                 runnable.append(m)
-            for n in settings.clients:
-                for m, summary in balanced_level(runnable, settings.requests, lambda m, rounds, first: requests(
-                        m, srv.port, n, m, settings.seed, rounds, first), n).items():
+            for n, by_mode in balanced_levels(settings.clients, runnable, settings.requests,
+                                              lambda m, n, rounds, first: requests(m, srv.port, n, m, settings.seed,
+                                                                                   rounds, first)).items():
+                for m, summary in by_mode.items():
                     results.setdefault(m, {})[str(n)] = summary
         finally:
             srv.stop()
@@ -661,8 +659,10 @@ def _run_serve_bench(settings: ServeBenchSettings, *, model, draft_model, mtp_mo
                 targets[MLX_LM].update(loaded=False, error=str(e))
                 skip_all(MLX_LM, f"mlx_lm.server cannot serve {path}: {e}")
             else:
-                for n in settings.clients:
-                    results.setdefault(MLX_LM, {})[str(n)] = level(MLX_LM, srv.port, n, None, lm_seed)
+                for n, by_mode in balanced_levels(settings.clients, [MLX_LM], settings.requests,
+                                                  lambda m, n, rounds, first: requests(m, srv.port, n, None, lm_seed,
+                                                                                       rounds, first)).items():
+                    results.setdefault(MLX_LM, {})[str(n)] = by_mode[MLX_LM]
         finally:
             srv.stop()
     if not results:
@@ -677,9 +677,10 @@ def _run_serve_bench(settings: ServeBenchSettings, *, model, draft_model, mtp_mo
         "model": {"target": str(path), "embedded": model is None, "draft_model": draft_model, "mtp_model": mtp_model},
         "settings": {**settings.as_dict(), "categories": list(prompts),
                      "protocol": "closed loop: each client sends its next request when its last one finished; "
-                                 "our modes run each level in a balanced order (half their rounds in the listed "
-                                 "order, the rest in reverse; `order`: a mode's position in each pass, aggregate "
-                                 "tok/s over the two passes' summed wall time); "
+                                 "each server's levels and modes run in a balanced order (half the rounds level "
+                                 "by level upward with the modes in the listed order, the rest level by level "
+                                 "downward with the modes reversed; `order`: a mode's position in its level in "
+                                 "each pass, aggregate tok/s over the two passes' summed wall time); "
                                  "request r of client c is the level's request r*N + c, its prompt round robin over "
                                  "the categories, its seed seed + index (glimmer: always; mlx-lm: only at T > 0); "
                                  "one untimed warm-up request (at most 8 tokens) per target/mode first, then every "
@@ -701,24 +702,31 @@ def _run_serve_bench(settings: ServeBenchSettings, *, model, draft_model, mtp_mo
 
 # -- output -----------------------------------------------------------------------------------------------------------
 
-def balanced_level(modes: list[str], rounds: int, run, clients: int) -> dict[str, dict]:
-    """One level for several modes of one server, in a balanced order: with two or more rounds per client the
-    modes run half their rounds in order, then the other half in reverse (A B C, C B A), so a mode measured after
-    the others (a warmer or a more loaded server, a fuller prompt cache) is not always the same one; with one round,
-    in order. run(mode, rounds, first_round) → records. Returns {mode: summary (`summarize` over both passes, its
-    wall the two passes' sum), with "order": the mode's position in each pass}."""
+def balanced_levels(levels: list[int], modes: list[str], rounds: int, run) -> dict[int, dict[str, dict]]:
+    """Every level for several modes of one server, in a balanced order: with two or more rounds per client, half
+    the rounds go level by level upward with the modes in order (N=1: A B C, N=2: A B C, ...), the other half level
+    by level downward with the modes reversed (..., N=2: C B A, N=1: C B A), so neither a mode nor a level measured
+    later (a warmer or a more loaded machine, a fuller prompt cache, a drift) is always the same one: the ratios
+    people read off the table (a mode over another, N=8 over N=1) are of cells measured side by side; with one
+    round, one pass in order. run(mode, clients, rounds, first_round) → records. Returns {N: {mode: summary
+    (`summarize` over both passes, its wall the two passes' sum), with "order": the mode's position in its level in
+    each pass}}."""
     first = rounds - rounds // 2
-    passes: dict[str, list] = {m: [] for m in modes}
-    for m in modes:
-        passes[m].append(run(m, first, 0))
+    passes: dict[tuple, list] = {(n, m): [] for n in levels for m in modes}
+    for n in levels:
+        for m in modes:
+            passes[(n, m)].append(run(m, n, first, 0))
     if rounds > first:
-        for m in reversed(modes):
-            passes[m].append(run(m, rounds - first, first))
-    out = {}
-    for i, m in enumerate(modes):
-        records = sorted((r for p in passes[m] for r in p), key=lambda r: r.index)
-        out[m] = {**summarize(records, clients, passes[m]),
-                  "order": [i] if len(passes[m]) == 1 else [i, len(modes) - 1 - i]}
+        for n in reversed(levels):
+            for m in reversed(modes):
+                passes[(n, m)].append(run(m, n, rounds - first, first))
+    out: dict[int, dict[str, dict]] = {}
+    for n in levels:
+        for i, m in enumerate(modes):
+            ps = passes[(n, m)]
+            records = sorted((r for p in ps for r in p), key=lambda r: r.index)
+            out.setdefault(n, {})[m] = {**summarize(records, n, ps),
+                                        "order": [i] if len(ps) == 1 else [i, len(modes) - 1 - i]}
     return out
 
 

@@ -855,3 +855,34 @@ def test_a_burst_of_cached_rows_joins_in_one_step(sess, ids):
     assert sizes[:2] == [5, 6] and model.calls == gen.steps + 2  # the two prefill forwards
     for i in range(6):
         assert out[i][0] == solo(sess, ids[min(i, 4)], "ar", params(), 0, 6)[0], i
+
+
+class LogitsWidths(CountingModel):
+    """The target with the positions of the logits each solo-cache (prefill) forward returned recorded."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.prefill_widths = []
+
+    def __call__(self, x, cache=None, **kw):
+        out = super().__call__(x, cache, **kw)
+        if cache is not None and not getattr(cache[0], "batched", False):
+            logits = out[0] if isinstance(out, tuple) else out
+            self.prefill_widths.append((x.shape[1], logits.shape[1]))
+        return out
+
+
+@pytest.mark.parametrize("mode", ["ar", "ngram", "dflash", "auto"])
+def test_a_prefill_computes_the_logits_of_its_last_position_only(sess, ids, mode):
+    """Every prefill chunk asks the target for the logits of its last position only, whatever the row's drafters
+    want as taps (those cover every position). Catches: a row with drafters (n-gram lookup's empty taps included)
+    taking the whole chunk's logits — positions × vocabulary of lm-head work for the one token sampled (on Muse
+    Glimmer, 202 048 × 6 656 multiply-adds a position) — and outputs changed by it."""
+    model = LogitsWidths(sess.model)
+    gen = BatchGenerator(model, prefill_step=16, auto=sess.drafters.batch_auto() if mode == "auto" else None)
+    picks = [5, 1]  # 40 tokens (chunks of 16, 16, 8) and a short one
+    out, _ = run(gen, [(j, request(sess, ids[i], mode, params(), 0, 6)) for j, i in enumerate(picks)])
+    assert [w for w in model.prefill_widths if w[0] > 1] and all(n == 1 for _, n in model.prefill_widths)
+    ref = "ar" if mode == "auto" else mode
+    for j, i in enumerate(picks):
+        assert out[j][0] == solo(sess, ids[i], ref, params(), 0, 6)[0], (mode, i)

@@ -316,8 +316,9 @@ class BatchGenerator:
         taps = want if row.drafters else None
         kw = {} if row.req.input_embeddings is None else {"input_embeddings": row.req.input_embeddings[:, s:e]}
         last = e >= len(ids)
-        out = self.model(mx.array([ids[s:e]], dtype=mx.int32), row.cache, taps=taps,
-                         last=1 if (last and taps is None) else None, **kw)
+        # the last position's logits only (the taps cover every position): a row with drafters once took the whole
+        # chunk's — its positions × the vocabulary, a prompt's worth of lm-head work for one token
+        out = self.model(mx.array([ids[s:e]], dtype=mx.int32), row.cache, taps=taps, last=1, **kw)
         logits, tapped = out if taps is not None else (out, None)
         if tapped is not None:
             row.prefill_taps.append(tapped)

@@ -886,3 +886,40 @@ def test_a_prefill_computes_the_logits_of_its_last_position_only(sess, ids, mode
     ref = "ar" if mode == "auto" else mode
     for j, i in enumerate(picks):
         assert out[j][0] == solo(sess, ids[i], ref, params(), 0, 6)[0], (mode, i)
+
+
+def test_an_auto_row_left_without_options_steps_plainly(sess, ids):
+    """An `auto` without n-gram lookup (`make_auto(..., ngram=False)`, public API) whose model drafter could not pay
+    gives a new row no option at all, and a row's last model drafter can be pruned: such a row steps plainly (its
+    output the plain one) next to other rows. Catches: the batch's choice taking the widest draft over no options
+    (max() of nothing: the whole step failed, every row of a server with it)."""
+    from glimmer_mlx.speculative.auto import make_auto
+
+    auto = make_auto(sess.model, dflash=sess.drafters.dflash, ngram=False)
+    ba = BatchAuto(auto)
+    ba.curve = {n: 0.01 * n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # compute-bound: nothing can pay
+    ba.measured, ba.ratio = {}, None
+    assert ba.options("greedy", 2) == {}
+    gen = BatchGenerator(sess.model, prefill_step=16, auto=ba)
+    plan = [(0, request(sess, ids[0], "auto", params(), 0, 20)), (0, request(sess, ids[1], "ar", params(), 0, 20)),
+            (3, request(sess, ids[2], "auto", params(), 0, 20))]
+    out, rows = run(gen, plan)
+    for j, i in enumerate([0, 1, 2]):
+        assert out[j][0] == solo(sess, ids[i], "ar", params(), 0, 20)[0], j
+    assert rows[0].options == {} and gen.steps >= 16  # a prune step came and went
+    # a row whose only option, a model drafter, is pruned (it could pay when the row joined, not at the prune)
+    ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # flat: verification is free
+    ba.measured, ba.ratio = {}, None
+    ba.draft_cost = lambda name, k: 1e-5 * k
+    pin(ba, "dflash", "greedy", 0.6)
+    gen = BatchGenerator(sess.model, prefill_step=16, auto=ba)
+    row = gen.add(request(sess, ids[3], "auto", params(), 0, 40))
+    gen.step()
+    assert set(row.options) == {"dflash"}
+    ba.curve = {n: 0.01 * n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+    ba.measured, ba.ratio = {}, None
+    ba.observe = lambda n, seconds, spec: None  # keep the compute-bound curve as told
+    while len(gen):
+        gen.step()
+    assert row.options == {} and gen.steps > 16
+    assert row.history[len(ids[3]):] == solo(sess, ids[3], "ar", params(), 0, 40)[0]

@@ -419,7 +419,9 @@ class BatchGenerator:
 
     def _choose(self, rows: list[Row]) -> dict[int, tuple]:
         """The auto rows' choices for this step ({row index: (option, drafts)}), from the batch's chooser."""
-        autos = [b for b, r in enumerate(rows) if r.options is not None and not r.first_pending]
+        # an auto row with no option left (an auto without n-gram lookup whose model drafters could not pay) steps
+        # plainly, as a fixed plain row
+        autos = [b for b, r in enumerate(rows) if r.options and not r.first_pending]
         if not autos:
             return {}
         if self.steps % PRUNE_EVERY == 0:
@@ -430,6 +432,9 @@ class BatchGenerator:
                 for kind in [k for k, d in r.options.items() if d.taps]:
                     if not self.auto.could_pay(kind, r.regime, len(rows), optimistic=False):
                         del r.options[kind]
+            autos = [b for b in autos if rows[b].options]
+            if not autos:
+                return {}
         k_max = max(d.max_drafts for b in autos for d in rows[b].options.values())
         chosen = set(autos)
         fixed = [r for b, r in enumerate(rows) if b not in chosen]  # a row's first token: a plain round

@@ -923,3 +923,21 @@ def test_an_auto_row_left_without_options_steps_plainly(sess, ids):
         gen.step()
     assert row.options == {} and gen.steps > 16
     assert row.history[len(ids[3]):] == solo(sess, ids[3], "ar", params(), 0, 40)[0]
+
+
+def test_a_row_carries_a_model_drafter_only_where_the_batch_s_choice_could_take_it(ba):
+    """A model drafter whose best rate beats plain by less than the margin `choose` wants (`ENTER_GAIN`) would
+    never be chosen: a new row does not carry it (nor does the prune keep it), one that beats plain by more does,
+    and `choose` agrees with both. Catches: carrying by "beats plain" alone — on the embedded model MTP at one row
+    (1.049x plain by its prior) rode every N = 1 auto request, taps and bookkeeping each step, never drafting."""
+    from glimmer_mlx.speculative.auto.chooser import ENTER_GAIN
+
+    ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # flat: only acceptance decides
+    ba.measured, ba.ratio = {}, None
+    for alpha, carried in ((0.6 * ENTER_GAIN, False), (3 * ENTER_GAIN, True)):
+        pin(ba, "mtp", "greedy", alpha)
+        pin(ba, "dflash", "greedy", 0.0)
+        assert ("mtp" in ba.options("greedy", 1)) is carried, alpha
+        assert ba.could_pay("mtp", "greedy", 1, optimistic=False) is carried
+        k, plan = ba.choose([("greedy", 64, {"mtp": 1})], 0, 1, 0.0, 1)
+        assert (k > 0) is carried and (plan[0][0] == "mtp") is carried

@@ -67,10 +67,12 @@ class BatchAuto:
         """Whether `name` beats plain decoding at some width in a batch of `batch` rows all drafting with it (the
         most favourable case: every row pays the widest block anyway), with its acceptance at the optimistic end of
         what is known (mean + 1.28 sd of the first draft's, every position moved alike) or, not `optimistic`, at
-        its mean."""
+        its mean and by the margin `choose` wants to start speculating (`ENTER_GAIN`): a drafter a row carries for
+        that (`options`, the batch's prune) is one the batch's choice could take — at 1.00–1.05x plain it never
+        would, and the row would pay its taps and bookkeeping every step for nothing."""
         acc = self.acceptance(name, regime)
         lift = 1.28 * acc.spread() if optimistic else 0.0
-        plain = 1.0 / self.step_cost(batch)
+        plain = (1.0 if optimistic else 1.0 + ENTER_GAIN) / self.step_cost(batch)
         alphas = acc.alphas()
         for k in range(1, self.chooser.options[name].max_k + 1):
             e, p = 1.0, 1.0

@@ -159,6 +159,12 @@ class Row:
         step is a plain round, whatever its drafters — alone, the prefill samples it with one sampler call."""
         return len(self.history) == len(self.req.ids)
 
+    def start_drafters(self, taps: dict) -> None:
+        """After its prefill: every drafter takes the prompt (`taps`: {target layer: its rows over the prefilled
+        positions}) — extended from the state it continues on a reused prefix, started afresh otherwise."""
+        for d in self.drafters:
+            (d.extend if self.req.reuse else d.start)([taps[layer] for layer in d.taps], self.history)
+
     def started(self) -> None:
         """Its first token is out: the prompt's statistics."""
         self.t_first = time.perf_counter()
@@ -307,8 +313,7 @@ class BatchGenerator:
             # all but its last prompt token cached (a prompt-cache hit, or a prompt one token past a chunk): that
             # token is the row's anchor as after any round, so it joins now and the batch's next forward samples its
             # first token — the forward a prefill would spend on one token is saved (`Row.first_pending`)
-            for d in row.drafters:  # n-gram lookup: its index of the prompt; the first token extends it
-                (d.extend if row.req.reuse else d.start)([], row.history)
+            row.start_drafters({})  # n-gram lookup: its index of the prompt; the first token extends it
             self._join(row)
             return None
         e = min(len(ids), s + row.prefill_step)
@@ -334,8 +339,7 @@ class BatchGenerator:
             parts = row.prefill_taps
             joined = {layer: mx.concatenate([p[i] for p in parts], axis=1) if len(parts) > 1 else parts[0][i]
                       for i, layer in enumerate(want)}
-            for d in row.drafters:
-                (d.extend if row.req.reuse else d.start)([joined[layer] for layer in d.taps], row.history)
+            row.start_drafters(joined)
             row.prefill_taps = []
         chunk = row.out.push([t])
         if not row.finished:

@@ -20,7 +20,8 @@ eighth (all six: the eighth session's rules; its catch-ups still run only what t
 acceptance estimates and ledger entries for a whole response, as before the tenth session, not one per phase:
 `chooser.PHASES`); dfauto, dfauto_nophase (auto over the DFlash drafter alone: plain, its chains or its trees per
 round; and the same without phases); ngauto (auto over n-gram lookup alone: plain or n-gram per round); nowarm
-(auto whose plain forwards never yield the model drafters' taps);
+(auto whose plain forwards never yield the model drafters' taps); norun, ngnorun (auto, and auto over n-gram lookup
+alone, whose n-gram offers are named by matched size only: no "ngram@run", as before the twelfth session);
 dflash, ngram, mtp (fixed, dflash at block 8).
 
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
@@ -162,6 +163,13 @@ def no_warm(auto):
     return auto
 
 
+def no_run(auto):
+    """auto whose n-gram offers are named by their matched size only, as before the twelfth session: an offer that
+    goes on with a copy the committed tokens confirmed is not its own option (`NGramDrafter.offer`)."""
+    auto.drafters["ngram"]._runs = lambda p, first: False
+    return auto
+
+
 def no_wide(auto):
     """auto as before the ninth session: a forward over a drafter's backlog priced by the verify curve extended
     linearly, not toward the calibration's wide forward (`AutoChooser.forward_cost`)."""
@@ -190,6 +198,7 @@ make = {
     "dfauto_nophase": lambda: no_phase(make_auto(m, dflash=copy.copy(d.dflash), ngram=False)),
     "ngauto": lambda: make_auto(m, ngram=8),
     "nowarm": lambda: no_warm(second_auto()),
+    "norun": lambda: no_run(second_auto()), "ngnorun": lambda: no_run(make_auto(m, ngram=8)),
     "dflash": lambda: d.dflash, "ngram": d.ngram, "mtp": lambda: d.mtp,
 }
 drafter = {mo: make[mo]() for mo in modes}

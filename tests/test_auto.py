@@ -781,14 +781,15 @@ def test_a_held_plain_verdict_decides_as_asking_afresh(tiny, monkeypatch):
 
 def test_a_speculative_plan_is_chosen_afresh_with_the_token_it_could_not_see(tiny):
     """`plan` decides on the n-gram index one token behind; `propose` chooses again once that token is known,
-    so a match the token broke is not drafted from, and a match it extended is."""
+    so a match the token broke is not drafted from, and a match it extended is (as the copy the token confirmed:
+    `test_an_offer_that_goes_on_with_a_confirmed_copy_is_its_own_option`)."""
     from glimmer_mlx.sampling import Sampler, SamplingParams
 
     model, _, _ = tiny
     sampler = Sampler(SamplingParams())
     ids = [1, 2, 3, 4, 9, 8, 1, 2]  # the suffix "1 2" occurred before, followed by 3 4 9 8
     for nxt, expected in ((7, []), (3, [4, 9, 8, 1])):
-        auto = _ngram_auto(model, {"ngram@2": 0.9, "ngram@3": 0.9, "ngram@4": 0.9})
+        auto = _ngram_auto(model, {"ngram@2": 0.9, "ngram@3": 0.9, "ngram@4": 0.9, "ngram@run": 0.9})
         ch = auto.chooser
         auto.start([], ids)
         assert auto.plan(4, "greedy", 100) is False and ch.round == 0  # speculative: not counted yet
@@ -796,7 +797,31 @@ def test_a_speculative_plan_is_chosen_afresh_with_the_token_it_could_not_see(tin
         auto.accept([], [nxt])
         drafts, _ = auto.propose(nxt, len(ids), 4, sampler, ids + [nxt])
         assert drafts == expected and ch.round == 1
-        assert ch.chosen == ({("plain", 0): 1} if not expected else {("ngram@3", 4): 1})
+        assert ch.chosen == ({("plain", 0): 1} if not expected else {("ngram@run", 4): 1})
+
+
+def test_an_offer_that_goes_on_with_a_confirmed_copy_is_its_own_option(tiny):
+    """An n-gram offer is "ngram@run" when the tokens committed since the latest earlier offer are its drafts and
+    the new offer's first draft is its next one (a copy the output already follows: `NGramDrafter.offer`, its cases
+    in test_ngram.py); any other offer is the option of its matched size. Priced as its own option, a copy the plain rounds confirmed is drafted from at the next
+    round although fresh offers of every size are known to fail (α 0 here); without it the same stretch stays
+    plain."""
+    model, _, _ = tiny
+    ids = [5, 6, 7, 8, 9, 10, 11, 12, 40, 41, 5]  # "5" occurred before: the offer drafts 6 7 8 9
+    auto = _ngram_auto(model, {"ngram@run": 0.95})
+    auto.start([], ids)
+    assert auto._ngram_offer(4) == ("ngram@1", 4)
+    assert auto.plan(4, "greedy", 100)  # plain: fresh offers fail
+    auto.accept([], [6])  # ... but the plain token is the offer's first draft
+    assert auto._ngram_offer(4) == ("ngram@run", 4) and auto._offer[2] == [7, 8, 9, 10]
+    assert auto.plan(4, "greedy", 100) is False  # the confirmed copy is drafted from
+    # a token the offer did not draft breaks the run: the next offer is its size's again
+    auto = _ngram_auto(model, {"ngram@run": 0.95})
+    auto.start([], ids)
+    assert auto.plan(4, "greedy", 100)
+    auto.accept([], [7])  # not 6: "5 7" never occurred; "7" did, followed by 8 9 10 11
+    assert auto._ngram_offer(4) == ("ngram@1", 4)
+    assert auto.plan(4, "greedy", 100)
 
 
 @pytest.mark.parametrize("reuse", [True, False])

@@ -138,6 +138,31 @@ def test_auto_rows_greedy_equal_plain_solo(sess, ids):
     assert all(rows[i].stats.mode == "auto" for i in range(6) if modes[i] == "auto")
 
 
+def test_auto_rows_offer_a_copy_they_follow_as_its_own_option(sess, ids, monkeypatch):
+    """A batch's auto row names its n-gram offers as the solo auto does (`NGramDrafter.offer`): an offer that goes
+    on with a copy the row's committed tokens confirmed is "ngram@run", drafted from where its estimate pays, and the
+    output stays plain decoding's. Catches: a row's offers named by matched size only (its run never offered), a
+    row's offers compared with another row's."""
+    auto = sess.drafters.batch_auto()
+    offered = []
+    real = auto.choose
+    monkeypatch.setattr(auto, "choose", lambda rows, *a: (offered.extend(set(av) for _, _, av in rows),
+                                                          real(rows, *a))[1])
+    saved = [(a.acc[:], a.tried[:], a.shrink) for a in [auto.acceptance("ngram@run", "greedy")]]
+    auto.acceptance("ngram@run", "greedy").set_alphas([0.95])
+    try:
+        gen = BatchGenerator(sess.model, prefill_step=16, auto=auto)
+        prompt = ids[4][:30] * 2  # the answer soon repeats what the prompt holds
+        plan = [(0, request(sess, prompt, "auto", params(), 0, 40)), (1, request(sess, ids[0], "auto", params(), 0, 30))]
+        out, _ = run(gen, plan)
+    finally:
+        a = auto.acceptance("ngram@run", "greedy")
+        a.acc, a.tried, a.shrink = saved[0]
+    assert out[0][0] == solo(sess, prompt, "ar", params(), 0, 40)[0]
+    assert out[1][0] == solo(sess, ids[0], "ar", params(), 0, 30)[0]
+    assert any("ngram@run" in o for o in offered)
+
+
 # -- 2. seeded sampling ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mode", MODES)

@@ -61,6 +61,35 @@ def test_incremental_index_equals_rebuilt():
         assert inc.last == full.last and inc.prev == full.prev
 
 
+def test_offer_names_a_copy_the_output_follows():
+    """`offer` is `peek` named as the option auto prices it as: "ngram@run" only where the tokens committed since the
+    latest earlier offer are its drafts and the new offer's first draft is its next; else the matched size's."""
+    ids = [5, 6, 7, 8, 9, 10, 11, 12, 40, 41, 5]  # "5" occurred before, followed by 6 7 8 9
+    d = NGramDrafter(1000, max_drafts=4)
+    d.start([], ids)
+    assert d.offer(4) == ([6, 7, 8, 9], "ngram@1") == d.offer(4)  # asked again at the same position: the same
+    d.accept([], [6])  # the offer's first draft
+    assert d.offer(4) == ([7, 8, 9, 10], "ngram@run")
+    d.accept([], [7, 8])  # two more of it (a model drafter's round, say)
+    assert d.offer(4) == ([9, 10, 11, 12], "ngram@run")
+    d.accept([], [9, 10, 11, 12])  # the offer's every draft: nothing of it is left to go on with
+    assert d.offer(4) == ([40, 41, 5, 6], "ngram@4")
+    d.start([], ids)
+    d.offer(4)
+    d.accept([], [7])  # not the first draft: "7" occurred before, a fresh match
+    assert d.offer(4) == ([8, 9, 10, 11], "ngram@1")
+    d.start([], ids)  # a new context forgets the offers of the last one
+    d.offer(4)
+    d.start([], [6] + ids[1:] + [6])
+    assert d.offer(4)[1] == "ngram@1"
+    # an offer the confirmed tokens lead to that drafts another continuation is its size's: the copy's first token
+    # was right, then the longest match (4 tokens at most) moved to another occurrence
+    d.start([], [2, 1, 1, 1, 1, 1, 1, 2, 1, 1, 1])
+    assert d.offer(4) == ([1, 1, 1, 2], "ngram@4")
+    d.accept([], [1])
+    assert d.offer(4) == ([2, 1, 1, 1], "ngram@4")
+
+
 def test_point_mass_logprobs():
     q = point_mass_logprobs([2, 0], 4)
     assert q.shape == (2, 4)

@@ -205,14 +205,14 @@ class Row:
         return [anchor] + self.drafts
 
     def available(self, k_max: int) -> dict:
-        """An auto row's {option: most drafts it gives now} (n-gram lookup: as the option of the matched size,
-        only where the context's suffix occurred before)."""
+        """An auto row's {option: most drafts it gives now} (n-gram lookup: as the option it offers,
+        `NGramDrafter.offer`, only where the context's suffix occurred before)."""
         out = {}
         for kind, d in self.options.items():
             if kind == "ngram":
-                drafts, m = d.peek(k_max)
+                drafts, name = d.offer(k_max)
                 if drafts:
-                    out[f"ngram@{m}"] = len(drafts)
+                    out[name] = len(drafts)
             else:
                 out[kind] = min(k_max, d.max_drafts)
         return out

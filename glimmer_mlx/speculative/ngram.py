@@ -25,6 +25,10 @@ from .tree import TokenTree
 
 
 SCAN_PER_PATH = 4  # occurrences of an n-gram looked at per continuation wanted (a frequent one has thousands)
+# the option `auto` prices an offer as (`NGramDrafter.offer`): one per matched n-gram size, and one for an offer that
+# goes on with a copy the output already follows
+OPTION = "ngram@{}"
+RUN = OPTION.format("run")
 
 
 class NGramIndex:
@@ -123,6 +127,12 @@ class NGramDrafter:
             raise ValueError(f"n-gram max_drafts must be an int in [1, 64], got {max_drafts!r}")
         self.vocab_size, self.max_drafts = vocab_size, max_drafts
         self.index = NGramIndex(min_n, max_n, all_ends=trees)
+        self._offered = None  # (position, drafts) of the latest `offer`
+        self._copy = None  # ... and of the latest one at an earlier position than now
+
+    def _restart(self, ids: list[int]) -> None:
+        self.index.reset(ids)
+        self._offered = self._copy = None
 
     def fork(self) -> "NGramDrafter":
         """The same drafter with its own, empty index (a batch row's)."""
@@ -130,7 +140,7 @@ class NGramDrafter:
                             trees=self.index.all_ends)
 
     def start(self, taps: list[mx.array], ids: list[int]) -> None:
-        self.index.reset(ids)
+        self._restart(ids)
 
     def accept(self, taps: list[mx.array], new_tokens: list[int]) -> None:
         self.index.extend(new_tokens)
@@ -143,7 +153,7 @@ class NGramDrafter:
         return max(0, min(keep, self.context_length()))
 
     def extend(self, taps: list[mx.array], ids: list[int]) -> None:
-        self.index.reset(ids)
+        self._restart(ids)
 
     def parts(self) -> tuple:
         return (self,)
@@ -154,6 +164,32 @@ class NGramDrafter:
     def peek(self, k: int) -> tuple[list[int], int]:
         """What `propose` would draft now (at most k tokens) and the matched n-gram size, without side effects."""
         return self.index.lookup(min(k, self.max_drafts))
+
+    def offer(self, k: int) -> tuple[list[int], str]:
+        """What `propose` would draft now (at most k tokens) and the option `auto` prices it as: `RUN` where it goes
+        on with a copy the output already follows — the tokens committed since the latest earlier offer are that
+        offer's drafts, and this one's first draft is its next — else the matched n-gram size's (`OPTION`). A copy
+        confirmed that way is right far more often than a fresh match (`auto.multiplex.NGRAM_RUN_ALPHA`). Asked
+        again at the same position it answers the same."""
+        drafts, m = self.peek(k)
+        p = len(self.index.tokens)
+        last = self._offered
+        if last is not None and last[0] < p:
+            self._copy, last = last, None
+        if not drafts:
+            return drafts, ""
+        name = RUN if self._runs(p, drafts[0]) else OPTION.format(m)
+        if last is None or len(drafts) > len(last[1]):
+            self._offered = (p, drafts)
+        return drafts, name
+
+    def _runs(self, p: int, first: int) -> bool:
+        """Whether an offer at position `p` whose first draft is `first` goes on with the latest earlier offer."""
+        if self._copy is None:
+            return False
+        q, drafts = self._copy
+        c = p - q
+        return 0 < c < len(drafts) and drafts[c] == first and self.index.tokens[q:p] == drafts[:c]
 
     def propose(self, anchor: int, pos: int, k: int, sampler, history: list[int]):
         toks = self.index.tokens

@@ -9,6 +9,8 @@ import time
 import mlx.core as mx
 
 from ...cache import CacheRewindError
+from ..ngram import OPTION as NGRAM_OPTION
+from ..ngram import RUN as NGRAM_RUN
 from ..ngram import NGramDrafter
 from ..protocol import Drafter
 from .calibrate import load_or_calibrate, measure_draft_costs
@@ -24,6 +26,13 @@ _KINDS = ("dflash", "mtp", "ngram")
 NGRAM_ALPHA = {1: (0.12, 0.04), 2: (0.3, 0.03), 3: (0.6, 0.1)}  # size -> (greedy, sampling); 4 and longer: below
 NGRAM_ALPHA_LONG = (0.85, 0.15)
 NGRAM_THEN = {"greedy": 0.8, "sampling": 0.3}
+# An offer that goes on with a copy the committed tokens already follow (a plain token, or a model drafter's round,
+# predicted by the latest offer's drafts) is its own option (`ngram.RUN`, `NGramDrafter.offer`). Measured (`auto`
+# forced plain, every greedy offer scored, the first 3 prompts of each category, 96 tokens): its first draft was
+# right 0.998 of the time on the trained tiny set (fresh offers 0.18) and 0.52 on the embedded model (fresh 0.13);
+# at T = 1 0 of 22 on both. Priced as a fresh 1-gram's, it waited for a 4-gram's estimates: on the tiny set auto
+# started every copy 1-3 plain rounds after n-gram lookup alone did
+NGRAM_RUN_ALPHA = {"greedy": 0.5, "sampling": 0.05}
 # `auto`'s DFlash token trees: verify rows per round, and the share of a depth's chain rejections a tree still
 # rejects — the embedded set's DFlash trees of 16 rows (BENCHMARKS.md, "Token trees"): chain τ 1.50 (α 0.33 at 15
 # drafts) → tree τ 2.0 at depth 6 (α 0.50): (1 − 0.50) / (1 − 0.33) ≈ 0.75
@@ -49,7 +58,8 @@ class AutoDrafter:
 
     n-gram lookup is one option per matched n-gram size ("ngram@1" … "ngram@4"): a continuation found after a
     4-gram is far more often right than one found after a single token, and pooling them would hide the good
-    matches behind the many poor ones."""
+    matches behind the many poor ones; and an offer that goes on with a copy the committed tokens already follow is
+    one more ("ngram@run", `NGramDrafter.offer`)."""
 
     kind = "auto"
     width_name = "auto drafts"
@@ -88,9 +98,12 @@ class AutoDrafter:
         for n, d in self.drafters.items():
             if n == "ngram":
                 for m in range(d.index.min_n, d.index.max_n + 1):
-                    self.chooser.add(f"ngram@{m}", d.max_drafts, "free", measured_tau=ngram_prior(m),
+                    self.chooser.add(NGRAM_OPTION.format(m), d.max_drafts, "free", measured_tau=ngram_prior(m),
                                      then_alpha=NGRAM_THEN, sporadic=True)
-                    self._kind_of[f"ngram@{m}"] = n
+                    self._kind_of[NGRAM_OPTION.format(m)] = n
+                self.chooser.add(NGRAM_RUN, d.max_drafts, "free", then_alpha=NGRAM_THEN, sporadic=True,
+                                 measured_tau={"width": 1, **{r: 1.0 + a for r, a in NGRAM_RUN_ALPHA.items()}})
+                self._kind_of[NGRAM_RUN] = n
             else:
                 self.chooser.add(n, d.max_drafts, "affine", draft_prior=self.draft_costs.get(n),
                                  measured_tau=d.measured_tau)
@@ -308,9 +321,9 @@ class AutoDrafter:
         committed tokens first), or None where the context's suffix did not occur before."""
         self._sync("ngram")
         d = self.drafters["ngram"]
-        drafts, m = d.peek(min(k, d.max_drafts))
-        self._offer = (len(self._tokens), f"ngram@{m}", drafts) if drafts else None
-        return (f"ngram@{m}", len(drafts)) if drafts else None
+        drafts, name = d.offer(min(k, d.max_drafts))
+        self._offer = (len(self._tokens), name, drafts) if drafts else None
+        return (name, len(drafts)) if drafts else None
 
     # Greedy n-gram offers not taken are scored anyway (`_shadow`): their drafts are known before the round, and the
     # tokens committed after it are what a greedy verify would have compared them with, so how many it would have

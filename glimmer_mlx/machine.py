@@ -36,6 +36,16 @@ def blas_in_use() -> str:
     return f"bundled reference BLAS ({', '.join(mlx_libs)})" if mlx_libs else "bundled"
 
 
+# the environment that sets how many threads the BLAS runs and how long its idle ones spin (OpenBLAS reads it once,
+# when it loads): a cost curve measured under one setting does not hold under another (BENCHMARKS.md, issue 20)
+BLAS_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_THREAD_TIMEOUT", "VECLIB_MAXIMUM_THREADS")
+
+
+def blas_env() -> dict[str, str]:
+    """The variables of `BLAS_ENV` that are set."""
+    return {k: os.environ[k] for k in BLAS_ENV if k in os.environ}
+
+
 def cpu_model() -> str | None:
     """The CPU's model name from /proc/cpuinfo (Linux), or None."""
     try:
@@ -86,14 +96,16 @@ def machine_info() -> dict:
         "mlx_lm": package_version("mlx-lm"),
         "LD_PRELOAD": os.environ.get("LD_PRELOAD", ""),
         "blas": blas_in_use(),
+        "blas_env": blas_env(),
     }
 
 
 def machine_fingerprint() -> str:
     """Short hash of what makes timings differ between machines: OS, CPU/chip, cores, RAM, MLX device and version,
-    the BLAS in use."""
+    the BLAS in use and its threading environment (`BLAS_ENV`, where set)."""
     cpu = cpu_model() or apple_chip() or platform.processor()
     mem = total_memory() or 0
     parts = [platform.system(), platform.machine(), cpu, str(os.cpu_count()), str(mem // 2**30),
              str(mx.default_device()), package_version("mlx") or "", blas_in_use()]
+    parts += [f"{k}={v}" for k, v in sorted(blas_env().items())]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:12]

@@ -508,6 +508,13 @@ def test_calibration_is_cached_per_machine_and_model(tiny, tmp_path, monkeypatch
     assert not info3["cached"]
     _, info4 = load_or_calibrate(model, (), 3)  # other taps: another file
     assert not info4["cached"] and len(list(tmp_path.glob("costs-*.json"))) == 2
+    # the BLAS's threading environment is part of the machine: one thread makes a verify's rows dearer (on the
+    # 2-core CPU here a 5-draft verify went from 1.39x to 1.60x a plain step), so its curve is its own
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
+    _, info5 = load_or_calibrate(model, (1, 3), 5)
+    assert not info5["cached"] and info5["machine"] != info["machine"]
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS")
+    assert load_or_calibrate(model, (1, 3), 3)[1]["machine"] == info["machine"]
 
 
 def test_a_stale_cached_calibration_is_measured_again(tiny, tmp_path, monkeypatch):

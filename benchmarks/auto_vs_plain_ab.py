@@ -1,5 +1,6 @@
 """auto vs plain decoding, interleaved, long (issue 20): the embedded model, the first prompt of each shipped category
-under the chat template, MAX_TOKENS tokens, REPS repeats, the modes' order rotated for every run; the generation
+under the chat template, MAX_TOKENS tokens, REPS repeats, the modes' order rotated and reversed from run to run
+(`glimmer_mlx.bench.runner.task_order`: each mode follows each of its neighbours equally often); the generation
 seconds of each mode summed over all its runs, as × plain, and auto's choices. Greedy outputs are checked identical
 to plain's.
 
@@ -35,6 +36,7 @@ import statistics
 import sys
 
 import glimmer_mlx
+from glimmer_mlx.bench.runner import task_order
 from glimmer_mlx.bench.settings import load_prompts
 from glimmer_mlx.session import load_session
 from glimmer_mlx.speculative.auto import make_auto
@@ -206,8 +208,7 @@ seconds = {mo: [] for mo in modes}
 toks = {}
 for r in range(reps):
     for ci, c in enumerate(cats):
-        shift = (r * len(cats) + ci) % len(modes)
-        for mo in modes[shift:] + modes[:shift]:
+        for mo in task_order(modes, r * len(cats) + ci):
             res = glimmer_mlx.generate(m, ids[c], max_tokens=maxt, temperature=T, seed=r, drafter=drafter[mo],
                                        block_size=8 if mo == "dflash" else None)
             seconds[mo].append(res.stats.generation_time / res.stats.generation_tokens)

@@ -18,6 +18,7 @@ from glimmer_mlx.bench import (
     markdown_table,
     render_table,
 )
+from glimmer_mlx.bench.runner import task_order
 from glimmer_mlx.bench.settings import decode_spec
 from glimmer_mlx.cli import app
 from glimmer_mlx.strategy import DecodeSpec
@@ -126,6 +127,28 @@ def test_quick_bench_end_to_end_on_a_tiny_model(tiny_set, tmp_path, monkeypatch)
     assert len(res["verdict"]) == 2 and all((("fastest mode here" in v or "measurably faster" in v) and "auto" in v)
                                             for v in res["verdict"])
     assert all(v in " ".join(r.output.split()) for v in res["verdict"])
+    runs = [x["mode"] for x in res["runs"]]  # in the order they ran: each task's modes in `task_order`
+    n = len(set(runs))
+    tasks = [runs[i:i + n] for i in range(0, len(runs), n)]
+    assert all(t == task_order(tasks[0], j) for j, t in enumerate(tasks)), tasks
+
+
+def test_task_order_balances_first_places_and_predecessors():
+    """Over 2 × len(modes) tasks every mode runs first equally often and follows each of its two neighbours in the
+    list equally often (rotation alone kept each mode behind one and the same: what a speculative mode leaves running
+    slowed the mode after it in every run)."""
+    from collections import Counter
+
+    for modes in (["a", "b"], ["a", "b", "c"], ["ar", "dflash", "mtp", "ngram", "auto"]):
+        n = len(modes)
+        orders = [task_order(modes, j) for j in range(2 * n)]
+        assert all(sorted(o) == sorted(modes) for o in orders)
+        assert Counter(o[0] for o in orders) == Counter({m: 2 for m in modes})
+        after = Counter((o[i - 1], o[i]) for o in orders for i in range(1, n))
+        for i, m in enumerate(modes):
+            before, nxt = modes[i - 1], modes[(i + 1) % n]
+            assert after[(before, m)] == after[(nxt, m)] > 0  # behind either neighbour as often
+        assert task_order(modes, 2 * n) == orders[0]
 
 
 def test_bench_tree_modes_run_losslessly_and_report_their_trees(tiny_set, tmp_path, monkeypatch):

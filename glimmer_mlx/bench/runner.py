@@ -1,8 +1,9 @@
 """`glimmer bench`: every decoding mode on the same weights, prompts and seeds, in one process and one sitting.
 
 Protocol. All models load once. One warm-up generation per mode and temperature. Then, for each repeat, for each
-(category, prompt, temperature), every mode runs once in an order rotated from task to task (interleaving: load from
-other processes and thermal drift hit every mode alike). The stop token is ignored, so every run generates exactly
+(category, prompt, temperature), every mode runs once in an order rotated from task to task and reversed every
+other task (`task_order`; interleaving: load from other processes, thermal drift and what the mode before left
+running hit every mode alike). The stop token is ignored, so every run generates exactly
 `max_tokens` and all modes do the same work. Per run: time to first token (prefill + first token), generation speed
 (N − 1 tokens over the time from the first token to the last), τ (tokens committed per verify round), MLX peak
 memory. Per mode: tok/s per repeat (total tokens over total time, over all prompts), its median and spread, and the
@@ -52,6 +53,20 @@ def machine_fingerprint_info() -> dict:
                 glimmer_mlx=package_version("glimmer-mlx"), env=env, fingerprint=machine_fingerprint())
     info["os"] = f"macOS {platform.mac_ver()[0]}" if platform.system() == "Darwin" else platform.platform()
     return info
+
+
+def task_order(modes: list, j: int) -> list:
+    """The modes' order for the j-th timed task: rotated one step every two tasks and reversed every other task,
+    so over 2 × len(modes) tasks each mode runs first equally often and follows each of its two neighbours equally
+    often. Rotation alone kept every mode behind the same one: what a mode leaves running slows the next for a
+    while (OpenBLAS's idle threads spin ~0.1 s after a multi-row GEMM, taking a core from the next request's
+    pipelined plain tokens on a 2-core machine), so the mode after a speculative one paid for it in every run — on
+    the trained tiny set auto ran 0.81x n-gram lookup alone behind it and 0.96x behind plain decoding (BENCHMARKS.md,
+    issue 20, twelfth session)."""
+    n = len(modes)
+    k = (j // 2) % n if n else 0
+    order = list(modes[k:]) + list(modes[:k])
+    return order[::-1] if j % 2 else order
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -280,8 +295,7 @@ def run_bench(model: str | None = None, settings: BenchSettings | None = None, *
     total, done = settings.repeats * len(tasks) * len(modes), 0
     for r in range(settings.repeats):
         for ti, (c, i, t) in enumerate(tasks):
-            shift = (r * len(tasks) + ti) % len(modes)
-            order = modes[shift:] + modes[:shift]
+            order = task_order(modes, r * len(tasks) + ti)
             seed = settings.seed + 1000 * r + ti
             for m in order:
                 prog(f"repeat {r + 1}/{settings.repeats} {c}[{i}] {_tkey(t)} {m}", done, total)

@@ -27,6 +27,7 @@ dflash, ngram, mtp (fixed, dflash at block 8).
 
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
     AB_OUT=FILE ...   also appends the sitting to FILE as one JSON line (every run, each auto's summary)
+    AB_SETTLE=SECONDS ...   idle this long before each run (default 0)
     AB_SET=DIR python benchmarks/auto_vs_plain_ab.py ...   the trained tiny set (benchmarks/bench_tiny_set.py DIR):
         its target, DFlash drafter and MTP layers; the prompts byte-encoded as `glimmer bench` does
 """
@@ -34,6 +35,7 @@ import copy
 import os
 import statistics
 import sys
+import time
 
 import glimmer_mlx
 from glimmer_mlx.bench.runner import task_order
@@ -46,6 +48,8 @@ reps = int(sys.argv[2]) if len(sys.argv) > 2 else 4
 maxt = int(sys.argv[3]) if len(sys.argv) > 3 else 96
 modes = sys.argv[4].split(",") if len(sys.argv) > 4 else ["ar", "auto"]
 SET = os.environ.get("AB_SET")
+SETTLE = float(os.environ.get("AB_SETTLE", "0"))  # seconds idle before each run (what the run before left running
+# settles: OpenBLAS's idle threads spin ~0.1 s after a multi-row GEMM)
 P = load_prompts()
 cats = list(P)
 if SET:
@@ -209,6 +213,7 @@ toks = {}
 for r in range(reps):
     for ci, c in enumerate(cats):
         for mo in task_order(modes, r * len(cats) + ci):
+            time.sleep(SETTLE)
             res = glimmer_mlx.generate(m, ids[c], max_tokens=maxt, temperature=T, seed=r, drafter=drafter[mo],
                                        block_size=8 if mo == "dflash" else None)
             seconds[mo].append(res.stats.generation_time / res.stats.generation_tokens)

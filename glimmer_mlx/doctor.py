@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from .kernels import ENV, metal_available, mode, run_selftest, selftests, time_calls
 from .kernels import verdict as process_verdict
-from .machine import apple_chip, cache_dir, machine_info, package_version
+from .machine import apple_chip, blas_advice, cache_dir, machine_info, package_version
 
 
 def mlx_build() -> dict:
@@ -81,8 +81,12 @@ def format_report(rep: dict) -> str:
              f"python {b['python']}, "
              f"default device {b['default_device']}, Metal {'available' if b['metal_available'] else 'not available'}",
              f"GPU:      {', '.join(f'{k}={v}' for k, v in b['device_info'].items()) or '—'}",
-             f"BLAS:     {m['blas']}",
+             f"BLAS:     {m['blas']}"
+             + (f"; {' '.join(f'{k}={v}' for k, v in m['blas_env'].items())}" if m.get("blas_env") else ""),
              f"kernels:  {ENV}={rep['kernels_mode']}; self-test cache {rep['selftest_cache']}"]
+    advice = blas_advice(m["blas"], m.get("blas_env") or {}, m.get("nproc"))
+    if advice:
+        lines.insert(lines.index(next(ln for ln in lines if ln.startswith("BLAS:"))) + 1, f"          {advice}")
     if rep["timing"]:
         lines.append(f"timing:   self-test inputs, {rep['timing']['calls_per_window']} calls per window (one eval), "
                      f"median of {rep['timing']['windows']} windows")

@@ -46,6 +46,19 @@ def blas_env() -> dict[str, str]:
     return {k: os.environ[k] for k in BLAS_ENV if k in os.environ}
 
 
+def blas_advice(blas: str, env: dict[str, str], cores: int | None) -> str | None:
+    """A line of advice about the BLAS's threading, or None: with OpenBLAS on 4 cores or fewer and its idle threads
+    left to busy-wait (~0.1 s after every GEMM, by default), the plain tokens after a multi-row forward run up to twice
+    as slow (BENCHMARKS.md, issue 20, twelfth session: on 2 cores plain decoding 5.8–6.3 ms a token, 4.8 with
+    OPENBLAS_THREAD_TIMEOUT=4)."""
+    if "openblas" not in blas.lower() or not cores or cores > 4:
+        return None
+    if "OPENBLAS_THREAD_TIMEOUT" in env or env.get("OPENBLAS_NUM_THREADS") == "1":
+        return None
+    return (f"OpenBLAS on {cores} cores with its idle threads busy-waiting: start with OPENBLAS_THREAD_TIMEOUT=4 "
+            "in the environment (README, OpenBLAS note)")
+
+
 def cpu_model() -> str | None:
     """The CPU's model name from /proc/cpuinfo (Linux), or None."""
     try:

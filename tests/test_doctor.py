@@ -96,3 +96,24 @@ def test_report_with_metal_simulated(private_cache, monkeypatch):
     assert r["path"] == greedy.builtin and r["process_verdict"] == "failed"
     line = next(ln for ln in doctor.format_report(rep).splitlines() if ln.startswith("greedy_accept"))
     assert "failed: build or launch failed: RuntimeError" in line and greedy.builtin in line
+
+
+def test_blas_advice_names_the_spinning_openblas_threads_on_few_cores(private_cache, monkeypatch):
+    """OpenBLAS preloaded on a machine of 4 cores or fewer with its idle threads left to busy-wait: the report says
+    what to set (BENCHMARKS.md, issue 20, twelfth session); set, one thread, many cores or another BLAS: nothing."""
+    from glimmer_mlx.machine import blas_advice
+
+    ob = "preloaded /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
+    assert "OPENBLAS_THREAD_TIMEOUT=4" in blas_advice(ob, {}, 2)
+    assert blas_advice(ob, {"OPENBLAS_THREAD_TIMEOUT": "4"}, 2) is None
+    assert blas_advice(ob, {"OPENBLAS_NUM_THREADS": "1"}, 2) is None
+    assert blas_advice(ob, {}, 16) is None
+    assert blas_advice("bundled reference BLAS (mlx/libblas.so)", {}, 2) is None
+    rep = doctor.diagnose(speed=False)
+    rep["machine"].update(blas=ob, blas_env={}, nproc=2)
+    lines = doctor.format_report(rep).splitlines()
+    i = next(i for i, ln in enumerate(lines) if ln.startswith("BLAS:"))
+    assert "OPENBLAS_THREAD_TIMEOUT=4" in lines[i + 1]
+    rep["machine"].update(blas_env={"OPENBLAS_THREAD_TIMEOUT": "4"})
+    text = doctor.format_report(rep)
+    assert "busy-waiting" not in text and "BLAS:     " + ob + "; OPENBLAS_THREAD_TIMEOUT=4" in text

@@ -810,9 +810,9 @@ def test_a_speculative_plan_is_chosen_afresh_with_the_token_it_could_not_see(tin
 def test_an_offer_that_goes_on_with_a_confirmed_copy_is_its_own_option(tiny):
     """An n-gram offer is "ngram@run" when the tokens committed since the latest earlier offer are its drafts and
     the new offer's first draft is its next one (a copy the output already follows: `NGramDrafter.offer`, its cases
-    in test_ngram.py); any other offer is the option of its matched size. Priced as its own option, a copy the plain rounds confirmed is drafted from at the next
-    round although fresh offers of every size are known to fail (α 0 here); without it the same stretch stays
-    plain."""
+    in test_ngram.py); any other offer is the option of its matched size. Priced as its own option, a copy the plain
+    rounds confirmed is drafted from at the next round although fresh offers of every size are known to fail (α 0
+    here); without it the same stretch stays plain."""
     model, _, _ = tiny
     ids = [5, 6, 7, 8, 9, 10, 11, 12, 40, 41, 5]  # "5" occurred before: the offer drafts 6 7 8 9
     auto = _ngram_auto(model, {"ngram@run": 0.95})

@@ -148,16 +148,17 @@ def test_auto_rows_offer_a_copy_they_follow_as_its_own_option(sess, ids, monkeyp
     real = auto.choose
     monkeypatch.setattr(auto, "choose", lambda rows, *a: (offered.extend(set(av) for _, _, av in rows),
                                                           real(rows, *a))[1])
-    saved = [(a.acc[:], a.tried[:], a.shrink) for a in [auto.acceptance("ngram@run", "greedy")]]
-    auto.acceptance("ngram@run", "greedy").set_alphas([0.95])
+    stats = auto.acceptance("ngram@run", "greedy")  # shared with the session's auto: restored afterwards
+    saved = (stats.acc[:], stats.tried[:], stats.shrink)
+    stats.set_alphas([0.95])
     try:
         gen = BatchGenerator(sess.model, prefill_step=16, auto=auto)
         prompt = ids[4][:30] * 2  # the answer soon repeats what the prompt holds
-        plan = [(0, request(sess, prompt, "auto", params(), 0, 40)), (1, request(sess, ids[0], "auto", params(), 0, 30))]
+        plan = [(0, request(sess, prompt, "auto", params(), 0, 40)),
+                (1, request(sess, ids[0], "auto", params(), 0, 30))]
         out, _ = run(gen, plan)
     finally:
-        a = auto.acceptance("ngram@run", "greedy")
-        a.acc, a.tried, a.shrink = saved[0]
+        stats.acc, stats.tried, stats.shrink = saved
     assert out[0][0] == solo(sess, prompt, "ar", params(), 0, 40)[0]
     assert out[1][0] == solo(sess, ids[0], "ar", params(), 0, 30)[0]
     assert any("ngram@run" in o for o in offered)

@@ -75,18 +75,17 @@ def _fmt_us(v) -> str:
 def format_report(rep: dict) -> str:
     """Plain text, ready to paste into a bug report."""
     m, b = rep["machine"], rep["mlx_build"]
+    env = m.get("blas_env") or {}
+    advice = blas_advice(m["blas"], env, m.get("nproc"))
     lines = ["glimmer doctor", "",
              f"machine:  {m['platform']} | {m.get('chip') or m['cpu']} | {m['nproc']} cores | {m['ram_gib']} GiB",
              f"MLX:      mlx {b['mlx']} (mlx-metal {b['mlx_metal'] or '—'}, mlx-cpu {b['mlx_cpu'] or '—'}), "
              f"python {b['python']}, "
              f"default device {b['default_device']}, Metal {'available' if b['metal_available'] else 'not available'}",
              f"GPU:      {', '.join(f'{k}={v}' for k, v in b['device_info'].items()) or '—'}",
-             f"BLAS:     {m['blas']}"
-             + (f"; {' '.join(f'{k}={v}' for k, v in m['blas_env'].items())}" if m.get("blas_env") else ""),
+             f"BLAS:     {m['blas']}" + (f"; {' '.join(f'{k}={v}' for k, v in env.items())}" if env else ""),
+             *([f"          {advice}"] if advice else []),
              f"kernels:  {ENV}={rep['kernels_mode']}; self-test cache {rep['selftest_cache']}"]
-    advice = blas_advice(m["blas"], m.get("blas_env") or {}, m.get("nproc"))
-    if advice:
-        lines.insert(lines.index(next(ln for ln in lines if ln.startswith("BLAS:"))) + 1, f"          {advice}")
     if rep["timing"]:
         lines.append(f"timing:   self-test inputs, {rep['timing']['calls_per_window']} calls per window (one eval), "
                      f"median of {rep['timing']['windows']} windows")

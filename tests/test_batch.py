@@ -841,7 +841,12 @@ def test_a_row_cached_to_its_last_prompt_token_joins_without_a_forward_of_its_ow
     sess.model(mx.array([cached[:-1]], dtype=mx.int32), pre)
     mx.eval([c.state for c in pre])
     model = CountingModel(sess.model)
-    gen = BatchGenerator(model, prefill_step=16, auto=sess.drafters.batch_auto() if mode == "auto" else None)
+    auto = None
+    if mode == "auto":  # n-gram lookup only, whatever this machine's timings say a model drafter could pay (one
+        # carried would take its taps in a prefill forward: `test_an_auto_row_on_a_reused_prefix_...` covers that)
+        auto = sess.drafters.batch_auto()
+        auto.could_pay = lambda *a, **k: False
+    gen = BatchGenerator(model, prefill_step=16, auto=auto)
     plan = [(0, request(sess, ids[0], "ar", p, 7, 12)),
             (3, request(sess, cached, mode, p, 8, 10, cache=pre, reuse=len(cached) - 1)),
             (5, request(sess, long[:17], mode, p, 9, 10)),  # 16-token chunk, then one token left
@@ -859,6 +864,32 @@ def test_a_row_cached_to_its_last_prompt_token_joins_without_a_forward_of_its_ow
         assert r.stats.prompt_tokens == n and r.stats.prompt_time > 0 and r.t_first is not None
         if r.drafters:  # its rounds committed every token but the first
             assert sum(n * c for n, c in r.hist.items()) == len(out[i][0]) - 1
+
+
+def test_an_auto_row_on_a_reused_prefix_leaves_its_model_drafters_out(sess, ids):
+    """An auto row given a cache holding a prefix of its prompt but no drafter states (`BatchRequest.options` None)
+    takes only the options that need no state for that prefix (n-gram lookup), even where every model drafter could
+    pay; a row with a fresh prompt next to it carries them. Greedy output equals plain decoding's. Catches: a model
+    drafter forked empty and asked to extend a state it never had (the row's prefill raised: "extend() before
+    start()" — seen when this machine's timings made MTP pay), or one started from the taps of the positions fed
+    after the prefix only (a state that skips the prefix)."""
+    tok = sess.tokenizer
+    long = tok.encode(LONG_TEXT)
+    cached = long[:60]
+    pre = sess.model.make_cache()
+    sess.model(mx.array([cached[:40]], dtype=mx.int32), pre)  # 20 prompt tokens left: a prefill chunk and more
+    mx.eval([c.state for c in pre])
+    auto = sess.drafters.batch_auto()
+    auto.could_pay = lambda *a, **k: True
+    assert any(d.taps for d in auto.options("greedy", 2).values())
+    gen = BatchGenerator(sess.model, prefill_step=16, auto=auto)
+    plan = [(0, request(sess, cached, "auto", params(), 0, 12, cache=pre, reuse=40)),
+            (0, request(sess, ids[0], "auto", params(), 0, 12))]
+    out, rows = run(gen, plan)
+    assert rows[0].options and not any(d.taps for d in rows[0].options.values())
+    assert any(d.taps for d in rows[1].options.values())
+    assert out[0][0] == solo(sess, cached, "ar", params(), 0, 12)[0]
+    assert out[1][0] == solo(sess, ids[0], "ar", params(), 0, 12)[0]
 
 
 def test_a_burst_of_cached_rows_joins_in_one_step(sess, ids):

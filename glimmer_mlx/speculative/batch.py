@@ -81,7 +81,9 @@ class BatchRequest:
     stats: GenerationStats = field(default_factory=GenerationStats)
     tag: object = None  # the caller's handle (a server job)
     auto: bool = False  # `auto`: the batch's chooser picks this row's drafter and width each step (no `drafter`)
-    options: dict | None = None  # auto: its drafters by kind (default: `BatchAuto.options`)
+    # auto: its drafters by kind, each holding the state for ids[:reuse] (default: `BatchAuto.options`, without the
+    # model drafters when reuse > 0 — they would have no state for the reused prefix)
+    options: dict | None = None
 
 
 def batch_drafts(rows: list, plans: dict) -> dict:
@@ -309,6 +311,9 @@ class BatchGenerator:
             # its taps and bookkeeping, until `PRUNE_EVERY` steps drop it)
             n = min(self.max_batch, len(self.rows) + len(self.waiting))
             row.options = self.auto.options(row.regime, max(1, n))
+            if row.req.reuse:  # a model drafter has no state for the reused prefix (a server passes the states
+                # its prompt cache kept, as `options`): only n-gram lookup, which rebuilds its index from the ids
+                row.options = {kind: d for kind, d in row.options.items() if not d.taps}
         if s == len(ids) - 1 and row.req.input_embeddings is None and not any(d.taps for d in row.drafters):
             # all but its last prompt token cached (a prompt-cache hit, or a prompt one token past a chunk): that
             # token is the row's anchor as after any round, so it joins now and the batch's next forward samples its

@@ -22,7 +22,9 @@ acceptance estimates and ledger entries for a whole response, as before the tent
 `chooser.PHASES`); dfauto, dfauto_nophase (auto over the DFlash drafter alone: plain, its chains or its trees per
 round; and the same without phases); ngauto (auto over n-gram lookup alone: plain or n-gram per round); nowarm
 (auto whose plain forwards never yield the model drafters' taps); norun, ngnorun (auto, and auto over n-gram lookup
-alone, whose n-gram offers are named by matched size only: no "ngram@run", as before the twelfth session);
+alone, whose n-gram offers are named by matched size only: no "ngram@run", as before the twelfth session); nowake,
+ngnowake (auto, and auto over n-gram lookup alone, charging a stretch the first plain token after it only, the slow
+ones after that measuring the speed scale, as before the thirteenth session: `chooser.SETTLE_SLACK`);
 dflash, ngram, mtp (fixed, dflash at block 8).
 
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
@@ -176,6 +178,13 @@ def no_run(auto):
     return auto
 
 
+def no_wake(auto):
+    """auto as before the thirteenth session: a stretch is charged the first plain token after it only; the slow
+    pipelined plain tokens after that measure the speed scale (`AutoDrafter.plain_token`)."""
+    auto.chooser.settle_max = 0
+    return auto
+
+
 def no_wide(auto):
     """auto as before the ninth session: a forward over a drafter's backlog priced by the verify curve extended
     linearly, not toward the calibration's wide forward (`AutoChooser.forward_cost`)."""
@@ -205,6 +214,7 @@ make = {
     "ngauto": lambda: make_auto(m, ngram=8),
     "nowarm": lambda: no_warm(second_auto()),
     "norun": lambda: no_run(second_auto()), "ngnorun": lambda: no_run(make_auto(m, ngram=8)),
+    "nowake": lambda: no_wake(second_auto()), "ngnowake": lambda: no_wake(make_auto(m, ngram=8)),
     "dflash": lambda: d.dflash, "ngram": d.ngram, "mtp": lambda: d.mtp,
 }
 drafter = {mo: make[mo]() for mo in modes}

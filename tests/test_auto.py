@@ -1038,11 +1038,96 @@ def test_stretch_accounting_adds_lead_and_restart(tiny, tmp_path):
     assert auto.end_round(0.010, 2)
     assert not auto.end_round(0.010, 1)  # no speculative round measured since: nothing to charge
     auto.restart(1.1 * P)  # the first plain token after: its forward could not be queued early
+    assert ch.switch_cost == 0.0  # its wake (`plain_token`) may still add to it
+    auto.plain_token(P)  # a pipelined plain token at the scale's price: the wake is over
     assert ch.switch_cost * ch.scale == pytest.approx(0.25 * (-0.9 * P + 1.1 * P))
     # the option's ledger: its 5 tokens at a plain token's cost, less its rounds and the stretch's two plain tokens'
     # excess (the lead's only once, with the stretch's first round)
     saved = 5 * P - (0.0105 - 0.9 * P) - 0.010 - 1.1 * P
     assert ch.saved == {"ngram@2": pytest.approx(saved / ch.scale)}
+
+
+def test_the_slow_plain_tokens_after_a_stretch_are_its_cost_not_the_scale_s(tiny, tmp_path):
+    """After a speculative stretch the pipelined plain tokens that run slower than the scale's price (by more than
+    `SETTLE_SLACK`) are that stretch's wake: their excess joins its switch-cost sample and its option's ledger, and
+    they stay out of the speed scale, until the first token at the price (which measures the scale), SETTLE_MAX of
+    them, a new stretch or a new context. Catches: the wake's tokens raising the scale every speculative round is
+    priced against (the switch looking cheap, as when only the first plain token was charged), a wake that never
+    ends (a lasting slowdown never reaching the scale), a stall counted in full."""
+    from glimmer_mlx.speculative.auto.chooser import SETTLE_TOKEN_CAP
+
+    model, _, _ = tiny
+    auto = make_auto(model, ngram=4, calibration_dir=tmp_path)
+    ch = auto.chooser
+    for _ in range(9):
+        ch.observe_plain(ch.plain_cal)  # the scale: 1.0
+    P = ch.plain_cost
+    assert ch.scale == 1.0
+
+    def stretch(option="ngram@2"):
+        auto.lead(0.0)
+        auto._round, auto._option, auto._entry = 0.010, option, None
+        assert auto.end_round(0.010, 3)
+        auto.restart(0.5 * P)
+
+    stretch()
+    saved = ch.saved["ngram@2"]
+    auto.plain_token(1.9 * P)
+    auto.plain_token(1.8 * P)
+    auto.plain_token(1.1 * P)  # within the slack: at the price, the wake is over
+    assert ch.switch_cost * ch.scale == pytest.approx(0.25 * (0.5 + 0.9 + 0.8) * P)
+    assert ch.saved["ngram@2"] == pytest.approx(saved - (0.9 + 0.8) * P / ch.scale)
+    assert ch.scale == 1.0  # the median of nine 1.0s and one 1.1: the slow tokens are not in it
+    assert ch.wake_tokens == 2 and ch.summary()["wake_tokens"] == 2
+    auto.plain_token(1.9 * P)  # no stretch since: a slow token is the machine's
+    assert ch.scale == pytest.approx(1.0) and len(ch._speeds) == 9 and ch._speeds[-1][1] == pytest.approx(1.9)
+
+    before = ch.switch_cost
+    stretch()
+    auto.plain_token(100 * P)  # a stall: counted as SETTLE_TOKEN_CAP plain tokens at most
+    stretch()  # a new stretch closes the wake
+    assert ch.switch_cost == pytest.approx(0.75 * before + 0.25 * (0.5 + SETTLE_TOKEN_CAP) * P / ch.scale)
+
+    ch.settle_max = 3
+    before = ch.switch_cost
+    for _ in range(5):  # slower for good: three tokens are the wake, then the scale learns it
+        auto.plain_token(2.0 * P)
+    assert ch.switch_cost == pytest.approx(0.75 * before + 0.25 * (0.5 + 3 * 1.0) * P / ch.scale)
+    assert [x for _, x in list(ch._speeds)[-2:]] == pytest.approx([2.0, 2.0])
+    for _ in range(9):
+        ch.observe_plain(ch.plain_cal)  # back to 1.0
+    assert ch.scale == 1.0
+
+    before = ch.switch_cost
+    stretch()
+    auto.plain_token(1.5 * P)
+    auto.start([], [5, 6, 7])  # a new context ends it
+    assert ch.switch_cost == pytest.approx(0.75 * before + 0.25 * (0.5 + 0.5) * P / ch.scale)
+
+    ch.settle_max = 0  # the first plain token only
+    before = ch.switch_cost
+    stretch()
+    assert ch.switch_cost == pytest.approx(0.75 * before + 0.25 * 0.5 * P / ch.scale)
+    auto.plain_token(1.9 * P)  # measures the scale
+    assert ch._speeds[-1][1] == pytest.approx(1.9)
+
+
+def test_the_decoder_hands_every_pipelined_plain_token_to_the_wake_check(tiny, tmp_path, monkeypatch):
+    """AutoDecoder times each pipelined plain token of a plain stretch through `AutoDrafter.plain_token` (which
+    decides whether it is a stretch's wake or a measure of the scale). Catches: the decoder feeding the speed scale
+    directly, past the wake."""
+    from glimmer_mlx.speculative.auto.multiplex import AutoDrafter
+
+    model, _, _ = tiny
+    auto = make_auto(model, ngram=4, calibration_dir=tmp_path)
+    seen = []
+    real = AutoDrafter.plain_token
+    monkeypatch.setattr(AutoDrafter, "plain_token", lambda self, s: (seen.append(s), real(self, s))[1])
+    prompt = [7, 8, 9, 10, 11, 12, 13, 14]
+    r = glimmer_mlx.generate(model, prompt, max_tokens=32, drafter=auto)
+    assert r.tokens == glimmer_mlx.generate(model, prompt, max_tokens=32).tokens
+    plain = auto.chooser.chosen[("plain", 0)]
+    assert plain >= 8 and len(seen) >= 8 and all(s > 0 for s in seen)
 
 
 def test_a_drafters_catch_up_is_charged_to_it_alone():

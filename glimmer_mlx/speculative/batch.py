@@ -282,6 +282,7 @@ class BatchGenerator:
         self._prefilling = 0.0  # seconds of prefill chunks since then
         # the positions of the latest step when it was speculative, and whether an auto row drafted in it (the ledger's)
         self._after_spec: tuple[int, bool] | None = None
+        self._wake: tuple[int, bool, int] | None = None  # (n, credited, plain steps so far) of a speculative step's wake
 
     def __len__(self) -> int:
         return len(self.rows) + len(self.waiting)
@@ -552,11 +553,13 @@ class BatchGenerator:
         """Tell the batch chooser what this step cost: the time since the previous read-back (what a step costs in a
         run of steps, pipelined or not), minus prefill chunks run in between and its drafting (priced per option). A
         plain step that could not be pipelined because a speculative one came before it is that speculative step's
-        cost (`BatchAuto.charge`), not a plain step's. committed: the tokens the step committed when an auto row
-        drafted in it (the ledger's: `BatchAuto.credit`)."""
+        cost (`BatchAuto.charge`), not a plain step's, and so are the slow pipelined plain steps after it, its wake
+        (`BatchAuto.wake`). committed: the tokens the step committed when an auto row drafted in it (the ledger's:
+        `BatchAuto.credit`)."""
         dt = (now - self._landed if self._landed is not None else now - st.t0) - self._prefilling
         plain_step = self.auto.step_cost(B)  # before this step's time moves it
         self.auto.elapse(dt)
+        wake, self._wake = self._wake, None
         if L > 1:
             self.auto.observe(B * L, dt - st.drafting, spec=True)
             self._after_spec = (B * L, committed is not None)
@@ -568,6 +571,9 @@ class BatchGenerator:
             if credited:
                 self.auto.credit(plain_step - dt, plain_step)
             self._after_spec = None
+            self._wake = (n, credited, 0) if self.auto.settle_max else None
+        elif wake is not None and self.auto.wake(wake[0], dt, plain_step, wake[1]):
+            self._wake = (*wake[:2], wake[2] + 1) if wake[2] + 1 < self.auto.settle_max else None
         else:
             self.auto.observe(B, dt, spec=False)
             self._after_spec = None

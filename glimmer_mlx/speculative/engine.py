@@ -315,7 +315,7 @@ class AutoDecoder(SpeculativeDecoder):
                 if self._after == "spec":  # the first plain token after a speculative stretch
                     auto.restart(excess)
                 elif self._after == "plain" and self.plain.queued:  # inside a plain stretch
-                    auto.chooser.observe_plain(now - t_prev)
+                    auto.plain_token(now - t_prev)
                 elif self._after == "plain":  # the last plain token before a speculative round
                     auto.lead(excess)
             self._after = "plain"

@@ -28,7 +28,8 @@ unlucky step), every step is plain, until plain steps have earned the budget bac
 
 from __future__ import annotations
 
-from .chooser import ENTER_GAIN, LEDGER_FLOOR, LEDGER_ROUND_CAP, LEDGER_ROUNDS, LOSS_BUDGET, AcceptanceStats
+from .chooser import (ENTER_GAIN, LEDGER_FLOOR, LEDGER_ROUND_CAP, LEDGER_ROUNDS, LOSS_BUDGET, SETTLE_SLACK,
+                      SETTLE_TOKEN_CAP, AcceptanceStats)
 from .multiplex import AutoDrafter
 
 EMA = 0.2  # weight of a new step time in its n's estimate
@@ -174,6 +175,26 @@ class BatchAuto:
         estimate (EMA-weighted)."""
         if n in self.measured and seconds > 0:
             self.measured[n] += EMA * seconds
+
+    def wake(self, n: int, seconds: float, plain_step: float, credited: bool) -> bool:
+        """A pipelined plain step soon after a speculative step over n positions took `seconds`: if slower than a
+        plain step (`plain_step` seconds) by more than `SETTLE_SLACK` of it, that speculative step's wake — its excess
+        (at most `SETTLE_TOKEN_CAP` plain steps) is the speculative step's cost (`charge`; the ledger's too where the
+        step was `credited`) and True; else False: the step measures a plain step. (The solo chooser's, per step:
+        `multiplex.AutoDrafter.plain_token`.)"""
+        extra = seconds - plain_step
+        if extra <= SETTLE_SLACK * plain_step:
+            return False
+        extra = min(extra, SETTLE_TOKEN_CAP * plain_step)
+        self.charge(n, extra)
+        if credited:
+            self.credit(-extra, plain_step)
+        return True
+
+    @property
+    def settle_max(self) -> int:
+        """The most plain steps a wake counts (the solo chooser's: `chooser.SETTLE_MAX`)."""
+        return self.chooser.settle_max
 
     def draft_cost(self, name: str, k: int) -> float:
         """Seconds of one round of `name` at k drafts: its calibrated shape (`DraftCost`) times what its rounds in

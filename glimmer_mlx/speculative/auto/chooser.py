@@ -163,6 +163,16 @@ SCALE_WINDOW = 9
 # such a stretch of DFlash rounds ran for ~1 500 rounds at 0.81x plain
 STALE_ROUNDS = 256
 CHECK_SAMPLES = 2
+# what a speculative stretch leaves behind (`multiplex.AutoDrafter.plain_token`): after it, pipelined plain tokens
+# slower than the scale's price by more than SETTLE_SLACK of it belong to the stretch's cost (`switch_cost`), not to
+# the speed scale, until the first one that is not, or SETTLE_MAX of them (a lasting slowdown is the machine's, and
+# the scale must learn it). On this 2-core VM OpenBLAS's idle worker spins ~0.1 s after a verify's multi-row GEMM and
+# the plain tokens of that time ran up to twice as slow (3.0-4.0 ms against 1.7-1.9): charged to the first plain token
+# only, the switch looked cheap, and the slow tokens raised the scale every speculative round is priced against.
+# Each such token's excess counts at most SETTLE_TOKEN_CAP plain tokens (a stall is not the stretch's doing).
+SETTLE_SLACK = 0.25
+SETTLE_MAX = 64
+SETTLE_TOKEN_CAP = 2.0
 # the promise kept by measurement, whatever the estimates say (`AutoChooser.credit`): speculation may lose at most this
 # share of the decoding time against plain decoding, over a window of about LEDGER_ROUNDS rounds (older rounds fade).
 # Where nothing pays, auto spends the whole budget on rounds that lose, again each time plain decoding has earned it
@@ -385,6 +395,8 @@ class AutoChooser:
         self._sampled_at: int | None = None  # the round of the latest plain token measured (`check_due`)
         self._check_from: int | None = None  # the round a running check of the scale began at
         self.stale_rounds = STALE_ROUNDS
+        self.settle_max = SETTLE_MAX  # see SETTLE_SLACK (0: the first plain token after a stretch only)
+        self.wake_tokens = 0  # slow plain tokens after stretches counted into their switch cost so far
         self.checks = 0  # checks of the scale begun (`check_due`)
         # option -> [wall seconds, calibrated seconds charged] its ledger was credited since the latest plain token
         # measured: priced again, if the machine measures faster then (`_confirm`)
@@ -930,10 +942,21 @@ class AutoChooser:
         self.round_overhead = (1 - self.scale_ema) * self.round_overhead + self.scale_ema * x
         self._rescore(None)
 
-    def observe_switch(self, seconds: float, ema: float = 0.25) -> None:
+    def settled(self, seconds: float) -> float | None:
+        """A pipelined plain token right after a speculative stretch took `seconds`: None if it runs at the scale's
+        price (within SETTLE_SLACK: the stretch's wake is over), else its excess over that price, in seconds (at most
+        SETTLE_TOKEN_CAP plain tokens)."""
+        extra = seconds - self.plain_cost
+        if extra <= SETTLE_SLACK * self.plain_cost:
+            return None
+        return min(extra, SETTLE_TOKEN_CAP * self.plain_cost)
+
+    def observe_switch(self, seconds: float, ema: float = 0.25, wake: int = 0) -> None:
         """What one speculative stretch cost beyond its rounds (`switch_cost`). Samples may be negative (the plain
-        token before a stretch had no next forward to wait for); each is clipped to ±8 plain steps."""
-        cap = 8.0 * self.plain_cal
+        token before a stretch had no next forward to wait for); each is clipped to ±8 plain steps, plus the cap of
+        each of the `wake` slow plain tokens after it counted in (`settled`)."""
+        cap = (8.0 + SETTLE_TOKEN_CAP * wake) * self.plain_cal
+        self.wake_tokens += wake
         self.switch_cost = (1 - ema) * self.switch_cost + ema * min(max(seconds / self.scale, -cap), cap)
         self._forget()
 
@@ -1020,6 +1043,7 @@ class AutoChooser:
             "verify_factor": {r: round(v, 3) for r, v in sorted(self.verify_factor.items())},
             "round_overhead_ms": round(1000 * self.scale * self.round_overhead, 3),
             "switch_cost_ms": round(1000 * self.scale * self.switch_cost, 3),
+            "wake_tokens": self.wake_tokens,
             "chosen": {f"{n}:{k}": c for (n, k), c in sorted(self.chosen.items(), key=lambda x: (x[0][0], x[0][1]))},
             "explored": dict(sorted(self.explored.items())),
             "ledger_saved_ms": {n: round(1000 * self.scale * v, 3) for n, v in sorted(self.saved.items())},

@@ -124,6 +124,7 @@ class AutoDrafter:
         self._pending = None
         self._round = None  # (draft + verify seconds, catch-up seconds) of the last speculative round
         self._stretch = 0.0  # the running speculative stretch's cost beyond its rounds so far (`lead`)
+        self._wake = None  # slow plain tokens after the latest stretch counted into its cost (`plain_token`); None: none
         self._lead = 0.0  # what the plain token before the coming speculative round cost beyond a pipelined one
         self._option = None  # the option of the latest speculative round (its ledger: `AutoChooser.credit`)
         self._entry = None  # ... and its ledger entry (`AutoChooser.entry`: the phase of the response it ran in)
@@ -290,6 +291,7 @@ class AutoDrafter:
         self._how = dict.fromkeys(self.drafters, "start")
         self._reset(ids, taps)
         self._pending = self._round = None
+        self._close_wake()
         self._stretch = self._lead = 0.0
 
     def _available(self, k: int, among=None) -> dict[str, int]:
@@ -517,15 +519,45 @@ class AutoDrafter:
     def lead(self, extra: float) -> None:
         """A speculative stretch starts after a plain token that took `extra` seconds more than a pipelined one
         (negative when less: it had no next forward to queue)."""
+        self._close_wake()
         self._stretch = self._lead = extra
 
     def restart(self, extra: float) -> None:
         """The stretch ended: the plain token after it took `extra` seconds more than a pipelined one (its forward
-        could not be queued behind the previous round's). Its whole cost beyond its rounds is then known."""
-        self.chooser.observe_switch(self._stretch + extra)
-        self._stretch = 0.0
+        could not be queued behind the previous round's). The pipelined plain tokens after it may still run slow
+        (`plain_token`): its whole cost beyond its rounds is known when they no longer do."""
+        self._stretch += extra
         if self._option is not None:  # in the stretch's phase: the token after it may be in the next one
             self.chooser.credit(self._option, 0, extra, self._entry)
+        self._wake = 0
+        if not self.chooser.settle_max:
+            self._close_wake()
+
+    def plain_token(self, seconds: float) -> None:
+        """A pipelined plain token inside a plain stretch took `seconds`: right after a speculative stretch, while
+        such tokens run slower than the scale's price (`AutoChooser.settled`: on a machine whose BLAS threads spin
+        on after a verify, ~0.1 s), their excess is that stretch's cost, credited to its option, and they stay out
+        of the speed scale; every other one measures the scale (`AutoChooser.observe_plain`)."""
+        if self._wake is not None:
+            extra = self.chooser.settled(seconds)
+            if extra is not None:
+                self._stretch += extra
+                self._wake += 1
+                if self._option is not None:
+                    self.chooser.credit(self._option, 0, extra, self._entry)
+                if self._wake >= self.chooser.settle_max:
+                    self._close_wake()
+                return
+            self._close_wake()
+        self.chooser.observe_plain(seconds)
+
+    def _close_wake(self) -> None:
+        """The latest stretch's wake is over (a plain token at the scale's price, the cap, a new stretch or context):
+        its whole cost beyond its rounds goes to the switch cost."""
+        if self._wake is None:
+            return
+        self.chooser.observe_switch(self._stretch, wake=self._wake)
+        self._stretch, self._wake = 0.0, None
 
     # -- prompt-cache reuse (session.Session) -------------------------------------------------------------------------
     def context_length(self) -> int:
@@ -565,6 +597,7 @@ class AutoDrafter:
         self._reset(ids, taps, self._reprefill)
         self._how, self._at = how, at
         self._pending = self._round = None
+        self._close_wake()
 
     def parts(self) -> tuple:
         return (self, *self.drafters.values())

@@ -560,7 +560,7 @@ def test_the_batch_ledger_turns_speculation_off_once_it_lost_its_budget(ba):
     pin(ba, "dflash", "greedy", 0.8)
     rows = [("greedy", 100, {"dflash": 15})] * 2
     assert ba.choose(rows, 0, 1, 0.0, 15)[0] > 0
-    gen = SimpleNamespace(auto=ba, _landed=0.0, _prefilling=0.0, _after_spec=None)
+    gen = SimpleNamespace(auto=ba, _landed=0.0, _prefilling=0.0, _after_spec=None, _wake=None)
     # a speculative step of 2 rows x 9 positions committing 6 tokens in 40 ms: 6 x 5 ms - 40 ms = -10 ms
     st = SimpleNamespace(drafting=0.0, chained=False, t0=0.0)
     ba.elapse(0.2)  # decoded before: a 1 ms budget, under the floor's LEDGER_FLOOR plain steps of 10 ms

@@ -282,7 +282,8 @@ class BatchGenerator:
         self._prefilling = 0.0  # seconds of prefill chunks since then
         # the positions of the latest step when it was speculative, and whether an auto row drafted in it (the ledger's)
         self._after_spec: tuple[int, bool] | None = None
-        self._wake: tuple[int, bool, int] | None = None  # (n, credited, plain steps so far) of a speculative step's wake
+        # a speculative step's wake so far (`_observe`): (its n, credited, [(B, seconds, plain step, excess)]) or None
+        self._wake: tuple[int, bool, list] | None = None
 
     def __len__(self) -> int:
         return len(self.rows) + len(self.waiting)
@@ -553,13 +554,17 @@ class BatchGenerator:
         """Tell the batch chooser what this step cost: the time since the previous read-back (what a step costs in a
         run of steps, pipelined or not), minus prefill chunks run in between and its drafting (priced per option). A
         plain step that could not be pipelined because a speculative one came before it is that speculative step's
-        cost (`BatchAuto.charge`), not a plain step's, and so are the slow pipelined plain steps after it, its wake
-        (`BatchAuto.wake`). committed: the tokens the step committed when an auto row drafted in it (the ledger's:
-        `BatchAuto.credit`)."""
+        cost (`BatchAuto.charge`), not a plain step's, and so are the slow pipelined plain steps after it, its wake,
+        if it ends within `settle_max` steps (`BatchAuto.settled`; one that does not is the machine's). committed:
+        the tokens the step committed when an auto row drafted in it (the ledger's: `BatchAuto.credit`)."""
         dt = (now - self._landed if self._landed is not None else now - st.t0) - self._prefilling
         plain_step = self.auto.step_cost(B)  # before this step's time moves it
         self.auto.elapse(dt)
         wake, self._wake = self._wake, None
+        if wake is not None and (L > 1 or self.auto.settled(dt, plain_step) is None):
+            # the wake ended (a step at a plain step's price, or the next speculative step): it was the step's doing
+            self.auto.charge_wake(wake[0], [(p, e) for _, _, p, e in wake[2]], wake[1])
+            wake = None
         if L > 1:
             self.auto.observe(B * L, dt - st.drafting, spec=True)
             self._after_spec = (B * L, committed is not None)
@@ -571,10 +576,14 @@ class BatchGenerator:
             if credited:
                 self.auto.credit(plain_step - dt, plain_step)
             self._after_spec = None
-            self._wake = (n, credited, 0) if self.auto.settle_max else None
-        elif wake is not None and self.auto.wake(wake[0], dt, plain_step, wake[1]):
-            self._wake = (*wake[:2], wake[2] + 1) if wake[2] + 1 < self.auto.settle_max else None
+            self._wake = (n, credited, []) if self.auto.settle_max else None
+        elif wake is not None and len(wake[2]) + 1 < self.auto.settle_max:
+            wake[2].append((B, dt, plain_step, self.auto.settled(dt, plain_step)))
+            self._wake = wake
         else:
+            if wake is not None:  # a wake that does not end is the machine's: its steps measure plain steps
+                for b, s, _, _ in wake[2]:
+                    self.auto.observe(b, s, spec=False)
             self.auto.observe(B, dt, spec=False)
             self._after_spec = None
 

@@ -176,20 +176,25 @@ class BatchAuto:
         if n in self.measured and seconds > 0:
             self.measured[n] += EMA * seconds
 
-    def wake(self, n: int, seconds: float, plain_step: float, credited: bool) -> bool:
-        """A pipelined plain step soon after a speculative step over n positions took `seconds`: if slower than a
-        plain step (`plain_step` seconds) by more than `SETTLE_SLACK` of it, that speculative step's wake — its excess
-        (at most `SETTLE_TOKEN_CAP` plain steps) is the speculative step's cost (`charge`; the ledger's too where the
-        step was `credited`) and True; else False: the step measures a plain step. (The solo chooser's, per step:
-        `multiplex.AutoDrafter.plain_token`.)"""
+    @staticmethod
+    def settled(seconds: float, plain_step: float) -> float | None:
+        """A pipelined plain step soon after a speculative one took `seconds`: None if it runs at a plain step's
+        price (`plain_step`, within `SETTLE_SLACK`), else its excess (at most `SETTLE_TOKEN_CAP` plain steps): part
+        of that speculative step's wake, if the wake ends (`BatchGenerator._observe`; the solo chooser's, per token:
+        `multiplex.AutoDrafter.plain_token`)."""
         extra = seconds - plain_step
         if extra <= SETTLE_SLACK * plain_step:
-            return False
-        extra = min(extra, SETTLE_TOKEN_CAP * plain_step)
-        self.charge(n, extra)
-        if credited:
-            self.credit(-extra, plain_step)
-        return True
+            return None
+        return min(extra, SETTLE_TOKEN_CAP * plain_step)
+
+    def charge_wake(self, n: int, wake: list, credited: bool) -> None:
+        """A speculative step over n positions left a wake that ended: each of its plain steps' excess
+        ((plain step seconds, excess) pairs) is that step's cost (`charge`; the ledger's too where it was
+        `credited`)."""
+        for plain_step, extra in wake:
+            self.charge(n, extra)
+            if credited:
+                self.credit(-extra, plain_step)
 
     @property
     def settle_max(self) -> int:

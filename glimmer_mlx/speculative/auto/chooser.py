@@ -164,14 +164,16 @@ SCALE_WINDOW = 9
 STALE_ROUNDS = 256
 CHECK_SAMPLES = 2
 # what a speculative stretch leaves behind (`multiplex.AutoDrafter.plain_token`): after it, pipelined plain tokens
-# slower than the scale's price by more than SETTLE_SLACK of it belong to the stretch's cost (`switch_cost`), not to
-# the speed scale, until the first one that is not, or SETTLE_MAX of them (a lasting slowdown is the machine's, and
-# the scale must learn it). On this 2-core VM OpenBLAS's idle worker spins ~0.1 s after a verify's multi-row GEMM and
-# the plain tokens of that time ran up to twice as slow (3.0-4.0 ms against 1.7-1.9): charged to the first plain token
-# only, the switch looked cheap, and the slow tokens raised the scale every speculative round is priced against.
-# Each such token's excess counts at most SETTLE_TOKEN_CAP plain tokens (a stall is not the stretch's doing).
+# slower than the scale's price by more than SETTLE_SLACK of it are its wake. A wake that ends — a token at the price
+# comes, or the next stretch starts — within SETTLE_MAX tokens was the stretch's doing: its excess is the stretch's
+# cost (`switch_cost`, its option's ledger) and its tokens stay out of the speed scale. One that does not end so soon
+# is the machine's (it slowed down: another process, a throttle): its tokens measure the scale and nothing is charged.
+# On a 2-core VM OpenBLAS's idle worker spun ~0.1 s after a verify's multi-row GEMM and the plain tokens of that time
+# ran up to twice as slow (3.0-4.0 ms against 1.7-1.9): charged to the first plain token only, the switch looked
+# cheap, and the slow tokens raised the scale every speculative round is priced against. Each token's excess counts
+# at most SETTLE_TOKEN_CAP plain tokens (a stall is not the stretch's doing).
 SETTLE_SLACK = 0.25
-SETTLE_MAX = 64
+SETTLE_MAX = 32
 SETTLE_TOKEN_CAP = 2.0
 # the promise kept by measurement, whatever the estimates say (`AutoChooser.credit`): speculation may lose at most this
 # share of the decoding time against plain decoding, over a window of about LEDGER_ROUNDS rounds (older rounds fade).

@@ -124,7 +124,8 @@ class AutoDrafter:
         self._pending = None
         self._round = None  # (draft + verify seconds, catch-up seconds) of the last speculative round
         self._stretch = 0.0  # the running speculative stretch's cost beyond its rounds so far (`lead`)
-        self._wake = None  # slow plain tokens after the latest stretch counted into its cost (`plain_token`); None: none
+        # the latest stretch's wake so far, (seconds, excess) per slow plain token after it (`plain_token`); None: none
+        self._wake: list | None = None
         self._lead = 0.0  # what the plain token before the coming speculative round cost beyond a pipelined one
         self._option = None  # the option of the latest speculative round (its ledger: `AutoChooser.credit`)
         self._entry = None  # ... and its ledger entry (`AutoChooser.entry`: the phase of the response it ran in)
@@ -529,34 +530,42 @@ class AutoDrafter:
         self._stretch += extra
         if self._option is not None:  # in the stretch's phase: the token after it may be in the next one
             self.chooser.credit(self._option, 0, extra, self._entry)
-        self._wake = 0
+        self._wake = []
         if not self.chooser.settle_max:
             self._close_wake()
 
     def plain_token(self, seconds: float) -> None:
-        """A pipelined plain token inside a plain stretch took `seconds`: right after a speculative stretch, while
-        such tokens run slower than the scale's price (`AutoChooser.settled`: on a machine whose BLAS threads spin
-        on after a verify, ~0.1 s), their excess is that stretch's cost, credited to its option, and they stay out
-        of the speed scale; every other one measures the scale (`AutoChooser.observe_plain`)."""
+        """A pipelined plain token inside a plain stretch took `seconds`. Right after a speculative stretch, the
+        tokens slower than the scale's price (`AutoChooser.settled`) are its wake, held back; when a token at the
+        price ends the wake, their excess is that stretch's cost, credited to its option, and they never measure the
+        speed scale (on a machine whose BLAS threads spin on after a verify, ~0.1 s of tokens). A wake that has not
+        ended after `settle_max` tokens is the machine's: they all measure the scale, and nothing is charged. Every
+        other token measures the scale (`AutoChooser.observe_plain`)."""
         if self._wake is not None:
             extra = self.chooser.settled(seconds)
-            if extra is not None:
-                self._stretch += extra
-                self._wake += 1
-                if self._option is not None:
-                    self.chooser.credit(self._option, 0, extra, self._entry)
-                if self._wake >= self.chooser.settle_max:
-                    self._close_wake()
+            if extra is None:
+                self._close_wake()
+            elif len(self._wake) + 1 < self.chooser.settle_max:
+                self._wake.append((seconds, extra))
                 return
-            self._close_wake()
+            else:  # the machine's
+                held, self._wake = self._wake, []
+                for s, _ in held:
+                    self.chooser.observe_plain(s)
+                self._close_wake()
         self.chooser.observe_plain(seconds)
 
     def _close_wake(self) -> None:
-        """The latest stretch's wake is over (a plain token at the scale's price, the cap, a new stretch or context):
-        its whole cost beyond its rounds goes to the switch cost."""
+        """The latest stretch's wake is over (a plain token at the scale's price, a new stretch or context): its
+        tokens' excess is charged to the stretch's option and its whole cost beyond its rounds goes to the switch
+        cost."""
         if self._wake is None:
             return
-        self.chooser.observe_switch(self._stretch, wake=self._wake)
+        for _, extra in self._wake:
+            self._stretch += extra
+            if self._option is not None:
+                self.chooser.credit(self._option, 0, extra, self._entry)
+        self.chooser.observe_switch(self._stretch, wake=len(self._wake))
         self._stretch, self._wake = 0.0, None
 
     # -- prompt-cache reuse (session.Session) -------------------------------------------------------------------------

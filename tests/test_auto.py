@@ -1140,6 +1140,32 @@ def test_the_decoder_hands_every_pipelined_plain_token_to_the_wake_check(tiny, t
     assert plain >= 8 and len(seen) >= 8 and all(s > 0 for s in seen)
 
 
+def test_the_suite_s_auto_curve_switch_bends_what_auto_calibrates(tiny, tmp_path, monkeypatch):
+    """`GLIMMER_TEST_AUTO_CURVE` (tests/conftest.py, run both ways by `.ci/run`): steep — a verify of L rows costs L
+    plain steps; flat — every verify one plain step; the cache keeps what was measured; anything else is refused.
+    Catches: a switch that bends nothing (the CI's runs under it then prove nothing)."""
+    import conftest
+    from glimmer_mlx.speculative.auto import multiplex
+
+    for name in ("load_or_calibrate", "measure_draft_costs"):  # restored after the test
+        monkeypatch.setattr(multiplex, name, getattr(multiplex, name))
+    model, _, _ = tiny
+    real = make_auto(model, ngram=4, calibration_dir=tmp_path).chooser.costs
+    monkeypatch.setenv(conftest.AUTO_CURVE_ENV, "steep")
+    conftest.pytest_configure(None)
+    steep = make_auto(model, ngram=4, calibration_dir=tmp_path).chooser.costs
+    assert steep[1] == pytest.approx(real[1]) and steep[4] == pytest.approx(4 * real[1])
+    monkeypatch.setenv(conftest.AUTO_CURVE_ENV, "flat")
+    conftest.pytest_configure(None)  # (wraps the steep one: flat over steep is still flat at L = 1's cost)
+    flat = make_auto(model, ngram=4, calibration_dir=tmp_path).chooser.costs
+    assert all(c == pytest.approx(real[1]) for c in flat.values())
+    (cached,) = tmp_path.glob("costs-*.json")
+    assert {int(L): c for L, c in json.loads(cached.read_text())["costs_s"].items()} == pytest.approx(real)
+    monkeypatch.setenv(conftest.AUTO_CURVE_ENV, "wavy")
+    with pytest.raises(pytest.UsageError, match="flat or steep"):
+        conftest.pytest_configure(None)
+
+
 def test_a_drafters_catch_up_is_charged_to_it_alone():
     """MTP catching up on 40 positions of n-gram rounds costs MTP's next rounds, not n-gram's: the shared switch cost
     (what every stretch pays) stays 0, n-gram's rate is unchanged, and MTP's drops by what its catch-up costs (C(L)

@@ -1145,12 +1145,17 @@ def test_the_suite_s_auto_curve_switch_bends_what_auto_calibrates(tiny, tmp_path
     plain steps; flat — every verify one plain step; the cache keeps what was measured; anything else is refused.
     Catches: a switch that bends nothing (the CI's runs under it then prove nothing)."""
     import conftest
-    from glimmer_mlx.speculative.auto import multiplex
+    from glimmer_mlx.speculative.auto import calibrate, multiplex
 
-    for name in ("load_or_calibrate", "measure_draft_costs"):  # restored after the test
-        monkeypatch.setattr(multiplex, name, getattr(multiplex, name))
+    for name in ("load_or_calibrate", "measure_draft_costs"):  # unbent (this run may be bent), restored after
+        monkeypatch.setattr(multiplex, name, getattr(calibrate, name))
+    real = {L: 0.001 * (1 + 0.1 * (L - 1)) for L in range(1, 10)}  # what this test's machine "measures"
+    monkeypatch.setattr(calibrate, "calibrate", lambda model, taps, max_len, **kw: (
+        {L: real[L] for L in range(1, max_len + 1)}, 0.0009, 0.004))
+    monkeypatch.setattr(calibrate, "cached_problem", lambda *a, **kw: (None, {}))
     model, _, _ = tiny
-    real = make_auto(model, ngram=4, calibration_dir=tmp_path).chooser.costs
+    assert make_auto(model, ngram=4, calibration_dir=tmp_path).chooser.costs == pytest.approx(
+        {L: real[L] for L in range(1, 6)})
     monkeypatch.setenv(conftest.AUTO_CURVE_ENV, "steep")
     conftest.pytest_configure(None)
     steep = make_auto(model, ngram=4, calibration_dir=tmp_path).chooser.costs
@@ -1160,7 +1165,8 @@ def test_the_suite_s_auto_curve_switch_bends_what_auto_calibrates(tiny, tmp_path
     flat = make_auto(model, ngram=4, calibration_dir=tmp_path).chooser.costs
     assert all(c == pytest.approx(real[1]) for c in flat.values())
     (cached,) = tmp_path.glob("costs-*.json")
-    assert {int(L): c for L, c in json.loads(cached.read_text())["costs_s"].items()} == pytest.approx(real)
+    assert {int(L): c for L, c in json.loads(cached.read_text())["costs_s"].items()} == pytest.approx(
+        {L: real[L] for L in range(1, 6)})
     monkeypatch.setenv(conftest.AUTO_CURVE_ENV, "wavy")
     with pytest.raises(pytest.UsageError, match="flat or steep"):
         conftest.pytest_configure(None)

@@ -561,9 +561,10 @@ class BatchGenerator:
         plain_step = self.auto.step_cost(B)  # before this step's time moves it
         self.auto.elapse(dt)
         wake, self._wake = self._wake, None
-        if wake is not None and (L > 1 or self.auto.settled(dt, plain_step) is None):
+        extra = self.auto.settled(dt, plain_step) if wake is not None and L == 1 else None
+        if wake is not None and extra is None:
             # the wake ended (a step at a plain step's price, or the next speculative step): it was the step's doing
-            self.auto.charge_wake(wake[0], [(p, e) for _, _, p, e in wake[2]], wake[1])
+            self.auto.charge_wake(wake[0], wake[2], wake[1])
             wake = None
         if L > 1:
             self.auto.observe(B * L, dt - st.drafting, spec=True)
@@ -578,7 +579,7 @@ class BatchGenerator:
             self._after_spec = None
             self._wake = (n, credited, []) if self.auto.settle_max else None
         elif wake is not None and len(wake[2]) + 1 < self.auto.settle_max:
-            wake[2].append((B, dt, plain_step, self.auto.settled(dt, plain_step)))
+            wake[2].append((B, dt, plain_step, extra))
             self._wake = wake
         else:
             if wake is not None:  # a wake that does not end is the machine's: its steps measure plain steps

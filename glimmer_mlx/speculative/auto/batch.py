@@ -28,8 +28,8 @@ unlucky step), every step is plain, until plain steps have earned the budget bac
 
 from __future__ import annotations
 
-from .chooser import (ENTER_GAIN, LEDGER_FLOOR, LEDGER_ROUND_CAP, LEDGER_ROUNDS, LOSS_BUDGET, SETTLE_SLACK,
-                      SETTLE_TOKEN_CAP, AcceptanceStats)
+from .chooser import (ENTER_GAIN, LEDGER_FLOOR, LEDGER_ROUND_CAP, LEDGER_ROUNDS, LOSS_BUDGET, AcceptanceStats,
+                      wake_excess)
 from .multiplex import AutoDrafter
 
 EMA = 0.2  # weight of a new step time in its n's estimate
@@ -178,20 +178,16 @@ class BatchAuto:
 
     @staticmethod
     def settled(seconds: float, plain_step: float) -> float | None:
-        """A pipelined plain step soon after a speculative one took `seconds`: None if it runs at a plain step's
-        price (`plain_step`, within `SETTLE_SLACK`), else its excess (at most `SETTLE_TOKEN_CAP` plain steps): part
-        of that speculative step's wake, if the wake ends (`BatchGenerator._observe`; the solo chooser's, per token:
-        `multiplex.AutoDrafter.plain_token`)."""
-        extra = seconds - plain_step
-        if extra <= SETTLE_SLACK * plain_step:
-            return None
-        return min(extra, SETTLE_TOKEN_CAP * plain_step)
+        """A pipelined plain step soon after a speculative one took `seconds` where a plain step costs `plain_step`:
+        its excess while that speculative step's wake goes on, None once it is over (`chooser.wake_excess`;
+        `BatchGenerator._observe`; the solo chooser's, per token: `multiplex.AutoDrafter.plain_token`)."""
+        return wake_excess(seconds, plain_step)
 
     def charge_wake(self, n: int, wake: list, credited: bool) -> None:
         """A speculative step over n positions left a wake that ended: each of its plain steps' excess
-        ((plain step seconds, excess) pairs) is that step's cost (`charge`; the ledger's too where it was
-        `credited`)."""
-        for plain_step, extra in wake:
+        ((rows, seconds, plain step seconds, excess) per step) is that step's cost (`charge`; the ledger's too where
+        it was `credited`)."""
+        for _, _, plain_step, extra in wake:
             self.charge(n, extra)
             if credited:
                 self.credit(-extra, plain_step)

@@ -175,6 +175,7 @@ CHECK_SAMPLES = 2
 SETTLE_SLACK = 0.25
 SETTLE_MAX = 32
 SETTLE_TOKEN_CAP = 2.0
+
 # the promise kept by measurement, whatever the estimates say (`AutoChooser.credit`): speculation may lose at most this
 # share of the decoding time against plain decoding, over a window of about LEDGER_ROUNDS rounds (older rounds fade).
 # Where nothing pays, auto spends the whole budget on rounds that lose, again each time plain decoding has earned it
@@ -230,6 +231,16 @@ def alpha_from_tau(tau: float, width: int) -> float:
         else:
             hi = mid
     return (lo + hi) / 2
+
+
+def wake_excess(seconds: float, price: float) -> float | None:
+    """A plain token (or a batch's plain step) soon after a speculative stretch took `seconds` where one costs
+    `price`: None if it runs at the price (within SETTLE_SLACK: the wake is over), else its excess in seconds (at most
+    SETTLE_TOKEN_CAP prices)."""
+    extra = seconds - price
+    if extra <= SETTLE_SLACK * price:
+        return None
+    return min(extra, SETTLE_TOKEN_CAP * price)
 
 
 def lag_bucket(n: int) -> int:
@@ -945,13 +956,9 @@ class AutoChooser:
         self._rescore(None)
 
     def settled(self, seconds: float) -> float | None:
-        """A pipelined plain token right after a speculative stretch took `seconds`: None if it runs at the scale's
-        price (within SETTLE_SLACK: the stretch's wake is over), else its excess over that price, in seconds (at most
-        SETTLE_TOKEN_CAP plain tokens)."""
-        extra = seconds - self.plain_cost
-        if extra <= SETTLE_SLACK * self.plain_cost:
-            return None
-        return min(extra, SETTLE_TOKEN_CAP * self.plain_cost)
+        """A pipelined plain token right after a speculative stretch took `seconds`: its excess over the scale's price
+        while the stretch's wake goes on, None once it is over (`wake_excess`)."""
+        return wake_excess(seconds, self.plain_cost)
 
     def observe_switch(self, seconds: float, ema: float = 0.25, wake: int = 0) -> None:
         """What one speculative stretch cost beyond its rounds (`switch_cost`). Samples may be negative (the plain

@@ -67,6 +67,10 @@ else:
     ids = {c: tok.apply_chat_template([{"role": "user", "content": P[c][0]}], add_generation_prompt=True,
                                       tokenize=True) for c in cats}
 d = s.drafters
+# every run decodes MAX_TOKENS tokens, as `glimmer bench` does: at T = 1 an EOS ends each mode's runs at its own
+# length (auto's first speculative round changes what the rest samples), and runs of 10 and 96 tokens weigh alike in
+# the mean of seconds per token (the tiny set's runs at T = 1 averaged ~59 tokens, 1 770 in 30 runs)
+m.eos_token_ids = set()
 
 
 def second_auto():

@@ -230,6 +230,82 @@ def test_relevant_options_choose_as_all_options_do():
         assert ch.relevant() is None  # inside a speculative stretch every option counts
 
 
+def test_drafters_behind_are_not_scored_where_even_in_step_they_could_not_win(monkeypatch):
+    """A drafter that is behind is scored with its backlog only where, as if it were in step, it could beat what it
+    has to (catching up only adds to a round's cost): `best`, `pick` (exploration included), `relevant`,
+    `could_pay_ahead` and `paying` decide exactly as when every option is scored with its backlog (random tables,
+    uncertain estimates, lags, phases), and a dominated drafter's tables with its backlog are never computed."""
+    rng = np.random.default_rng(11)
+    for _ in range(150):
+        costs = {L: 10 * MS * (1 + rng.uniform(0, 0.4) * (L - 1)) for L in range(1, 17)}
+        opts = {"dflash": (15, "affine", (rng.uniform(0, 2) * 10 * MS, 0.0), list(rng.uniform(0, 1, 15))),
+                "mtp": (3, "affine", (rng.uniform(0, 1) * 10 * MS, rng.uniform(0, 1) * MS), list(rng.uniform(0, 1, 3))),
+                "ngram@4": (8, "free", 0.0, list(rng.uniform(0, 1, 8)))}
+        chs = [chooser(costs, opts) for _ in range(2)]
+        picks, seed = [], int(rng.integers(1 << 30))
+        for i, ch in enumerate(chs):
+            r = np.random.default_rng(seed)  # the same draws for both choosers
+            if i == 1:  # the reference: every option scored with its backlog
+                monkeypatch.setattr(ch, "_unlagged_below", lambda *a: False)
+            ch.phases = (16, 64)
+            ch.switch_cost = float(r.uniform(0, 3)) * 10 * MS
+            for name in ("dflash", "mtp"):
+                ch.options[name].stats["greedy#0"] = AcceptanceStats(opts[name][0], prior=(float(r.uniform(0, 3)), 4.0))
+            out = []
+            for step in range(6):
+                ch.set_phase(int(r.integers(0, 100)))
+                ch._spec_last = bool(r.integers(0, 2))
+                for n in ("dflash", "mtp"):
+                    ch.set_lag(n, int(r.integers(0, 600)), fill=int(r.integers(0, 600)))
+                remaining = int(r.integers(2, 300))
+                avail = {"dflash": 15, "mtp": 3, "ngram@4": int(r.integers(1, 9))}
+                out.append((ch.best(avail), ch.pick(avail, remaining=remaining), ch.relevant(remaining=remaining),
+                            ch.could_pay_ahead(), ch.paying(remaining=remaining)))
+                if step % 3 == 2:  # an estimate changes: its tables go
+                    ch.update("ngram@4", 8, int(r.integers(0, 9)))
+            picks.append(out)
+        assert picks[0] == picks[1]
+    # a dominated drafter far behind: its tables with the backlog are not computed
+    ch = chooser(flat(), {"dflash": (15, "block", 5 * MS, [0.3]), "ngram@4": (8, "free", 0.0, [0.95])})
+    ch.set_lag("dflash", 500)
+    calls = []
+    real = ch.rates
+    monkeypatch.setattr(ch, "rates", lambda name, *a, **kw: calls.append((name, kw.get("lagged", True)))
+                        or real(name, *a, **kw))
+    ch._spec_last = True
+    assert ch.pick({"dflash": 15, "ngram@4": 8}, remaining=200)[0] == "ngram@4"
+    assert ("dflash", True) not in calls and ("dflash", False) in calls
+
+
+def test_a_phase_change_keeps_the_other_phases_tables(monkeypatch):
+    """The memoised tables are per phase of the response: going back to a phase (the next request's opening) scores
+    nothing again unless an estimate changed, and what it finds is what scoring afresh gives."""
+    ch = chooser(flat(), {"dflash": (15, "block", 5 * MS, [0.6]), "ngram@4": (8, "free", 0.0, [0.7])})
+    ch.phases = (16, 64)
+    avail = {"dflash": 15, "ngram@4": 8}
+    seen = {}
+    for g in (0, 20, 70):
+        ch.set_phase(g)
+        seen[g] = ch.pick(avail, remaining=100)
+    calls = []
+    real = ch.rates
+    monkeypatch.setattr(ch, "rates", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    version = ch.version
+    for g in (0, 20, 70):
+        ch.set_phase(g)
+        assert ch.pick(avail, remaining=100) == seen[g]
+    assert not calls and ch.version > version  # nothing scored again; decisions held in another phase do not hold
+    ch.update("ngram@4", 8, 0)  # a new estimate: that option's tables are scored again, and decide as afresh
+    ch.set_phase(0)
+    fresh = chooser(flat(), {"dflash": (15, "block", 5 * MS, [0.6]), "ngram@4": (8, "free", 0.0, [0.7])})
+    fresh.phases = (16, 64)
+    fresh.set_phase(0)
+    fresh.update("ngram@4", 8, 0)
+    fresh.set_phase(0)
+    assert ch.pick(avail, remaining=100) == fresh.pick(avail, remaining=100)
+    assert calls
+
+
 def test_relevant_is_empty_when_not_even_the_optimistic_scenario_beats_plain():
     """Pinned (certain) estimates that lose to plain: no option is relevant, so a plain stretch asks no drafter;
     an uncertain estimate whose optimistic scenario would win is relevant."""

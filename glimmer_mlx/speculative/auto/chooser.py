@@ -431,8 +431,9 @@ class AutoChooser:
         # (`_explore_terms`), and per regime the options that could beat plain at all (`relevant`), kept until an
         # estimate changes: inside a plain stretch only the machine's speed moves, which scales every rate alike, so
         # a plain round does not pay for scoring every option and width again (on a small model that Python work is
-        # a measurable share of a step)
-        self._memo: dict = {}
+        # a measurable share of a step). Kept per option (None: what every option's estimates feed), so that one
+        # option's new estimate drops its own tables at once (`_forget`), whatever the others hold
+        self._memo: dict[str | None, dict] = {}
         self._changes = 0  # estimate changes so far (`_rescore`)
         # bumped whenever the memo is refreshed (`_forget`): a decision taken on the memoised tables holds as long as
         # this does (`multiplex.AutoDrafter.plan` keeps a plain verdict across the tokens of a plain stretch)
@@ -537,8 +538,8 @@ class AutoChooser:
         self._lag_sig = ()
         self.version += 1  # a drafter's catch-up no longer weighs on it: a decision taken behind does not hold
 
-    def _lag_key(self, name: str) -> tuple:
-        lag, rows = self.lags.get(name, (0, 0))
+    def _lag_key(self, name: str, lagged: bool = True) -> tuple:
+        lag, rows = self.lags.get(name, (0, 0)) if lagged else (0, 0)
         return (0, 0) if lag <= 0 else (lag_bucket(lag), rows and lag_bucket(rows))
 
     def steady(self, name: str, lag: int) -> bool:
@@ -570,15 +571,17 @@ class AutoChooser:
         return self.rates(name, k, regime)[k - 1]
 
     def rates(self, name: str, cap: int, regime: str = "greedy", shift: float = 0.0,
-              phase: int | None | str = "now") -> list[float]:
+              phase: int | None | str = "now", lagged: bool = True) -> list[float]:
         """[rate(name, k) for k = 1..min(cap, max_k)] in one pass; shift: every position's acceptance moved by it
         (a scenario of `explore`). After a plain round a drafter's round also carries the cost of switching to it,
         spread over the tokens the stretch can run: the horizon, or as many as its stretches measurably last
-        (`Option.stretch`), if fewer. phase: whose acceptance estimates (`set_phase`; "now": the current one)."""
+        (`Option.stretch`), if fewer. phase: whose acceptance estimates (`set_phase`; "now": the current one).
+        lagged: False — as if its drafter were in step (no catch-up): a bound on every rate it has now, since a
+        catch-up only adds to a round's cost (`_unlagged_below`)."""
         opt = self.options[name]
         stats = opt.acceptance(self._key(regime, phase))
         fixed = max(0.0, self.round_overhead)
-        switch = self._switch(name)
+        switch = self._switch(name, lagged)
         span = self.horizon
         if regime in opt.stretch and not self._spec_last:
             span = max(1.0, min(span, opt.stretch[regime]))
@@ -592,10 +595,11 @@ class AutoChooser:
             out.append(e / (self.scale * cost))
         return out
 
-    def _switch(self, name: str) -> float:
+    def _switch(self, name: str, lagged: bool = True) -> float:
         """Calibrated seconds a round of option `name` pays once, beyond its own work: the switch into a
-        speculative stretch (after a plain round) and its drafter's catch-up."""
-        return (0.0 if self._spec_last else max(0.0, self.switch_cost)) + self.catch_up_cost(name)
+        speculative stretch (after a plain round) and its drafter's catch-up (lagged: False, none)."""
+        switch = 0.0 if self._spec_last else max(0.0, self.switch_cost)
+        return switch + self.catch_up_cost(name) if lagged else switch
 
     def set_horizon(self, remaining: int | None) -> None:
         """The tokens a stretch started now can run: the request's remaining tokens, at most `SWITCH_HORIZON` (None:
@@ -606,11 +610,13 @@ class AutoChooser:
     def set_phase(self, generated: int | None) -> None:
         """The rounds to come are in the phase of a response that has generated `generated` tokens so far (None: the
         phases are not told): the number of `phases` boundaries it has reached. Each phase has its own acceptance
-        estimates and ledger entries (`_key`, `entry`); a change of phase rescores every option."""
+        estimates and ledger entries (`_key`, `entry`). The memoised tables are keyed by phase too: the next
+        response's opening finds its own tables from the last one's, unless an estimate changed since; only a
+        decision taken in another phase no longer holds (`version`)."""
         phase = None if generated is None or self.phases is None else sum(generated >= b for b in self.phases)
         if phase != self.phase:
             self.phase = phase
-            self._forget()
+            self.version += 1
 
     def _key(self, regime: str, phase: int | None | str = "now") -> str:
         """The acceptance estimates' key of `regime` in `phase` (the current one by default)."""
@@ -622,20 +628,35 @@ class AutoChooser:
         drafter that loses in a response's opening tokens and pays after them is barred from the opening only."""
         return self._key(name, phase)
 
-    def _leaders(self, name: str, regime: str) -> list[tuple[int, float]]:
-        """[(best k, its rate × scale) among k = 1..cap for cap = 1..max_k] of option `name`, kept until an estimate
-        changes. In units of the speed scale, so a plain token moving the scale leaves it valid (every rate, plain's
-        included, scales alike)."""
-        key = ("lead", name, regime, self._spec_last, self.horizon, self._lag_key(name))
-        out = self._memo.get(key)
+    def _memo_of(self, name: str | None) -> dict:
+        """The memoised tables of option `name` (None: those every option's estimates feed)."""
+        memo = self._memo.get(name)
+        if memo is None:
+            memo = self._memo[name] = {}
+        return memo
+
+    def _leaders(self, name: str, regime: str, lagged: bool = True) -> list[tuple[int, float]]:
+        """[(best k, its rate × scale) among k = 1..cap for cap = 1..max_k] of option `name` (lagged: False, as if
+        its drafter were in step), kept until an estimate changes. In units of the speed scale, so a plain token
+        moving the scale leaves it valid (every rate, plain's included, scales alike)."""
+        memo = self._memo_of(name)
+        key = ("lead", regime, self.phase, self._spec_last, self.horizon, self._lag_key(name, lagged))
+        out = memo.get(key)
         if out is None:
             out, bk, br = [], 0, 0.0
-            for k, r in enumerate(self.rates(name, self.options[name].max_k, regime), start=1):
+            for k, r in enumerate(self.rates(name, self.options[name].max_k, regime, lagged=lagged), start=1):
                 if r * self.scale > br * (1 + 1e-9):
                     bk, br = k, r * self.scale
                 out.append((bk, br))
-            self._memo[key] = out
+            memo[key] = out
         return out
+
+    def _unlagged_below(self, name: str, bound: float, rate) -> bool:
+        """Whether option `name`, whose drafter is behind, cannot beat `bound` even as if it were in step: `rate`
+        (lagged) is the rate × scale to compare, and catching up only adds to a round's cost, so every rate it has
+        with its backlog is at most that one. Its tables with the backlog (whose bucket moves every round or two
+        while another option drafts) are then not scored at all."""
+        return self._lag_key(name) != (0, 0) and rate(False) <= bound
 
     def best(self, available: dict[str, int], regime: str = "greedy") -> tuple[str | None, int, float]:
         """The best (name, k, rate) over the options in `available` ({name: most drafts it can give now}) by the mean
@@ -650,6 +671,10 @@ class AutoChooser:
                 raise KeyError(f"unknown option {name!r}")
             if cap < 1:
                 continue
+            top = max(bar, best_rate * (1 + 1e-9))
+            if self._unlagged_below(name, top, lambda lagged: self._leaders(name, regime, lagged)[
+                    min(cap, self.options[name].max_k) - 1][1]):
+                continue
             leaders = self._leaders(name, regime)
             k, r = leaders[min(cap, len(leaders)) - 1]
             if r > bar and r > best_rate * (1 + 1e-9):
@@ -659,8 +684,9 @@ class AutoChooser:
     def _explore_terms(self, name: str, cap: int, regime: str, incumbent: tuple) -> tuple[float, float, int]:
         """(EI × share, loss, k) of exploring option `name` (at most `cap` drafts) against `incumbent` = (name or
         None, its rate × scale): see the class docstring. Scale-free, kept until an estimate changes."""
-        key = ("explore", name, regime, self._spec_last, self.horizon, self._lag_key(name), cap, incumbent)
-        out = self._memo.get(key)
+        memo = self._memo_of(name)
+        key = ("explore", regime, self.phase, self._spec_last, self.horizon, self._lag_key(name), cap, incumbent)
+        out = memo.get(key)
         if out is None:
             stats = self.options[name].acceptance(self._key(regime))
             sd = stats.spread()
@@ -681,18 +707,21 @@ class AutoChooser:
             loss = max(0.0, e_mean * (1.0 / mean - t_inc))
             n_new = min(e_mean, k_e)  # positions one round tries, about
             share = n_new / (max(stats.tried[0], 0.0) + n_new)
-            out = self._memo[key] = (ei * share, loss, k_e)
+            out = memo[key] = (ei * share, loss, k_e)
         return out
 
-    def _optimistic(self, name: str, cap: int, regime: str) -> float:
+    def _optimistic(self, name: str, cap: int, regime: str, lagged: bool = True) -> float:
         """Option `name`'s best rate × scale (at most `cap` drafts) in its optimistic scenario (`SCENARIOS[-1]`):
         the bound that decides whether exploring it can gain at all, kept until an estimate changes (unlike the
-        exploration terms it does not depend on the incumbent, whose rate moves every round of a stretch)."""
-        key = ("optimistic", name, regime, self._spec_last, self.horizon, self._lag_key(name), cap)
-        out = self._memo.get(key)
+        exploration terms it does not depend on the incumbent, whose rate moves every round of a stretch). lagged:
+        False, as if its drafter were in step."""
+        memo = self._memo_of(name)
+        key = ("optimistic", regime, self.phase, self._spec_last, self.horizon, self._lag_key(name, lagged), cap)
+        out = memo.get(key)
         if out is None:
             sd = self.options[name].acceptance(self._key(regime)).spread()
-            out = self._memo[key] = max(self.rates(name, cap, regime, shift=SCENARIOS[-1] * sd)) * self.scale
+            out = memo[key] = max(self.rates(name, cap, regime, shift=SCENARIOS[-1] * sd,
+                                             lagged=lagged)) * self.scale
         return out
 
     def explore(self, available: dict[str, int], regime: str, incumbent: tuple, remaining: int):
@@ -706,8 +735,11 @@ class AutoChooser:
             if cap < 1 or name == incumbent[0]:
                 continue
             cap = min(cap, self.options[name].max_k)
+            bar = incumbent[1] * (1 + MIN_GAIN)
+            if self._unlagged_below(name, bar, lambda lagged: self._optimistic(name, cap, regime, lagged)):
+                continue
             top = self._optimistic(name, cap, regime)
-            if top <= incumbent[1] * (1 + MIN_GAIN):
+            if top <= bar:
                 continue  # not even its optimistic scenario beats the incumbent: EI = 0 (and no scoring pass)
             value, loss, k = self._explore_terms(name, cap, regime, incumbent)
             gain = remaining * self._servable(name, top, regime) * value - loss
@@ -780,16 +812,17 @@ class AutoChooser:
         step on the taps of plain forwards: one that pays less would never be entered, and its taps would cost every
         plain token."""
         self.set_horizon(remaining)
-        key = ("paying", None, regime, self.horizon, self._lag_sig, among)
-        out = self._memo.get(key)
+        memo = self._memo_of(None)
+        key = ("paying", regime, self.phase, self.horizon, self._lag_sig, among)
+        out = memo.get(key)
         if out is None:
             spec_last, self._spec_last = self._spec_last, False
             try:
                 bar = (1 + ENTER_GAIN) / self.plain_cal
-                out = self._memo[key] = frozenset(n for n in self.options
-                                                  if (among is None or n in among)
-                                                  and self.entry(n) not in self.barred
-                                                  and self._leaders(n, regime)[-1][1] > bar)
+                out = memo[key] = frozenset(
+                    n for n in self.options if (among is None or n in among) and self.entry(n) not in self.barred
+                    and not self._unlagged_below(n, bar, lambda lagged: self._leaders(n, regime, lagged)[-1][1])
+                    and self._leaders(n, regime)[-1][1] > bar)
             finally:
                 self._spec_last = spec_last
         return out
@@ -809,14 +842,24 @@ class AutoChooser:
 
     def _could_pay_in(self, regime: str, phase: int | None) -> frozenset:
         """`could_pay` by the estimates and ledger entries of `phase`, at the current horizon (memoised)."""
-        key = ("pays", None, regime, phase, self.horizon, self._lag_sig)
-        rel = self._memo.get(key)
+        memo = self._memo_of(None)
+        key = ("pays", regime, phase, self.horizon, self._lag_sig)
+        rel = memo.get(key)
         if rel is None:
-            plain, phased = 1.0 / self.plain_cal, self._key(regime, phase)
-            rel = self._memo[key] = frozenset(
-                n for n, o in self.options.items() if self.entry(n, phase) not in self.barred
-                and max(self.rates(n, o.max_k, regime, shift=SCENARIOS[-1] * o.acceptance(phased).spread(),
-                                   phase=phase)) * self.scale > plain * (1 + MIN_GAIN))
+            bar, phased = (1 + MIN_GAIN) / self.plain_cal, self._key(regime, phase)
+
+            def top(n: str, lagged: bool = True) -> float:
+                o = self.options[n]
+                return max(self.rates(n, o.max_k, regime, shift=SCENARIOS[-1] * o.acceptance(phased).spread(),
+                                      phase=phase, lagged=lagged)) * self.scale
+
+            # those that could pay even in step, without their backlog: each memoised once per lag signature's
+            # worth of plain tokens would otherwise score every option again every token or two
+            unlagged = memo.get(("pays0", regime, phase, self.horizon))
+            if unlagged is None:
+                unlagged = memo[("pays0", regime, phase, self.horizon)] = frozenset(
+                    n for n in self.options if self.entry(n, phase) not in self.barred and top(n, False) > bar)
+            rel = memo[key] = frozenset(n for n in unlagged if self._lag_key(n) == (0, 0) or top(n) > bar)
         return rel
 
     def count_plain(self) -> None:
@@ -988,7 +1031,7 @@ class AutoChooser:
         if name is None:
             self._memo.clear()
         else:
-            self._memo = {key: v for key, v in self._memo.items() if key[1] != name}
+            self._memo.pop(name, None)
         self.version += 1
 
     def observe_plain(self, seconds: float) -> None:

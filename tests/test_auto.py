@@ -230,11 +230,11 @@ def test_relevant_options_choose_as_all_options_do():
         assert ch.relevant() is None  # inside a speculative stretch every option counts
 
 
-def test_drafters_behind_are_not_scored_where_even_in_step_they_could_not_win(monkeypatch):
-    """A drafter that is behind is scored with its backlog only where, as if it were in step, it could beat what it
-    has to (catching up only adds to a round's cost): `best`, `pick` (exploration included), `relevant`,
-    `could_pay_ahead` and `paying` decide exactly as when every option is scored with its backlog (random tables,
-    uncertain estimates, lags, phases), and a dominated drafter's tables with its backlog are never computed."""
+def test_options_are_scored_with_switch_and_backlog_only_where_free_of_them_they_could_win(monkeypatch):
+    """An option is scored with its switch and its drafter's backlog only where, free of both, it could beat what
+    it has to (both only add to a round's cost): `best`, `pick` (exploration included), `relevant`,
+    `could_pay_ahead` and `paying` decide exactly as when every option is scored in full (random tables, uncertain
+    estimates, lags, switch costs, phases, horizons), and a dominated drafter's full tables are never computed."""
     rng = np.random.default_rng(11)
     for _ in range(150):
         costs = {L: 10 * MS * (1 + rng.uniform(0, 0.4) * (L - 1)) for L in range(1, 17)}
@@ -246,7 +246,7 @@ def test_drafters_behind_are_not_scored_where_even_in_step_they_could_not_win(mo
         for i, ch in enumerate(chs):
             r = np.random.default_rng(seed)  # the same draws for both choosers
             if i == 1:  # the reference: every option scored with its backlog
-                monkeypatch.setattr(ch, "_unlagged_below", lambda *a: False)
+                monkeypatch.setattr(ch, "_bounded_by", lambda *a: False)
             ch.phases = (16, 64)
             ch.switch_cost = float(r.uniform(0, 3)) * 10 * MS
             for name in ("dflash", "mtp"):
@@ -270,11 +270,13 @@ def test_drafters_behind_are_not_scored_where_even_in_step_they_could_not_win(mo
     ch.set_lag("dflash", 500)
     calls = []
     real = ch.rates
-    monkeypatch.setattr(ch, "rates", lambda name, *a, **kw: calls.append((name, kw.get("lagged", True)))
+    monkeypatch.setattr(ch, "rates", lambda name, *a, **kw: calls.append((name, kw.get("free", False)))
                         or real(name, *a, **kw))
-    ch._spec_last = True
-    assert ch.pick({"dflash": 15, "ngram@4": 8}, remaining=200)[0] == "ngram@4"
-    assert ("dflash", True) not in calls and ("dflash", False) in calls
+    for spec_last in (True, False):
+        ch._spec_last = spec_last
+        for remaining in (200, 40, 9):
+            assert ch.pick({"dflash": 15, "ngram@4": 8}, remaining=remaining)[0] == "ngram@4"
+    assert ("dflash", False) not in calls and calls.count(("dflash", True)) <= 2  # its free tables, once each
 
 
 def test_a_phase_change_keeps_the_other_phases_tables(monkeypatch):
@@ -304,6 +306,42 @@ def test_a_phase_change_keeps_the_other_phases_tables(monkeypatch):
     fresh.set_phase(0)
     assert ch.pick(avail, remaining=100) == fresh.pick(avail, remaining=100)
     assert calls
+
+
+def test_a_spectators_tables_are_scored_again_when_what_every_round_shares_has_moved(monkeypatch):
+    """While n-gram lookup drafts round after round, DFlash's tables stay memoised as long as the verify factor and
+    round overhead every option shares stay within `SHARED_DRIFT` of what they were scored with (steady rounds); once
+    they moved further, every table is scored again and decides as a fresh chooser with the same estimates."""
+    from glimmer_mlx.speculative.auto.chooser import SHARED_DRIFT
+
+    ch = chooser(flat(), {"dflash": (15, "block", 5 * MS, [0.6]), "ngram@4": (8, "free", 0.0, [0.9])})
+    ch._spec_last = True
+    avail = {"dflash": 15, "ngram@4": 8}
+    calls = []
+    real = ch.rates
+    monkeypatch.setattr(ch, "rates", lambda name, *a, **kw: calls.append(name) or real(name, *a, **kw))
+
+    def round_(verify_seconds, overhead):
+        name, k = ch.choose(avail, remaining=200)
+        ch.update(name, k, k, draft_time=0.0, verify_time=verify_seconds)
+        ch.observe_round_overhead(overhead)
+        return name
+
+    for _ in range(3):  # settle the shared figures
+        round_(10 * MS, 0.0)
+    calls.clear()
+    for _ in range(40):  # steady: the same verify time and overhead every round
+        assert round_(10 * MS, 0.0) == "ngram@4"
+    assert "dflash" not in calls and calls.count("ngram@4") >= 40  # the drafting option's own, every round
+    calls.clear()
+    round_(10 * MS * (1 + 20 * SHARED_DRIFT), 0.0)  # the verify factor moves by 2 %
+    assert ch.best(avail)[0] == "ngram@4" and "dflash" in calls
+    fresh = chooser(flat(), {"dflash": (15, "block", 5 * MS, [0.6]), "ngram@4": (8, "free", 0.0, [0.9])})
+    fresh.options, fresh.verify_factor, fresh.round_overhead = ch.options, dict(ch.verify_factor), ch.round_overhead
+    fresh._spec_last = True
+    fresh.rescore()
+    for cap in range(1, 16):
+        assert ch.best({"dflash": cap}) == fresh.best({"dflash": cap})
 
 
 def test_relevant_is_empty_when_not_even_the_optimistic_scenario_beats_plain():

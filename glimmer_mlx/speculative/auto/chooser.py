@@ -148,7 +148,13 @@ ENTER_GAIN = 0.05
 # exploration round's value counts the request's remaining tokens plus as many as this chooser has decoded so far, at
 # most this many (a fresh process's first request counts only its own)
 FUTURE_TOKENS = 128
-# the estimates every option's score shares are folded in every this many changes (`AutoChooser._rescore`)
+# what every option's score shares (the verify factors, the round overhead) moves a little every round: the memoised
+# tables are scored again when it has moved by more than this share (of itself; the overhead, of a plain step) since
+# they were (`AutoChooser._rescore`) — a round's cost moves by less. Rescored every 8 changes instead, as before, each
+# spectator option (a model drafter while n-gram lookup drafts) was scored afresh every ~4 rounds
+SHARED_DRIFT = 0.03
+# ... and the sets of options that could pay or pay (`could_pay`, `paying`: one option's new estimate may change
+# them) every this many changes
 RESCORE_EVERY = 8
 # the speed scale is the median of this many latest pipelined plain tokens (`AutoChooser.observe_plain`): the timing
 # noise of a shared machine is heavy-tailed (the same round took 2.5–12 ms within one sitting here), and plain
@@ -435,6 +441,7 @@ class AutoChooser:
         # option's new estimate drops its own tables at once (`_forget`), whatever the others hold
         self._memo: dict[str | None, dict] = {}
         self._changes = 0  # estimate changes so far (`_rescore`)
+        self._shared: tuple = (0.0, {})  # (round overhead, verify factors) the memo was scored with
         # bumped whenever the memo is refreshed (`_forget`): a decision taken on the memoised tables holds as long as
         # this does (`multiplex.AutoDrafter.plan` keeps a plain verdict across the tokens of a plain stretch)
         self.version = 0
@@ -538,8 +545,8 @@ class AutoChooser:
         self._lag_sig = ()
         self.version += 1  # a drafter's catch-up no longer weighs on it: a decision taken behind does not hold
 
-    def _lag_key(self, name: str, lagged: bool = True) -> tuple:
-        lag, rows = self.lags.get(name, (0, 0)) if lagged else (0, 0)
+    def _lag_key(self, name: str) -> tuple:
+        lag, rows = self.lags.get(name, (0, 0))
         return (0, 0) if lag <= 0 else (lag_bucket(lag), rows and lag_bucket(rows))
 
     def steady(self, name: str, lag: int) -> bool:
@@ -571,17 +578,18 @@ class AutoChooser:
         return self.rates(name, k, regime)[k - 1]
 
     def rates(self, name: str, cap: int, regime: str = "greedy", shift: float = 0.0,
-              phase: int | None | str = "now", lagged: bool = True) -> list[float]:
+              phase: int | None | str = "now", free: bool = False) -> list[float]:
         """[rate(name, k) for k = 1..min(cap, max_k)] in one pass; shift: every position's acceptance moved by it
         (a scenario of `explore`). After a plain round a drafter's round also carries the cost of switching to it,
         spread over the tokens the stretch can run: the horizon, or as many as its stretches measurably last
         (`Option.stretch`), if fewer. phase: whose acceptance estimates (`set_phase`; "now": the current one).
-        lagged: False — as if its drafter were in step (no catch-up): a bound on every rate it has now, since a
-        catch-up only adds to a round's cost (`_unlagged_below`)."""
+        free: as if its round paid no switch and no catch-up (its drafter in step, inside a stretch): a bound on
+        every rate it can have with the same estimates, whatever came last, its backlog and the horizon
+        (`_bounded_by`)."""
         opt = self.options[name]
         stats = opt.acceptance(self._key(regime, phase))
         fixed = max(0.0, self.round_overhead)
-        switch = self._switch(name, lagged)
+        switch = 0.0 if free else self._switch(name)
         span = self.horizon
         if regime in opt.stretch and not self._spec_last:
             span = max(1.0, min(span, opt.stretch[regime]))
@@ -595,11 +603,10 @@ class AutoChooser:
             out.append(e / (self.scale * cost))
         return out
 
-    def _switch(self, name: str, lagged: bool = True) -> float:
+    def _switch(self, name: str) -> float:
         """Calibrated seconds a round of option `name` pays once, beyond its own work: the switch into a
-        speculative stretch (after a plain round) and its drafter's catch-up (lagged: False, none)."""
-        switch = 0.0 if self._spec_last else max(0.0, self.switch_cost)
-        return switch + self.catch_up_cost(name) if lagged else switch
+        speculative stretch (after a plain round) and its drafter's catch-up."""
+        return (0.0 if self._spec_last else max(0.0, self.switch_cost)) + self.catch_up_cost(name)
 
     def set_horizon(self, remaining: int | None) -> None:
         """The tokens a stretch started now can run: the request's remaining tokens, at most `SWITCH_HORIZON` (None:
@@ -635,28 +642,32 @@ class AutoChooser:
             memo = self._memo[name] = {}
         return memo
 
-    def _leaders(self, name: str, regime: str, lagged: bool = True) -> list[tuple[int, float]]:
-        """[(best k, its rate × scale) among k = 1..cap for cap = 1..max_k] of option `name` (lagged: False, as if
-        its drafter were in step), kept until an estimate changes. In units of the speed scale, so a plain token
+    def _leaders(self, name: str, regime: str, free: bool = False) -> list[tuple[int, float]]:
+        """[(best k, its rate × scale) among k = 1..cap for cap = 1..max_k] of option `name` (free: without a
+        switch or catch-up, `rates`), kept until an estimate changes. In units of the speed scale, so a plain token
         moving the scale leaves it valid (every rate, plain's included, scales alike)."""
         memo = self._memo_of(name)
-        key = ("lead", regime, self.phase, self._spec_last, self.horizon, self._lag_key(name, lagged))
+        key = ("free", regime, self.phase) if free else (
+            "lead", regime, self.phase, self._spec_last, self.horizon, self._lag_key(name))
         out = memo.get(key)
         if out is None:
             out, bk, br = [], 0, 0.0
-            for k, r in enumerate(self.rates(name, self.options[name].max_k, regime, lagged=lagged), start=1):
+            for k, r in enumerate(self.rates(name, self.options[name].max_k, regime, free=free), start=1):
                 if r * self.scale > br * (1 + 1e-9):
                     bk, br = k, r * self.scale
                 out.append((bk, br))
             memo[key] = out
         return out
 
-    def _unlagged_below(self, name: str, bound: float, rate) -> bool:
-        """Whether option `name`, whose drafter is behind, cannot beat `bound` even as if it were in step: `rate`
-        (lagged) is the rate × scale to compare, and catching up only adds to a round's cost, so every rate it has
-        with its backlog is at most that one. Its tables with the backlog (whose bucket moves every round or two
-        while another option drafts) are then not scored at all."""
-        return self._lag_key(name) != (0, 0) and rate(False) <= bound
+    def _bounded_by(self, name: str, bound: float, rate) -> bool:
+        """Whether option `name` cannot beat `bound` even free of a switch and a catch-up: `rate(free)` is the rate
+        × scale to compare, and both only add to a round's cost, so every rate it has now is at most `rate(True)`.
+        Its tables with them — one per horizon, what came last and backlog bucket, the last moving every round or
+        two while another option drafts — are then not scored at all; the free one is kept until an estimate
+        changes. Inside a stretch, with its drafter in step, it pays neither: its own tables are the free ones."""
+        if self._spec_last and self._lag_key(name) == (0, 0):
+            return False
+        return rate(True) <= bound
 
     def best(self, available: dict[str, int], regime: str = "greedy") -> tuple[str | None, int, float]:
         """The best (name, k, rate) over the options in `available` ({name: most drafts it can give now}) by the mean
@@ -672,7 +683,7 @@ class AutoChooser:
             if cap < 1:
                 continue
             top = max(bar, best_rate * (1 + 1e-9))
-            if self._unlagged_below(name, top, lambda lagged: self._leaders(name, regime, lagged)[
+            if self._bounded_by(name, top, lambda free: self._leaders(name, regime, free)[
                     min(cap, self.options[name].max_k) - 1][1]):
                 continue
             leaders = self._leaders(name, regime)
@@ -710,18 +721,19 @@ class AutoChooser:
             out = memo[key] = (ei * share, loss, k_e)
         return out
 
-    def _optimistic(self, name: str, cap: int, regime: str, lagged: bool = True) -> float:
+    def _optimistic(self, name: str, cap: int, regime: str, free: bool = False) -> float:
         """Option `name`'s best rate × scale (at most `cap` drafts) in its optimistic scenario (`SCENARIOS[-1]`):
         the bound that decides whether exploring it can gain at all, kept until an estimate changes (unlike the
-        exploration terms it does not depend on the incumbent, whose rate moves every round of a stretch). lagged:
-        False, as if its drafter were in step."""
+        exploration terms it does not depend on the incumbent, whose rate moves every round of a stretch). free:
+        without a switch or catch-up (`rates`)."""
         memo = self._memo_of(name)
-        key = ("optimistic", regime, self.phase, self._spec_last, self.horizon, self._lag_key(name, lagged), cap)
+        key = ("optimistic", regime, self.phase, cap) + (
+            ("free",) if free else (self._spec_last, self.horizon, self._lag_key(name)))
         out = memo.get(key)
         if out is None:
             sd = self.options[name].acceptance(self._key(regime)).spread()
             out = memo[key] = max(self.rates(name, cap, regime, shift=SCENARIOS[-1] * sd,
-                                             lagged=lagged)) * self.scale
+                                             free=free)) * self.scale
         return out
 
     def explore(self, available: dict[str, int], regime: str, incumbent: tuple, remaining: int):
@@ -736,7 +748,7 @@ class AutoChooser:
                 continue
             cap = min(cap, self.options[name].max_k)
             bar = incumbent[1] * (1 + MIN_GAIN)
-            if self._unlagged_below(name, bar, lambda lagged: self._optimistic(name, cap, regime, lagged)):
+            if self._bounded_by(name, bar, lambda free: self._optimistic(name, cap, regime, free)):
                 continue
             top = self._optimistic(name, cap, regime)
             if top <= bar:
@@ -821,7 +833,7 @@ class AutoChooser:
                 bar = (1 + ENTER_GAIN) / self.plain_cal
                 out = memo[key] = frozenset(
                     n for n in self.options if (among is None or n in among) and self.entry(n) not in self.barred
-                    and not self._unlagged_below(n, bar, lambda lagged: self._leaders(n, regime, lagged)[-1][1])
+                    and not self._bounded_by(n, bar, lambda free: self._leaders(n, regime, free)[-1][1])
                     and self._leaders(n, regime)[-1][1] > bar)
             finally:
                 self._spec_last = spec_last
@@ -848,18 +860,19 @@ class AutoChooser:
         if rel is None:
             bar, phased = (1 + MIN_GAIN) / self.plain_cal, self._key(regime, phase)
 
-            def top(n: str, lagged: bool = True) -> float:
+            def top(n: str, free: bool = False) -> float:
                 o = self.options[n]
                 return max(self.rates(n, o.max_k, regime, shift=SCENARIOS[-1] * o.acceptance(phased).spread(),
-                                      phase=phase, lagged=lagged)) * self.scale
+                                      phase=phase, free=free)) * self.scale
 
-            # those that could pay even in step, without their backlog: each memoised once per lag signature's
-            # worth of plain tokens would otherwise score every option again every token or two
-            unlagged = memo.get(("pays0", regime, phase, self.horizon))
-            if unlagged is None:
-                unlagged = memo[("pays0", regime, phase, self.horizon)] = frozenset(
-                    n for n in self.options if self.entry(n, phase) not in self.barred and top(n, False) > bar)
-            rel = memo[key] = frozenset(n for n in unlagged if self._lag_key(n) == (0, 0) or top(n) > bar)
+            # those that could pay even free of a switch and a catch-up (`_bounded_by`): one set per phase until an
+            # estimate changes, where the set with them is scored again whenever a backlog's bucket moves (every
+            # token or two of a plain stretch)
+            free = memo.get(("pays free", regime, phase))
+            if free is None:
+                free = memo[("pays free", regime, phase)] = frozenset(
+                    n for n in self.options if self.entry(n, phase) not in self.barred and top(n, True) > bar)
+            rel = memo[key] = frozenset(n for n in free if top(n) > bar)
         return rel
 
     def count_plain(self) -> None:
@@ -908,7 +921,11 @@ class AutoChooser:
     def update(self, name: str | None, k: int, n_accepted: int, regime: str = "greedy",
                draft_time: float | None = None, verify_time: float | None = None) -> None:
         """After a round: k drafts of `name` proposed, n accepted; measured draft and verify seconds."""
+        self._observe_round(name, k, n_accepted, regime, draft_time, verify_time)
         self._rescore(name if name is not None and k > 0 else None)
+
+    def _observe_round(self, name: str | None, k: int, n_accepted: int, regime: str, draft_time: float | None,
+                       verify_time: float | None) -> None:
         if name is not None and k > 0:
             self.decoded += n_accepted
             self.served[name] = self.served.get(name, 0.0) + n_accepted
@@ -1017,21 +1034,29 @@ class AutoChooser:
         self._forget()
 
     def _rescore(self, name: str | None) -> None:
-        """An estimate changed: option `name`'s own tables are scored again at once; the rest — what every round
-        shares (verify factor, round overhead) and drifts by a few percent a round — every `RESCORE_EVERY` changes.
-        Scoring every option, width and scenario after every round was ~10 % of a small model's speculative round."""
+        """An estimate changed: option `name`'s own tables are scored again at once; every table once what every
+        round shares (verify factors, round overhead) has moved by `SHARED_DRIFT` since it was scored; the sets of
+        options that could pay every `RESCORE_EVERY` changes. Scoring every option, width and scenario after every
+        round was ~10 % of a small model's speculative round."""
         self._changes += 1
-        if self._changes % RESCORE_EVERY == 0:
-            self._forget()
-        elif name is not None:
+        if name is not None:
             self._forget(name)
+        overhead, factors = self._shared
+        if abs(self.round_overhead - overhead) > SHARED_DRIFT * self.plain_cal or factors.keys() != \
+                self.verify_factor.keys() or any(abs(v - factors[r]) > SHARED_DRIFT * factors[r]
+                                                 for r, v in self.verify_factor.items()):
+            self._forget()
+        elif self._changes % RESCORE_EVERY == 0:
+            self._forget(None, sets=True)
 
-    def _forget(self, name: str | None = None) -> None:
-        """Drop what the memo keeps (of option `name` only, if given): an estimate it was computed from changed."""
-        if name is None:
-            self._memo.clear()
-        else:
+    def _forget(self, name: str | None = None, sets: bool = False) -> None:
+        """Drop what the memo keeps (of option `name` only, if given; sets: only the sets every option feeds): an
+        estimate it was computed from changed."""
+        if name is not None or sets:
             self._memo.pop(name, None)
+        else:
+            self._memo.clear()
+            self._shared = (self.round_overhead, dict(self.verify_factor))
         self.version += 1
 
     def observe_plain(self, seconds: float) -> None:

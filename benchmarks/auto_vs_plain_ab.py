@@ -15,7 +15,8 @@ not 0.5 %); before (both: the seventh session's auto); servable (an exploration'
 not only those the option could serve, as before the ninth session); shrunk (n-gram's second draft shrunk toward the
 first, as before the ninth session); nowide (a drafter's catch-up forward priced by the verify curve extended
 linearly, as before the ninth session); surplus25 (losers may lose a quarter of what the others saved, as before the
-ninth session, not 1 %); meantaps (a prefill yields the drafters' taps only where one pays by its mean estimate, as
+ninth session, not 1 %); surplus1 (losers may lose 1 % of what the others saved, as before the fourteenth
+session, not 0.25 %); meantaps (a prefill yields the drafters' taps only where one pays by its mean estimate, as
 before the ninth session); noshadow (greedy n-gram offers passed over are not scored, as before the ninth session);
 eighth (all six: the eighth session's rules; its catch-ups still run only what the chunks miss); nophase (one set of
 acceptance estimates and ledger entries for a whole response, as before the tenth session, not one per phase:
@@ -210,7 +211,8 @@ make = {
     "before": lambda: budget(no_check(second_auto()), 0.02),
     "servable": lambda: all_servable(second_auto()), "shrunk": lambda: shrunk(second_auto()),
     "nowide": lambda: no_wide(second_auto()),
-    "surplus25": lambda: surplus(second_auto(), 0.25), "meantaps": lambda: mean_taps(second_auto()),
+    "surplus25": lambda: surplus(second_auto(), 0.25), "surplus1": lambda: surplus(second_auto(), 0.01),
+    "meantaps": lambda: mean_taps(second_auto()),
     "noshadow": lambda: no_shadow(second_auto()), "nophase": lambda: no_phase(second_auto()),
     "eighth": lambda: no_shadow(mean_taps(surplus(no_wide(shrunk(all_servable(second_auto()))), 0.25))),
     "dfauto": lambda: make_auto(m, dflash=copy.copy(d.dflash), ngram=False),

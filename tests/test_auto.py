@@ -239,7 +239,8 @@ def test_options_are_scored_with_switch_and_backlog_only_where_free_of_them_they
     for _ in range(150):
         costs = {L: 10 * MS * (1 + rng.uniform(0, 0.4) * (L - 1)) for L in range(1, 17)}
         opts = {"dflash": (15, "affine", (rng.uniform(0, 2) * 10 * MS, 0.0), list(rng.uniform(0, 1, 15))),
-                "mtp": (3, "affine", (rng.uniform(0, 1) * 10 * MS, rng.uniform(0, 1) * MS), list(rng.uniform(0, 1, 3))),
+                "mtp": (3, "affine", (rng.uniform(0, 1) * 10 * MS, rng.uniform(0, 1) * MS),
+                        list(rng.uniform(0, 1, 3))),
                 "ngram@4": (8, "free", 0.0, list(rng.uniform(0, 1, 8)))}
         chs = [chooser(costs, opts) for _ in range(2)]
         picks, seed = [], int(rng.integers(1 << 30))
@@ -250,7 +251,8 @@ def test_options_are_scored_with_switch_and_backlog_only_where_free_of_them_they
             ch.phases = (16, 64)
             ch.switch_cost = float(r.uniform(0, 3)) * 10 * MS
             for name in ("dflash", "mtp"):
-                ch.options[name].stats["greedy#0"] = AcceptanceStats(opts[name][0], prior=(float(r.uniform(0, 3)), 4.0))
+                ch.options[name].stats["greedy#0"] = AcceptanceStats(opts[name][0],
+                                                                     prior=(float(r.uniform(0, 3)), 4.0))
             out = []
             for step in range(6):
                 ch.set_phase(int(r.integers(0, 100)))

@@ -193,8 +193,10 @@ LEDGER_ROUNDS = 1024
 # the others: on a set where n-gram lookup doubles the speed, a drafter explored for a few rounds is affordable).
 # Small: against an option that runs g times plain decoding's speed, losers may cost auto share × (g − 1) of its time
 # (at 0.25 an MTP that its estimates kept choosing between n-gram rounds on the trained tiny set lost 0.45 s of a 1.5 s
-# sitting, auto 0.85x n-gram lookup alone); at 0.01, 2 % at g = 3, still a few exploration rounds per sitting
-SURPLUS_SHARE = 0.01
+# sitting, auto 0.85x n-gram lookup alone); at 0.01 (g = 3.4-3.8 there) DFlash's and MTP's few explorations, each
+# with its catch-up over the whole context, cost auto 2.0-3.5 % of its time (auto over n-gram lookup alone: 0.2-0.3 %),
+# which is most of what kept it from 0.97x n-gram lookup alone; at 0.0025 1.0-1.2 %
+SURPLUS_SHARE = 0.0025
 # ... and one round (or one stretch's plain tokens) is charged at most this many plain tokens' time: a stall of the
 # machine (another process, a first-call build) during a speculative round must not bar speculation for minutes
 LEDGER_ROUND_CAP = 16

@@ -37,6 +37,16 @@ def chooser(costs, options):
     return ch
 
 
+def random_tables(rng, slope: float, top: float, ngram: str):
+    """A random verify curve (a plain step 10 ms, each row up to `slope` more) and DFlash (affine), MTP (affine) and
+    n-gram (`ngram`, free) options with per-position acceptance uniform in [0, top)."""
+    costs = {L: 10 * MS * (1 + rng.uniform(0, slope) * (L - 1)) for L in range(1, 17)}
+    opts = {"dflash": (15, "affine", (rng.uniform(0, 2) * 10 * MS, 0.0), list(rng.uniform(0, top, 15))),
+            "mtp": (3, "affine", (rng.uniform(0, 1) * 10 * MS, rng.uniform(0, 1) * MS), list(rng.uniform(0, top, 3))),
+            ngram: (8, "free", 0.0, list(rng.uniform(0, top, 8)))}
+    return costs, opts
+
+
 # -- the pure pieces ------------------------------------------------------------------------------------------------
 
 
@@ -237,11 +247,7 @@ def test_options_are_scored_with_switch_and_backlog_only_where_free_of_them_they
     estimates, lags, switch costs, phases, horizons), and a dominated drafter's full tables are never computed."""
     rng = np.random.default_rng(11)
     for _ in range(150):
-        costs = {L: 10 * MS * (1 + rng.uniform(0, 0.4) * (L - 1)) for L in range(1, 17)}
-        opts = {"dflash": (15, "affine", (rng.uniform(0, 2) * 10 * MS, 0.0), list(rng.uniform(0, 1, 15))),
-                "mtp": (3, "affine", (rng.uniform(0, 1) * 10 * MS, rng.uniform(0, 1) * MS),
-                        list(rng.uniform(0, 1, 3))),
-                "ngram@4": (8, "free", 0.0, list(rng.uniform(0, 1, 8)))}
+        costs, opts = random_tables(rng, slope=0.4, top=1.0, ngram="ngram@4")
         chs = [chooser(costs, opts) for _ in range(2)]
         picks, seed = [], int(rng.integers(1 << 30))
         for i, ch in enumerate(chs):
@@ -844,11 +850,7 @@ def test_a_plain_choice_stays_plain_as_the_request_runs_on():
     rng = np.random.default_rng(7)
     plain_seen = 0
     for _ in range(1000):
-        costs = {L: 10 * MS * (1 + rng.uniform(0, 0.6) * (L - 1)) for L in range(1, 17)}
-        opts = {"dflash": (15, "affine", (rng.uniform(0, 2) * 10 * MS, 0.0), list(rng.uniform(0, 0.6, 15))),
-                "mtp": (3, "affine", (rng.uniform(0, 1) * 10 * MS, rng.uniform(0, 1) * MS),
-                        list(rng.uniform(0, 0.6, 3))),
-                "ngram@2": (8, "free", 0.0, list(rng.uniform(0, 0.6, 8)))}
+        costs, opts = random_tables(rng, slope=0.6, top=0.6, ngram="ngram@2")
         ch = chooser(costs, opts)
         ch.switch_cost = float(rng.uniform(0, 3)) * 10 * MS
         for name in rng.choice(list(opts), size=2, replace=False):  # two options keep an uncertain estimate

@@ -723,18 +723,20 @@ class AutoChooser:
             out = memo[key] = (ei * share, loss, k_e)
         return out
 
-    def _optimistic(self, name: str, cap: int, regime: str, free: bool = False) -> float:
+    def _optimistic(self, name: str, cap: int, regime: str, free: bool = False,
+                    phase: int | None | str = "now") -> float:
         """Option `name`'s best rate × scale (at most `cap` drafts) in its optimistic scenario (`SCENARIOS[-1]`):
         the bound that decides whether exploring it can gain at all, kept until an estimate changes (unlike the
         exploration terms it does not depend on the incumbent, whose rate moves every round of a stretch). free:
-        without a switch or catch-up (`rates`)."""
+        without a switch or catch-up (`rates`); phase: whose estimates ("now": the current one)."""
+        phase = self.phase if phase == "now" else phase
         memo = self._memo_of(name)
-        key = ("optimistic", regime, self.phase, cap) + (
+        key = ("optimistic", regime, phase, cap) + (
             ("free",) if free else (self._spec_last, self.horizon, self._lag_key(name)))
         out = memo.get(key)
         if out is None:
-            sd = self.options[name].acceptance(self._key(regime)).spread()
-            out = memo[key] = max(self.rates(name, cap, regime, shift=SCENARIOS[-1] * sd,
+            sd = self.options[name].acceptance(self._key(regime, phase)).spread()
+            out = memo[key] = max(self.rates(name, cap, regime, shift=SCENARIOS[-1] * sd, phase=phase,
                                              free=free)) * self.scale
         return out
 
@@ -860,12 +862,10 @@ class AutoChooser:
         key = ("pays", regime, phase, self.horizon, self._lag_sig)
         rel = memo.get(key)
         if rel is None:
-            bar, phased = (1 + MIN_GAIN) / self.plain_cal, self._key(regime, phase)
+            bar = (1 + MIN_GAIN) / self.plain_cal
 
             def top(n: str, free: bool = False) -> float:
-                o = self.options[n]
-                return max(self.rates(n, o.max_k, regime, shift=SCENARIOS[-1] * o.acceptance(phased).spread(),
-                                      phase=phase, free=free)) * self.scale
+                return self._optimistic(n, self.options[n].max_k, regime, free, phase)
 
             # those that could pay even free of a switch and a catch-up (`_bounded_by`): one set per phase until an
             # estimate changes, where the set with them is scored again whenever a backlog's bucket moves (every

@@ -843,6 +843,88 @@ def test_greedy_ngram_offers_passed_over_are_scored(tiny, monkeypatch):
     assert auto.chooser.shadowed >= len(plans) - 8
 
 
+def test_sampled_ngram_offers_a_round_looked_up_are_scored_and_no_others(tiny, monkeypatch):
+    """At T > 0 an n-gram offer passed over is scored too (`_shadow`, in the sampling estimates), but only one the
+    round looked up anyway (an n-gram option could change the plain choice): with every option pinned at α = 0 a
+    plain stretch asks the index nothing and scores nothing (`test_plan_in_a_plain_stretch_does_not_ask_*`); with
+    one worth exploring, its offers are scored — the drafts' common prefix with the sampled tokens — and its
+    estimate falls to what they accepted without a round drafting it."""
+    model, _, _ = tiny
+
+    def recorded(auto):
+        seen, real = [], auto.chooser.observe_offer
+        monkeypatch.setattr(auto.chooser, "observe_offer", lambda n, k, a, r="greedy", p="now": (
+            seen.append((n, k, a, r)), real(n, k, a, r, p))[1])
+        return seen
+
+    auto = _ngram_auto(model, {}, "sampling")
+    seen = recorded(auto)
+    auto.start([], [5, 6, 7, 8, 5])
+    for t in (6, 7, 9, 5, 6, 1):
+        assert auto.plan(4, "sampling", 100)
+        auto.accept([], [t])
+    assert seen == [] and auto._shadows == []
+
+    auto = _ngram_auto(model, {}, "sampling")
+    seen = recorded(auto)
+    opt = auto.chooser.options["ngram@1"]  # α 0.03 but weak: could pay (looked up every plain round), does not
+    opt.stats["sampling"] = AcceptanceStats(opt.max_k, prior=(0.06, 2.0))
+    auto.chooser.rescore()
+    monkeypatch.setattr(auto.chooser, "explore", lambda *a, **kw: None)  # (the rounds stay plain)
+    auto.start([], [5, 6, 7, 8, 5])  # "5" occurred before: the offer drafts 6 7 8 5
+    assert auto.plan(4, "sampling", 100)
+    auto.accept([], [6])
+    auto.accept([], [9])  # the second draft refused
+    assert seen[0] == ("ngram@1", 4, 1, "sampling")
+    before = auto.chooser.options["ngram@1"].acceptance("sampling").alpha(0)
+    for i in range(40):  # "5", then a token new to the context: every offer after "5" is wrong from its first draft
+        assert auto.plan(4, "sampling", 100)
+        auto.accept([], [5])
+        assert auto.plan(4, "sampling", 100)
+        auto.accept([], [100 + i])
+    assert len(seen) >= 8 and all(r == "sampling" for *_, r in seen)
+    assert auto.chooser.options["ngram@1"].acceptance("sampling").alpha(0) < before / 2
+    assert auto.chooser.chosen.get(("ngram@1", 4), 0) == 0
+
+
+def test_a_point_mass_drafts_acceptance_has_the_distribution_of_its_match_with_sampled_tokens():
+    """Why an n-gram offer passed over may be scored at T > 0 (`AutoDrafter._shadow`): for drafts that are a point
+    mass, the number a sampling verify accepts (`verify_sampling`) has exactly the distribution of the drafts'
+    common prefix with tokens sampled from the target: P(n >= j) = p_1(d_1) ... p_j(d_j). Chi-square of 5 000
+    verifies against that enumerated distribution (temperature, top-p and a repetition penalty in the rows)."""
+    from glimmer_mlx.sampling import Sampler, SamplingParams
+    from glimmer_mlx.speculative.ngram import point_mass_logprobs
+    from glimmer_mlx.speculative.verify import target_distribution, verify_sampling
+
+    V, k = 6, 4
+    rng = np.random.default_rng(0)
+    logits = mx.array(rng.normal(0, 1.2, size=(k + 1, V)).astype(np.float32))
+    drafts = [2, 0, 1, 3]  # each row's likeliest raw logit
+    sampler = Sampler(SamplingParams(temperature=0.8, top_p=0.95, repetition_penalty=1.2), seed=5)
+    history = [3, 2, 5]
+    p = np.exp(np.array(target_distribution(logits, sampler, history, drafts).astype(mx.float32)))
+    pd = [float(p[j, d]) for j, d in enumerate(drafts)]
+    assert all(0.2 < x < 0.8 for x in pd)  # every length has mass
+    exact = np.zeros(k + 1)
+    run = 1.0
+    for j in range(k + 1):
+        stop = 1.0 - pd[j] if j < k else 1.0
+        exact[j] = run * stop
+        if j < k:
+            run *= pd[j]
+    q = point_mass_logprobs(drafts, V)
+    plog = target_distribution(logits, sampler, history, drafts)
+    n = 5_000
+    counts = np.zeros(k + 1)
+    for _ in range(n):
+        acc, _nxt = verify_sampling(plog, q, drafts, sampler)
+        counts[acc] += 1
+    exp = exact * n
+    chi2 = float(((counts - exp) ** 2 / exp).sum())
+    df = k
+    assert chi2 < df * (1 - 2 / (9 * df) + 3.09 * (2 / (9 * df)) ** 0.5) ** 3, (counts, exp)
+
+
 def test_a_plain_choice_stays_plain_as_the_request_runs_on():
     """What a held plain verdict rests on (`AutoDrafter.plan`): with no estimate changed, a round that is plain stays
     plain with fewer tokens left (as many more decoded) and its drafters further behind (random tables, uncertain

@@ -958,10 +958,10 @@ class AutoChooser:
     def observe_offer(self, name: str, k: int, n_accepted: int, regime: str = "greedy",
                       phase: int | None | str = "now") -> None:
         """An offer of option `name` that no round took: k drafts of which a verify would have accepted n (known
-        after the fact: greedy n-gram lookup, `AutoDrafter._shadow`). Its acceptance learns from it as from a round
-        (that of `phase`, the response's phase the offer was made in; "now": the current one); the memo is
-        refreshed every `SHADOW_BATCH` of them, not after each (a plain stretch would otherwise be scored afresh
-        every token)."""
+        after the fact, exactly or in distribution: n-gram lookup, `AutoDrafter._shadow`). Its acceptance learns
+        from it as from a round (that of `phase`, the response's phase the offer was made in; "now": the current
+        one); the memo is refreshed every `SHADOW_BATCH` of them, not after each (a plain stretch would otherwise be
+        scored afresh every token)."""
         opt = self.options[name]
         key = self._key(regime, phase)
         opt.acceptance(key).update(k, n_accepted)

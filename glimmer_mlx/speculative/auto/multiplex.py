@@ -187,8 +187,8 @@ class AutoDrafter:
         self._verdict = None
         self._lost: set[str] = set()  # model drafters whose backlog cannot be recomputed in this context
         self._offer = None  # (position, option, drafts) of the latest n-gram offer (`_ngram_offer`)
-        # offers not taken, awaiting the tokens (`_shadow`), with the response's phase they were made in
-        self._shadows: list[tuple[int, str, list[int], int | None]] = []
+        # offers not taken, awaiting the tokens (`_shadow`), with the response's phase and the regime they were made in
+        self._shadows: list[tuple[int, str, list[int], int | None, str]] = []
         self._opened = len(ids) - 1  # where the response starts in `_tokens` (its first token's position)
 
     def _from(self, n: str) -> int:
@@ -328,35 +328,44 @@ class AutoDrafter:
         self._offer = (len(self._tokens), name, drafts) if drafts else None
         return (name, len(drafts)) if drafts else None
 
-    # Greedy n-gram offers not taken are scored anyway (`_shadow`): their drafts are known before the round, and the
-    # tokens committed after it are what a greedy verify would have compared them with, so how many it would have
-    # accepted is known for free once those tokens are. Each option's acceptance is then learned from every offer,
-    # not only from the rounds that drafted it — which are few and chosen (exploration, or where it already looked
-    # good): on the trained tiny set a 1-gram copy explored in a few rounds measured 0.03 where its 63 offers passed
-    # over in plain rounds would have accepted 1.1 tokens each.
+    # n-gram offers not taken are scored anyway (`_shadow`): their drafts are known before the round, and the tokens
+    # committed after it say how many a verify would have accepted. At greedy, exactly: those are the tokens it would
+    # have compared them with. At T > 0, in distribution: an n-gram draft is a point mass, so a verify accepts draft
+    # j (the drafts before it accepted) with probability p_j(d_j), the target's, and plain decoding samples d_j at
+    # that position with that same probability — and committed tokens are the target's samples whatever decoded
+    # them. Each option's acceptance is then learned from every offer, not only from the rounds that drafted it —
+    # which are few and chosen (exploration, or where it already looked good): on the trained tiny set a 1-gram copy
+    # explored in a few rounds measured 0.03 where its 63 offers passed over in plain rounds would have accepted 1.1
+    # tokens each; at T = 1 on the embedded model each n-gram option (five sizes, three phases) was explored in
+    # rounds until its ledger entry lost, ~10 ms a round, 3-5 % of a `glimmer bench --quick` sitting.
 
     def _shadow(self, regime: str, taken: str | None, k: int) -> None:
-        """This round, at most k drafts, took `taken` (None: a plain step): at greedy, keep the n-gram offer of this
-        position to score (`_resolve`) unless it was the option taken."""
-        if regime != "greedy" or "ngram" not in self.drafters:
+        """This round, at most k drafts, took `taken` (None: a plain step): keep the n-gram offer of this position to
+        score (`_resolve`) unless it was the option taken. At greedy the index is asked for it; at T > 0 only an
+        offer this round looked up anyway is kept (where an n-gram option could change a plain choice: `relevant`),
+        so a plain stretch where none could asks the index nothing."""
+        if "ngram" not in self.drafters:
             return
         if self._offer is None or self._offer[0] != len(self._tokens):
+            if regime != "greedy":
+                return
             self._ngram_offer(k)
         offer = self._offer
         if offer is not None and offer[1] != taken and (not self._shadows or self._shadows[-1][0] < offer[0]):
-            self._shadows.append((*offer, self.chooser.phase))
+            self._shadows.append((*offer, self.chooser.phase, regime))
 
     def _resolve(self) -> None:
         """Score the offers whose drafts the committed tokens now confirm or refute (`AutoChooser.observe_offer`)."""
         toks, keep = self._tokens, []
-        for p0, name, drafts, phase in self._shadows:
+        for shadow in self._shadows:
+            p0, name, drafts, phase, regime = shadow
             n = 0
             while n < len(drafts) and p0 + n < len(toks) and toks[p0 + n] == drafts[n]:
                 n += 1
             if n == len(drafts) or p0 + n < len(toks):
-                self.chooser.observe_offer(name, len(drafts), n, "greedy", phase)
+                self.chooser.observe_offer(name, len(drafts), n, regime, phase)
             else:
-                keep.append((p0, name, drafts, phase))
+                keep.append(shadow)
         self._shadows = keep
 
     def plan(self, k: int, regime: str, remaining: int) -> bool:

@@ -49,16 +49,35 @@ def test_no_match_and_single_token_fallback():
 
 
 def test_incremental_index_equals_rebuilt():
+    """Extended a few tokens at a time (a pass per token) or many (`NGramIndex._extend_bulk`, a pass per n), the
+    index is the one a token-by-token build from scratch makes: latest and previous end of every n-gram, and every
+    end where trees keep them."""
     rng = np.random.RandomState(0)
     toks = [int(x) for x in rng.randint(0, 6, size=300)]
-    inc = NGramIndex(1, 4)
-    inc.reset(toks[:10])
-    for i in range(10, 300, 7):
-        inc.extend(toks[i:i + 7])
-        full = NGramIndex(1, 4)
-        full.reset(toks[: min(i + 7, 300)])
-        assert inc.lookup(5) == full.lookup(5)
-        assert inc.last == full.last and inc.prev == full.prev
+
+    def by_token(seq, all_ends):  # the definition, one token at a time
+        last, prev, ends = {}, {}, {}
+        for e in range(1, len(seq) + 1):
+            for n in range(1, min(4, e) + 1):
+                key = tuple(seq[e - n:e])
+                if key in last:
+                    prev[key] = last[key]
+                last[key] = e
+                ends.setdefault(key, []).append(e)
+        return last, prev, (ends if all_ends else {})
+
+    for all_ends in (False, True):
+        inc = NGramIndex(1, 4, all_ends=all_ends)
+        inc.reset(toks[:2])
+        i = 2
+        for step in [7, 40, 1, 17, 3, 100, 16, 2, 60, 5, 50]:
+            inc.extend(toks[i:i + step])
+            i = min(i + step, 300)
+            full = NGramIndex(1, 4, all_ends=all_ends)
+            full.reset(toks[:i])
+            assert inc.lookup(5) == full.lookup(5)
+            assert (inc.last, inc.prev, inc.ends) == (full.last, full.prev, full.ends) == by_token(toks[:i], all_ends)
+        assert i == 300
 
 
 def test_offer_names_a_copy_the_output_follows():

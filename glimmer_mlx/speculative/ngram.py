@@ -24,6 +24,7 @@ import mlx.core as mx
 from .tree import TokenTree
 
 
+BULK = 16  # `NGramIndex.extend` by more tokens than this indexes them n by n (a pass per token is faster for a few)
 SCAN_PER_PATH = 4  # occurrences of an n-gram looked at per continuation wanted (a frequent one has thousands)
 # the option `auto` prices an offer as (`NGramDrafter.offer`): one per matched n-gram size, and one for an offer that
 # goes on with a copy the output already follows
@@ -53,18 +54,39 @@ class NGramIndex:
         self.extend(ids)
 
     def extend(self, new: list[int]) -> None:
-        toks = self.tokens
+        if len(new) > BULK:
+            return self._extend_bulk(new)
+        toks, last, prev = self.tokens, self.last, self.prev
         for t in new:
             toks.append(int(t))
             e = len(toks)
             for n in range(self.min_n, min(self.max_n, e) + 1):
                 key = tuple(toks[e - n:])
-                old = self.last.get(key)
+                old = last.get(key)
                 if old is not None:
-                    self.prev[key] = old
-                self.last[key] = e
+                    prev[key] = old
+                last[key] = e
                 if self.all_ends:
                     self.ends.setdefault(key, []).append(e)
+
+    def _extend_bulk(self, new: list[int]) -> None:
+        """`extend` by many tokens (a prompt): for each n, the n-grams ending at the new positions in one pass, in
+        order — the same index in half the time of a pass per token (~0.4 ms for 400 tokens here)."""
+        toks = self.tokens
+        first = len(toks) + 1  # the first end position added
+        toks.extend(int(t) for t in new)
+        end = len(toks)
+        last, prev, ends = self.last, self.prev, self.ends
+        for n in range(self.min_n, min(self.max_n, end) + 1):
+            lo = max(first, n)  # the n-grams ending at e in [lo, end]
+            keys = zip(*(toks[lo - n + i:end - n + 1 + i] for i in range(n)))
+            for e, key in enumerate(keys, start=lo):
+                old = last.get(key)
+                if old is not None:
+                    prev[key] = old
+                last[key] = e
+                if self.all_ends:
+                    ends.setdefault(key, []).append(e)
 
     def lookup(self, k: int) -> tuple[list[int], int]:
         """Up to k tokens that followed the longest matching earlier n-gram, and that n (0: no match)."""

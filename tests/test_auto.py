@@ -887,6 +887,108 @@ def test_sampled_ngram_offers_a_round_looked_up_are_scored_and_no_others(tiny, m
     assert auto.chooser.chosen.get(("ngram@1", 4), 0) == 0
 
 
+@pytest.mark.parametrize("temperature,ngram", [(0.0, "asked"), (1.0, "asked"), (0.0, "pays")])
+def test_a_run_of_plain_rounds_tells_the_chooser_what_plan_would_have(tiny, monkeypatch, temperature, ngram):
+    """Rounds of a run (`AutoDrafter.sure_plain`, `AutoDecoder._run_round`) ask `plan` nothing: what it would have
+    counted and learned is told afterwards (`plain_run`), and an n-gram offer the verdict was not taken with ends
+    the run where it would have ended the verdict (`run_check`). Against the same auto with runs turned off, three
+    80-token requests (phase boundaries, the options' aging, greedy offers scored as they resolve): the same tokens
+    (plain decoding's at greedy), the same rounds chosen and tokens served, the same offers scored, the same
+    estimates. "asked": one n-gram option kept uncertain (worth asking of the index every round), every round plain;
+    "pays": every n-gram option pinned at α 0.95, so an offer makes its round an n-gram round. (No ledger: it
+    weighs measured seconds, and two runs would part by the clock.)"""
+    model, _, _ = tiny
+    regime = "greedy" if temperature == 0 else "sampling"
+
+    def build():
+        auto = make_auto(model, ngram=4, verify_costs=flat())
+        for name, opt in auto.chooser.options.items():
+            for p in range(3):
+                opt.acceptance(f"{regime}#{p}").set_alphas([0.95 if ngram == "pays" and name.startswith("ngram")
+                                                            else 0.0])
+        auto.chooser._bar = lambda: None  # (the ledger weighs measured seconds: the two would part by the clock)
+        if ngram == "asked":
+            opt = auto.chooser.options["ngram@1"]
+            for p in range(3):
+                opt.stats[f"{regime}#{p}"] = AcceptanceStats(opt.max_k, prior=(0.06, 2.0))
+            monkeypatch.setattr(auto.chooser, "pick",
+                                lambda available, regime="greedy", remaining=None: (None, 0, False))
+        auto.chooser.rescore()
+        return auto
+
+    runs, plain = build(), build()
+    monkeypatch.setattr(plain, "sure_plain", lambda regime, remaining: 0)
+    reported = []
+    real = runs.plain_run
+    monkeypatch.setattr(runs, "plain_run", lambda n, sec: (reported.append(n), real(n, sec))[1])
+    rng = np.random.RandomState(5)
+    prompts = [[int(x) for x in rng.randint(10, 60, size=12)] * 2 for _ in range(3)]
+    for prompt in prompts:
+        a = glimmer_mlx.generate(model, prompt, max_tokens=80, temperature=temperature, seed=3, drafter=runs).tokens
+        b = glimmer_mlx.generate(model, prompt, max_tokens=80, temperature=temperature, seed=3, drafter=plain).tokens
+        assert a == b
+        if temperature == 0:
+            assert a == glimmer_mlx.generate(model, prompt, max_tokens=80).tokens
+    assert sum(reported) >= 40  # many rounds ran in runs
+    if ngram == "pays":
+        assert sum(v for (n, _), v in runs.chooser.chosen.items() if n != "plain") >= 3
+    assert runs.chooser.shadowed == plain.chooser.shadowed
+    assert runs.chooser.shadowed > 0 or temperature > 0 or ngram == "pays"  # (an offer that pays is taken)
+    ca, cb = runs.chooser, plain.chooser
+    assert ca.chosen == cb.chosen and ca.round == cb.round and ca.decoded == cb.decoded
+    assert ca.served.keys() == cb.served.keys() and all(abs(ca.served[k] - cb.served[k]) < 1e-9 for k in ca.served)
+    assert runs._tokens == plain._tokens
+    for name, opt in ca.options.items():
+        for key, st in opt.stats.items():
+            other = cb.options[name].stats[key]
+            assert np.allclose(st.acc, other.acc) and np.allclose(st.tried, other.tried), (name, key)
+
+
+def test_a_run_ends_before_a_phase_boundary_the_options_aging_or_the_request_s_last_rounds(tiny):
+    """`sure_plain` (rounds a held plain verdict runs without asking `plan`) never reaches a round where the verdict
+    could change by what the rounds themselves bring: the next phase of the response (`PHASES`), the options' aging
+    (every `age_every` rounds), the request's last 3 rounds; and none while a wake, a scale check, kept taps or no
+    verdict stand. Random states against the bounds, and long runs where none is near."""
+    model, _, _ = tiny
+    auto = make_auto(model, ngram=4, verify_costs=flat())
+    ch = auto.chooser
+    for opt in ch.options.values():
+        for p in range(3):
+            opt.acceptance(f"sampling#{p}").set_alphas([0.0])
+    ch.rescore()
+    auto.wants_taps("sampling")
+    auto.start([], list(range(10, 30)))
+    assert auto.plan(4, "sampling", 500) and auto._verdict is not None
+    rng = np.random.default_rng(0)
+    phase = lambda g: sum(g >= b for b in ch.phases)  # noqa: E731
+    longest = 0
+    for _ in range(2000):
+        ch.round = int(rng.integers(0, 1000))
+        generated = int(rng.integers(0, 200))
+        auto._opened = len(auto._tokens) - generated
+        remaining = int(rng.integers(1, 400))
+        n = auto.sure_plain("sampling", remaining)
+        assert 0 <= n <= remaining - 3 or n == 0
+        assert all((ch.round + i) % ch.age_every for i in range(1, n + 1))
+        assert n == 0 or phase(generated + n + 1) == phase(generated)  # (one round to spare)
+        longest = max(longest, n)
+    assert longest >= 16
+    ch.round, auto._opened = 1, len(auto._tokens) - 70
+    assert auto.sure_plain("sampling", 500) > 16
+    for spoil in ("wake", "check", "taps", "verdict"):
+        saved = auto._wake, ch._check_from, auto._verdict
+        if spoil == "wake":
+            auto._wake = []
+        elif spoil == "check":
+            ch._check_from = ch.round
+        elif spoil == "taps":
+            auto._verdict = auto._verdict[:3] + (True,)
+        else:
+            auto._verdict = None
+        assert auto.sure_plain("sampling", 500) == 0, spoil
+        auto._wake, ch._check_from, auto._verdict = saved
+
+
 def test_a_point_mass_drafts_acceptance_has_the_distribution_of_its_match_with_sampled_tokens():
     """Why an n-gram offer passed over may be scored at T > 0 (`AutoDrafter._shadow`): for drafts that are a point
     mass, the number a sampling verify accepts (`verify_sampling`) has exactly the distribution of the drafts'

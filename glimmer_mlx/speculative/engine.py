@@ -252,58 +252,11 @@ class AutoDecoder(SpeculativeDecoder):
         drafter.fill, drafter.can_fill = self._fill, self._can_fill
         self._t_commit = None  # when the previous round's tokens were committed (None before the first)
         self._after = None  # what that round was: "plain", "spec" (a measured speculative round) or None
-        # a run of plain rounds (`AutoDrafter.sure_plain`): rounds it may still decide, whether the coming round is
-        # one of them, and the rounds decided and tokens' seconds not reported yet (`_report`)
-        self._run, self._in_run, self._ran, self._run_seconds = 0, False, 0, []
 
     def plain_next(self, k: int, budget: int) -> bool:
-        if self._run:
-            self._run -= 1
-            self._in_run = True
-            self._ran += 1
-            return True
-        self._report()
         plain = self.drafter.plan(k, self._regime, budget)
         self.plain.taps = self.taps if plain and self.drafter.needs_taps else None
-        if plain and self.plain.taps is None and self.last_round is not None:  # (not in the prefill token's round)
-            self._run = self.drafter.sure_plain(self._regime, budget)
-            if self._run:
-                self.drafter.pending = self._report
         return plain
-
-    def _report(self) -> None:
-        """Tell the drafter the run's rounds (`AutoDrafter.plain_run`); the run is over."""
-        if self.drafter.pending == self._report:
-            self.drafter.pending = None
-        if self._ran or self._run_seconds:
-            ran, seconds, self._ran, self._run_seconds = self._ran, self._run_seconds, 0, []
-            self.drafter.plain_run(ran, seconds)
-
-    def _go_on(self, budget: int) -> None:
-        """After this round's token: whether the run decides the round after next too (`AutoDrafter.run_check`,
-        what `plan` would ask there), else it ends with the next round."""
-        if self._run and not self.drafter.run_check(min(self.max_k, budget - 3), self._regime):
-            self._run = 0
-
-    def _plain_round(self, budget: int) -> list[int]:
-        out = super()._plain_round(budget)
-        self._go_on(budget)
-        return out
-
-    def _run_round(self, budget: int) -> list[int]:
-        """A round of a run: the one plain loop, its token handed over (`AutoDrafter.run_token`), a clock; what
-        else its round would have told the drafter is told later (`_report`)."""
-        self._in_run = False
-        t, _ = self.plain.take(queue_next=self._queue_next(budget - 1))
-        self.drafter.run_token(t)
-        self._go_on(budget)
-        now = time.perf_counter()
-        self._run_seconds.append(now - self._t_commit)
-        self._t_commit = now
-        self.drafter.pending = self._report
-        self.plain_rounds += 1
-        self.last_round = "plain"
-        return self._commit([t])
 
     def prefill(self, ids: list[int], input_embeddings=None, reuse: int = 0) -> None:
         """The prompt's taps only when a model drafter could pay (`AutoDrafter.wants_taps`; or the prompt has images,
@@ -344,9 +297,6 @@ class AutoDecoder(SpeculativeDecoder):
         return [mx.concatenate([p[i] for p in parts], axis=1) for i in range(len(self.taps))]
 
     def step(self, budget: int) -> list[int]:
-        if self._in_run:
-            return self._run_round(budget)
-        self._report()
         auto, t_prev = self.drafter, self._t_commit
         auto.remaining = budget  # what a speculative round chosen now can still earn back
         final = budget <= 1 and not self.plain.queued  # the last token, its forward not queued: not a plain stretch's

@@ -1081,16 +1081,6 @@ class AutoChooser:
         self._forget()  # a plain verdict held for the check does not hold past it
         self._confirm()
 
-    @property
-    def check_pending(self) -> bool:
-        """Whether a check of the scale has begun and still wants plain tokens (`check_due`)."""
-        return self._check_from is not None
-
-    @property
-    def reopen_at(self) -> float:
-        """The decoding time (`elapsed`) at which the bar lifts (`_bar`; infinite with nothing barred)."""
-        return self._reopen
-
     def check_due(self) -> bool:
         """Whether this round must be plain to measure the scale again: no plain token was measured in the latest
         `STALE_ROUNDS` rounds (or a check began and has not yet its `CHECK_SAMPLES` tokens); never before the first

@@ -38,8 +38,6 @@ NGRAM_RUN_ALPHA = {"greedy": 0.5, "sampling": 0.05}
 # drafts) → tree τ 2.0 at depth 6 (α 0.50): (1 − 0.50) / (1 − 0.33) ≈ 0.75
 TREE_ROWS = 16
 TREE_RESCUE = 0.75
-# the most rounds a run of plain rounds (`AutoDrafter.sure_plain`) goes without reporting them
-RUN_MAX = 32
 
 
 def ngram_prior(size: int) -> dict:
@@ -137,9 +135,6 @@ class AutoDrafter:
         self._reprefill = 0  # where the target's prefill restarts after `rewind_context`
         self._verdict = None  # the plain verdict a plain stretch keeps (`_hold`)
         self._planned = None  # (state, offers, `pick`'s answer) of the latest speculative `plan`, for `propose`
-        # set by a decoder while rounds of a run (`sure_plain`) are not reported yet (`plain_run`): called before
-        # anything else reads what the chooser counted (a generation left unfinished leaves them pending)
-        self.pending = None
         self._reset([], None)
 
     def _add_trees(self) -> None:
@@ -293,7 +288,6 @@ class AutoDrafter:
         return pos - c
 
     def start(self, taps: list[mx.array] | None, ids: list[int]) -> None:
-        self._settle()
         self._at = dict.fromkeys(self.drafters, 0)
         self._how = dict.fromkeys(self.drafters, "start")
         self._reset(ids, taps)
@@ -436,62 +430,6 @@ class AutoDrafter:
         offer = self._ngram_offer(k)
         return offer is None or offer[0] not in v[1] or offer in v[2]
 
-    # A plain verdict held on nothing that moves from round to round but the n-gram index's offer stands until a
-    # round brings something else: a phase boundary of the response, the idle options' aging (`AutoChooser._tick`),
-    # a bar lifting, the request's last rounds — or an offer or an estimate that `_held` sees. So the decoder can run
-    # those rounds as plain decoding runs its tokens (`sure_plain`): each hands its token over and asks `_held`
-    # (`run_token`), and what `plan` would have counted and `plain_token` and `elapse` measured is told afterwards in
-    # one call (`plain_run`), the same counts and times in the same order. On the 2-core CPU a plain token's ~25
-    # method calls of bookkeeping (~10 µs alone) took 60-120 µs beside the model's step (each call's first touch of
-    # its code and objects ~3 µs there) and slowed the step: auto decoding plainly ran 2-8 % below plain decoding in
-    # 32-token requests.
-
-    def _settle(self) -> None:
-        """Have the decoder report a run's rounds still pending (`pending`)."""
-        if self.pending is not None:
-            report, self.pending = self.pending, None
-            report()
-
-    def sure_plain(self, regime: str, remaining: int) -> int:
-        """How many rounds after the one `plan` just decided plain (with `remaining` tokens of the request left) stay
-        plain while `run_token` says so (0: none)."""
-        v, ch = self._verdict, self.chooser
-        if v is None or v[3] or self._wake is not None or ch.check_pending or self._opened is None:
-            return 0
-        n = min(RUN_MAX, remaining - 3, ch.age_every - ch.round % ch.age_every - 1)
-        if ch.phases is not None:
-            generated = len(self._tokens) - self._opened
-            nxt = min((b for b in ch.phases if b > generated), default=None)
-            if nxt is not None:
-                n = min(n, nxt - generated - 2)
-        if ch.barred:  # the bar lifts once the decoding time has earned it back (`AutoChooser.elapse`)
-            n = min(n, int(0.5 * (ch.reopen_at - ch.elapsed) / ch.plain_cal))
-        return max(0, n)
-
-    def run_check(self, k: int, regime: str) -> bool:
-        """Whether a run decides the round after next too: its plain verdict holds as `plan` would find it there
-        (`_held`: asked of the n-gram index where an offer could change it), the offer kept to score (`_shadow`)."""
-        if not self._held(k, regime):
-            return False
-        self._shadow(regime, None, k)
-        return True
-
-    def run_token(self, token: int) -> None:
-        """A run's round committed `token`: `accept`'s part for a plain token."""
-        self._tokens.append(token)
-        if self._shadows:
-            self._resolve()
-
-    def plain_run(self, rounds: int, seconds: list[float]) -> None:
-        """A run's rounds: `rounds` decided plain (counted as `plan` counts them), then one pipelined plain token of
-        `seconds` each (as the decoder's `elapse` and `plain_token`)."""
-        ch = self.chooser
-        for _ in range(rounds):
-            ch.count_plain()
-        for x in seconds:
-            ch.elapse(x)
-            self.plain_token(x)
-
     def _warm(self, regime: str, remaining: int | None) -> bool:
         """Whether a forward should yield the model drafters' taps although this round's drafter reads none: while
         one of them pays by its mean estimate (`AutoChooser.paying`), it stays in step on them instead of catching up
@@ -511,7 +449,6 @@ class AutoDrafter:
         prefill next to nothing (the LM head runs over its last position either way) and they spare a drafter tried
         later in the request a forward over the whole prompt: its catch-up then runs again only the tokens decoded
         since (`_sync`)."""
-        self._settle()
         self.chooser.clear_lags()
         self._lost.clear()
         self._opened = None  # a new response: its opening phase until it starts (`_reset`)
@@ -643,7 +580,6 @@ class AutoDrafter:
     # -- prompt-cache reuse (session.Session) -------------------------------------------------------------------------
     def context_length(self) -> int:
         """Every committed position but the anchor: a drafter behind them catches up when it is next asked."""
-        self._settle()
         return len(self._tokens) - 1
 
     def rewind_context(self, keep: int) -> int:
@@ -652,7 +588,6 @@ class AutoDrafter:
         The target re-runs from `keep`, or from the point of a drafter that was in step to the end (MTP restarts its
         chain a few positions back): their taps then come with that prefill. A drafter that was behind stays behind,
         and catches up (`fill`) only if it is asked to draft."""
-        self._settle()
         keep = max(0, min(keep, self.context_length()))
         end = self.context_length()
         lowest = keep
@@ -676,7 +611,6 @@ class AutoDrafter:
         return lowest
 
     def extend(self, taps: list[mx.array] | None, ids: list[int]) -> None:
-        self._settle()
         how, at = self._how, self._at
         self._reset(ids, taps, self._reprefill)
         self._how, self._at = how, at
@@ -687,7 +621,6 @@ class AutoDrafter:
         return (self, *self.drafters.values())
 
     def stats(self) -> dict:
-        self._settle()
         return {"auto": {**self.chooser.summary(), "drafters": sorted(self.drafters),
                          "calibration": self.calibration}}
 

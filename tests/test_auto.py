@@ -16,6 +16,7 @@ from glimmer_mlx.speculative.auto import (AcceptanceStats, AutoChooser, AutoDraf
 from glimmer_mlx.speculative.auto.chooser import ENTER_GAIN, FUTURE_TOKENS, MIN_GAIN
 from glimmer_mlx.cache import keep_path as engine_keep_path
 from glimmer_mlx.speculative.engine import AutoDecoder
+from chi_square import chi2, chi2_critical
 
 MS = 1e-3
 
@@ -919,10 +920,8 @@ def test_a_point_mass_drafts_acceptance_has_the_distribution_of_its_match_with_s
     for _ in range(n):
         acc, _nxt = verify_sampling(plog, q, drafts, sampler)
         counts[acc] += 1
-    exp = exact * n
-    chi2 = float(((counts - exp) ** 2 / exp).sum())
-    df = k
-    assert chi2 < df * (1 - 2 / (9 * df) + 3.09 * (2 / (9 * df)) ** 0.5) ** 3, (counts, exp)
+    stat, df = chi2(counts, exact, n)
+    assert df == k and stat < chi2_critical(df), (counts, exact * n)
 
 
 def test_a_plain_choice_stays_plain_as_the_request_runs_on():

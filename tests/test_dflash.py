@@ -13,6 +13,7 @@ from glimmer_mlx.sampling import Sampler, SamplingParams
 from glimmer_mlx.speculative import load_drafter
 from glimmer_mlx.strategy import make_decoder
 from hf_fixtures import build_hf_drafter
+from chi_square import chi2, chi2_critical
 
 DRAFTER_CACHE: dict = {}
 
@@ -189,24 +190,6 @@ def test_drafter_fit_errors(pair, tiny_checkpoint, tmp_path):
 V_SMALL = 12
 
 
-def _chi2_critical(df: int, z: float = 3.09) -> float:
-    """Wilson–Hilferty upper quantile of chi-square(df); z = 3.09 is the one-sided 0.999 normal quantile,
-    i.e. a correct sampler fails one test in a thousand."""
-    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
-
-
-def _chi2(counts: np.ndarray, probs: np.ndarray, n: int) -> tuple[float, int]:
-    """Chi-square statistic with cells of expected count < 5 merged into one; returns (statistic, df)."""
-    exp = probs * n
-    big = exp >= 5
-    obs_c = list(counts[big]) + [counts[~big].sum()]
-    exp_c = list(exp[big]) + [exp[~big].sum()]
-    obs_c, exp_c = np.array(obs_c, float), np.array(exp_c, float)
-    keep = exp_c > 0
-    stat = float((((obs_c - exp_c) ** 2) / np.where(keep, exp_c, 1))[keep].sum())
-    return stat, int(keep.sum()) - 1
-
-
 def _exact_joint(model, prompt, params):
     """P(t1, t2, t3) of plain sampling, by enumerating every continuation (vocab 12)."""
     from glimmer_mlx.sampling import process
@@ -246,8 +229,8 @@ def _marginal_tests(counts, joint, n):
     worst = 0.0
     for axes in [(1, 2), (0, 2), (0, 1), (0,)]:
         c, p = counts.sum(axis=axes).ravel(), joint.sum(axis=axes).ravel()
-        stat, df = _chi2(c, p, n)
-        worst = max(worst, stat / _chi2_critical(df))
+        stat, df = chi2(c, p, n)
+        worst = max(worst, stat / chi2_critical(df))
     return worst
 
 

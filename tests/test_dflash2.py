@@ -19,6 +19,7 @@ from glimmer_mlx.sampling import Sampler, SamplingParams, process
 from glimmer_mlx.speculative import load_drafter
 from glimmer_mlx.speculative.dflash2 import DFlash2Drafter
 from glimmer_mlx.strategy import DecodeSpec, load_drafters
+from chi_square import chi2, chi2_critical
 
 # The published Glimmer DFlash 2 config (z-lab/dflash tests/fixtures/dflash2-config.json), as its fields are.
 PUBLISHED = {
@@ -340,20 +341,6 @@ def test_greedy_identity_past_window(target, tmp_path, block_size):
 V_SMALL = 12
 
 
-def _chi2_critical(df: int, z: float = 3.09) -> float:
-    """Wilson–Hilferty upper 0.999 quantile of chi-square(df)."""
-    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
-
-
-def _chi2(counts, probs, n):
-    exp = probs * n
-    big = exp >= 5
-    obs_c = np.array(list(counts[big]) + [counts[~big].sum()], float)
-    exp_c = np.array(list(exp[big]) + [exp[~big].sum()], float)
-    keep = exp_c > 0
-    return float((((obs_c - exp_c) ** 2) / np.where(keep, exp_c, 1))[keep].sum()), int(keep.sum()) - 1
-
-
 def _exact_joint(model, prompt, params):
     """P(t1, t2, t3) of plain sampling, every continuation enumerated (vocab 12)."""
     def dist(seqs):
@@ -375,8 +362,8 @@ def _worst(model, drafter, prompt, params, n=600):
         counts[tuple(r.tokens)] += 1
     worst = 0.0
     for axes in [(1, 2), (0, 2), (0, 1), (0,)]:
-        stat, df = _chi2(counts.sum(axis=axes).ravel(), joint.sum(axis=axes).ravel(), n)
-        worst = max(worst, stat / _chi2_critical(df))
+        stat, df = chi2(counts.sum(axis=axes).ravel(), joint.sum(axis=axes).ravel(), n)
+        worst = max(worst, stat / chi2_critical(df))
     return worst
 
 

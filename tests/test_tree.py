@@ -20,6 +20,7 @@ from glimmer_mlx.speculative.ngram import NGramDrafter, NGramIndex
 from glimmer_mlx.speculative.tree import TokenTree
 from glimmer_mlx.strategy import ModeError
 from hf_fixtures import TINY_TEXT
+from chi_square import chi2, chi2_critical
 
 V = TINY_TEXT["vocab_size"]
 W = TINY_TEXT["sliding_window"]  # 8
@@ -278,27 +279,12 @@ def test_tree_mode_errors(model):
 # sampling is lossless on trees
 
 
-def _chi2(counts: np.ndarray, probs: np.ndarray, n: int) -> tuple[float, int]:
-    """Chi-square statistic with cells of expected count < 5 merged; (statistic, df)."""
-    exp = probs * n
-    big = exp >= 5
-    obs_c = np.array(list(counts[big]) + [counts[~big].sum()], float)
-    exp_c = np.array(list(exp[big]) + [exp[~big].sum()], float)
-    keep = exp_c > 0
-    return float((((obs_c - exp_c) ** 2) / np.where(keep, exp_c, 1))[keep].sum()), int(keep.sum()) - 1
-
-
-def _chi2_critical(df: int, z: float = 3.09) -> float:
-    """Wilson–Hilferty 0.999 quantile of chi-square(df)."""
-    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
-
-
 def _worst(counts, joint, n):
     worst = 0.0
     for axes in [(1, 2), (0, 2), (0, 1), (0,), ()]:
         c, p = counts.sum(axis=axes).ravel(), joint.sum(axis=axes).ravel()
-        stat, df = _chi2(c, p, n)
-        worst = max(worst, stat / _chi2_critical(df))
+        stat, df = chi2(c, p, n)
+        worst = max(worst, stat / chi2_critical(df))
     return worst
 
 

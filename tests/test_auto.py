@@ -437,6 +437,63 @@ def test_short_requests_pay_for_no_exploration_they_cannot_earn_back():
     assert ch.pick({"dflash": 7}, remaining=threshold)[2] and not ch.pick({"dflash": 7}, remaining=threshold - 1)[2]
 
 
+def test_an_option_whose_offers_are_scored_is_never_explored_only_chosen_where_it_pays():
+    """n-gram lookup's offers passed over are scored (`observe_offer`): a plain round learns what a round of it would,
+    so it is never drafted to learn it. The same uncertain estimate on an option scored only by its rounds is
+    explored; scored offers that turn out good make it chosen by its mean, with no exploration round at all."""
+    costs = {L: 10 * MS * (1 + 0.05 * (L - 1)) for L in range(1, 17)}
+
+    def fresh(shadowed):
+        ch = AutoChooser(costs)
+        ch.add("ngram@2", 8, "free", measured_tau={"width": 1, "greedy": 1.03, "sampling": 1.03}, sporadic=True,
+               shadowed=shadowed)
+        return ch
+
+    assert fresh(False).pick({"ngram@2": 8}, remaining=2000) == ("ngram@2", 1, True)  # uncertain: worth a try
+    ch = fresh(True)
+    assert ch.pick({"ngram@2": 8}, remaining=2000) == (None, 0, False)
+    assert "ngram@2" in ch.relevant("greedy", 2000)  # still asked for its offers (so they are scored)
+    for _ in range(30):  # its offers turn out right: 8 of 8 accepted
+        ch.observe_offer("ngram@2", 8, 8)
+    assert ch.pick({"ngram@2": 8}, remaining=2000)[0::2] == ("ngram@2", False)
+    assert not ch.explored
+
+
+def test_scoring_only_what_changed_decides_as_scoring_everything_afresh():
+    """Offers scored in batches and idle estimates fading drop only the changed options' memoised tables (with those
+    of the options scored since the last batch, and the sets every option feeds); a fade that moves nothing drops
+    none. Over random offers, rounds and fades, every choice and every `relevant` set is the one a chooser that
+    drops every table each time makes — and one that kept the sets would not be."""
+    import random
+
+    def run(seed: int, forget=None):
+        rng = random.Random(seed)
+        costs, opts = random_tables(np.random.RandomState(seed), 0.05, 0.05, "ngram@2")
+        ch = chooser(costs, opts)
+        ch.add("ngram@1", 8, "free", sporadic=True, shadowed=True)
+        ch.age_every = 16
+        if forget == "all":
+            ch._forget_options = lambda names: names and ch._forget()
+        elif forget == "own":  # the changed options' own tables only
+            ch._forget_options = lambda names: [ch._forget(n) for n in names]
+        seen = []
+        for i in range(600):
+            good = (i // 100) % 2 == 1  # stretches of offers all wrong, then mostly right
+            ch.observe_offer(rng.choice(["ngram@1", "ngram@2"]), 8, 8 if good and rng.random() < 0.8 else 0)
+            seen.append(ch.relevant("greedy", 500))
+            name, k = ch.choose({"dflash": 15, "mtp": 3, rng.choice(["ngram@1", "ngram@2"]): 8}, "greedy", 500)
+            seen.append((name, k))
+            if name is not None:
+                ch.update(name, k, rng.randint(0, k), "greedy")
+            ch.count_plain()
+        return seen
+
+    runs = [(run(seed), run(seed, "all"), run(seed, "own")) for seed in range(5)]
+    assert all(targeted == every for targeted, every, _ in runs)
+    assert any(own != every for _, every, own in runs)
+    assert any(x == (None, 0) for x in runs[0][0]) and any(x == frozenset({"ngram@1"}) for x in runs[0][0])
+
+
 def test_what_is_learned_serves_later_requests_of_the_same_chooser():
     """A fresh process's first short request explores nothing it cannot earn back; a chooser that has already decoded
     many tokens (a session, a server) counts up to `FUTURE_TOKENS` more, so the same short request explores."""
@@ -964,7 +1021,7 @@ def test_a_held_plain_verdict_decides_as_asking_afresh(tiny, monkeypatch):
     tokens = base + base[5:15] + noise[:15] + base[20:23] + noise[15:] + base[25:33] + base[:8]
     runs = []
     for held in (True, False):
-        auto = _ngram_auto(model, {"ngram@4": 0.95})
+        auto = _ngram_auto(model, {"ngram@4": 0.95, "ngram@run": 0.95})
         if not held:
             monkeypatch.setattr(auto, "_held", lambda k, regime: False)
         asked = []
@@ -981,7 +1038,7 @@ def test_a_held_plain_verdict_decides_as_asking_afresh(tiny, monkeypatch):
         runs.append((plans, len(asked), dict(auto.chooser.chosen)))
     (plans, asked, chosen), (fresh_plans, fresh_asked, fresh_chosen) = runs
     assert plans == fresh_plans and chosen == fresh_chosen
-    assert False in plans and True in plans  # the repeated 4-grams are worth drafting from, the rest is not
+    assert False in plans and True in plans  # the repeated copies are worth drafting from, the rest is not
     assert fresh_asked == len(plans) and asked < len(plans) / 3
 
 

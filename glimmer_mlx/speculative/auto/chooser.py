@@ -117,13 +117,17 @@ class AcceptanceStats:
             if j < n_accepted:
                 self.acc[j] += 1
 
-    def age(self, factor: float) -> None:
+    def age(self, factor: float) -> bool:
         """Evidence fades while the option sits idle (the context it was measured in may be gone): every count moves
-        toward the prior's by `factor`, so the estimate's uncertainty grows back and exploring it can pay again."""
+        toward the prior's by `factor`, so the estimate's uncertainty grows back and exploring it can pay again.
+        Whether any moved (counts still at the prior's — an option never observed in this regime — do not)."""
+        if self.acc == self.base[0] and self.tried == self.base[1] and self.shrink == self.prior[1]:
+            return False
         for j in range(self.max_k):
             self.acc[j] = self.base[0][j] + (self.acc[j] - self.base[0][j]) * factor
             self.tried[j] = self.base[1][j] + (self.tried[j] - self.base[1][j]) * factor
         self.shrink = self.prior[1] + (self.shrink - self.prior[1]) * factor
+        return True
 
     def spread(self) -> float:
         """Standard deviation of the first draft's acceptance under its posterior (the Beta of its decayed counts,
@@ -345,6 +349,10 @@ class Option:
     # a token-tree option: every round verifies this many rows (the root and up to rows − 1 draft nodes, paths at
     # most k deep) whatever its depth k; None: a chain, k + 1 rows
     rows: int | None = None
+    # its offers that no round took are scored (`AutoChooser.observe_offer`; n-gram lookup, whose drafts are known
+    # before the round): a plain round learns what a round of it would, so it is never explored — a round drafted
+    # only to learn it would pay for what passing it over learns for free — and is chosen where its estimate pays
+    shadowed: bool = False
 
     def verify_rows(self, k: int) -> int:
         """Rows one round at k drafts (a tree: k deep) feeds the target's verify forward."""
@@ -468,17 +476,19 @@ class AutoChooser:
         self.phase: int | None = None
         self.phases = PHASES
         self.shadowed = 0  # offers scored without a round (`observe_offer`)
+        self._shadowed_options: set[str] = set()  # the options those of the running batch scored (`observe_offer`)
         # option (None: plain) -> tokens its rounds committed, fading as the ledger does (`_servable`)
         self.served: dict[str | None, float] = {}
 
     def add(self, name: str, max_k: int, shape: str, draft_prior=None, decay: float = 0.97,
             measured_tau: dict | None = None, then_alpha: dict | None = None, sporadic: bool = False,
-            rows: int | None = None) -> Option:
+            rows: int | None = None, shadowed: bool = False) -> Option:
         """measured_tau: {"width", "greedy", "sampling"} τ measured for this drafter (`read_measured_tau`): the
         acceptance estimates start from it instead of α = 0.5, so a weak drafter is not tried blindly first.
         then_alpha: {regime: α} of the drafts after an accepted one (`AcceptanceStats` then). sporadic: available
         in some rounds only (`Option.sporadic`). rows: a token-tree option's verify rows per round (`Option.rows`;
-        its acceptance is the accepted path's, per depth)."""
+        its acceptance is the accepted path's, per depth). shadowed: its offers no round took are scored
+        (`observe_offer`, `Option.shadowed`): it is never explored."""
         max_k = min(max_k, max(self.costs) - 1)
         if max_k < 1:
             raise ValueError(f"option {name!r}: the verify cost curve must cover at least L = 2")
@@ -493,7 +503,8 @@ class AutoChooser:
             regime: alpha_from_tau(measured_tau[regime], int(measured_tau["width"]))
             for regime in ("greedy", "sampling") if measured_tau.get(regime) is not None}
         opt = Option(name, max_k, DraftCost(shape, prior), decay=decay, prior_alpha=alphas,
-                     then_alpha=dict(then_alpha or {}), sporadic=sporadic, rows=rows)
+                     then_alpha=dict(then_alpha or {}), sporadic=sporadic, rows=rows,
+                     shadowed=shadowed)
         self.options[name] = opt
         self._forget()
         return opt
@@ -590,20 +601,30 @@ class AutoChooser:
         (`_bounded_by`)."""
         opt = self.options[name]
         stats = opt.acceptance(self._key(regime, phase))
-        fixed = max(0.0, self.round_overhead)
         switch = 0.0 if free else self._switch(name)
         span = self.horizon
         if regime in opt.stretch and not self._spec_last:
             span = max(1.0, min(span, opt.stretch[regime]))
-        vf = opt.verify_factor.get(regime, self.verify_factor.get(regime, 1.0))
-        out, e, p = [], 1.0, 1.0
-        alphas = stats.alphas()
-        for k in range(1, min(cap, opt.max_k) + 1):
-            p *= min(1.0, max(0.0, alphas[k - 1] + shift))
+        out, e, p, scale = [], 1.0, 1.0, self.scale
+        for a, base in zip(stats.alphas()[:min(cap, opt.max_k)], self._round_costs(name, regime)):
+            a += shift
+            p *= 1.0 if a >= 1.0 else (a if a > 0.0 else 0.0)
             e += p
-            cost = opt.cost(k) + vf * self.costs[opt.verify_rows(k)] + fixed + switch * min(1.0, e / span)
-            out.append(e / (self.scale * cost))
+            out.append(e / (scale * (base + (switch if e >= span else switch * e / span))))
         return out
+
+    def _round_costs(self, name: str, regime: str) -> list[float]:
+        """[calibrated seconds of a round of option `name` at k drafts, without a switch or catch-up, for k = 1..max_k]:
+        its draft, its verify (× the verify factor) and the round overhead; kept while those are what they were."""
+        opt = self.options[name]
+        fixed = max(0.0, self.round_overhead)
+        vf = opt.verify_factor.get(regime, self.verify_factor.get(regime, 1.0))
+        memo = self._memo_of(name)
+        got = memo.get(("round costs", regime))
+        if got is None or got[0] != (vf, fixed):
+            got = memo[("round costs", regime)] = ((vf, fixed), [
+                opt.cost(k) + vf * self.costs[opt.verify_rows(k)] + fixed for k in range(1, opt.max_k + 1)])
+        return got[1]
 
     def _switch(self, name: str) -> float:
         """Calibrated seconds a round of option `name` pays once, beyond its own work: the switch into a
@@ -749,6 +770,8 @@ class AutoChooser:
         incumbent = (incumbent[0], math.exp(round(100 * math.log(incumbent[1])) / 100))
         for name, cap in available.items():
             if cap < 1 or name == incumbent[0]:
+                continue
+            if self.options[name].shadowed:
                 continue
             cap = min(cap, self.options[name].max_k)
             bar = incumbent[1] * (1 + MIN_GAIN)
@@ -914,11 +937,12 @@ class AutoChooser:
         if self.barred:
             self._bar()  # the losses faded under the floor (`LEDGER_FLOOR`): the bar may lift
         factor = self.age ** self.age_every
+        aged = set()
         for opt in self.options.values():
             for regime, stats in opt.stats.items():
-                if opt.touched.get(regime, -1) <= self.round - self.age_every:
-                    stats.age(factor)
-        self._forget()
+                if opt.touched.get(regime, -1) <= self.round - self.age_every and stats.age(factor):
+                    aged.add(opt.name)
+        self._forget_options(aged)  # (an estimate at its prior does not move: the tables scored on it stand)
 
     def update(self, name: str | None, k: int, n_accepted: int, regime: str = "greedy",
                draft_time: float | None = None, verify_time: float | None = None) -> None:
@@ -960,15 +984,16 @@ class AutoChooser:
         """An offer of option `name` that no round took: k drafts of which a verify would have accepted n (known
         after the fact, exactly or in distribution: n-gram lookup, `AutoDrafter._shadow`). Its acceptance learns
         from it as from a round (that of `phase`, the response's phase the offer was made in; "now": the current
-        one); the memo is refreshed every `SHADOW_BATCH` of them, not after each (a plain stretch would otherwise be
-        scored afresh every token)."""
+        one); their tables are scored again every `SHADOW_BATCH` of them, not after each (a plain stretch would
+        otherwise be scored afresh every token), and only theirs (`_forget_options`)."""
         opt = self.options[name]
         key = self._key(regime, phase)
         opt.acceptance(key).update(k, n_accepted)
         opt.touched[key] = self.round
         self.shadowed += 1
+        self._shadowed_options.add(name)
         if self.shadowed % SHADOW_BATCH == 0:
-            self._forget()
+            self._forget_options({name})
 
     def elapse(self, seconds: float) -> None:
         """A round took `seconds` (commit to commit), whatever it was: the decoding time the ledger's budget grows
@@ -1060,6 +1085,17 @@ class AutoChooser:
             self._memo.clear()
             self._shared = (self.round_overhead, dict(self.verify_factor))
         self.version += 1
+
+    def _forget_options(self, names: set[str]) -> None:
+        """The estimates of options `names` changed (none else): their own tables, those of the options whose offers
+        were scored since the last batch (`observe_offer`: their tables are refreshed whenever any are), and the
+        sets every option feeds are scored again; the others' tables stand."""
+        if not names:
+            return
+        for name in names | self._shadowed_options:
+            self._forget(name)
+        self._shadowed_options = set()
+        self._forget(None, sets=True)
 
     def observe_plain(self, seconds: float) -> None:
         """Measured seconds of one pipelined plain token: how fast the machine runs now (`SCALE_WINDOW`; a check of

@@ -99,9 +99,9 @@ class AutoDrafter:
             if n == "ngram":
                 for m in range(d.index.min_n, d.index.max_n + 1):
                     self.chooser.add(NGRAM_OPTION.format(m), d.max_drafts, "free", measured_tau=ngram_prior(m),
-                                     then_alpha=NGRAM_THEN, sporadic=True)
+                                     then_alpha=NGRAM_THEN, sporadic=True, shadowed=True)
                     self._kind_of[NGRAM_OPTION.format(m)] = n
-                self.chooser.add(NGRAM_RUN, d.max_drafts, "free", then_alpha=NGRAM_THEN, sporadic=True,
+                self.chooser.add(NGRAM_RUN, d.max_drafts, "free", then_alpha=NGRAM_THEN, sporadic=True, shadowed=True,
                                  measured_tau={"width": 1, **{r: 1.0 + a for r, a in NGRAM_RUN_ALPHA.items()}})
                 self._kind_of[NGRAM_RUN] = n
             else:

@@ -1303,6 +1303,58 @@ def test_stretch_accounting_adds_lead_and_restart(tiny, tmp_path):
     assert ch.saved == {"ngram@2": pytest.approx(saved / ch.scale)}
 
 
+def test_a_stretch_after_the_prefills_token_is_credited_the_lead_the_plain_tokens_before_stretches_measure(tiny,
+                                                                                                            tmp_path):
+    """The prefill's token queues no next forward when a stretch follows it, as the plain token before any stretch
+    does, but has no pipelined price to be measured against: `lead(None)` credits what the measured leads save (their
+    EMA; none yet: nothing; never a cost). Uncounted, a stretch that started a request was charged the forward its
+    first plain token after it computes again (`restart`) and credited none — the switch cost and the ledger both
+    saw a loss where there was none."""
+    model, _, _ = tiny
+    auto = make_auto(model, ngram=4, calibration_dir=tmp_path)
+    ch = auto.chooser
+    P = ch.plain_cost
+
+    def stretch(lead):
+        auto.lead(lead)
+        auto._round, auto._option, auto._entry = 0.010, "ngram@2", None
+        assert auto.end_round(0.010, 3)
+        auto.restart(1.1 * P)
+        auto.plain_token(P)  # the wake is over: one switch-cost sample
+        return ch.switch_cost * ch.scale, ch.saved["ngram@2"] * ch.scale
+
+    assert stretch(None) == (pytest.approx(0.25 * 1.1 * P), pytest.approx(3 * P - 0.010 - 1.1 * P))  # none measured
+    switch, saved = stretch(-0.9 * P)
+    assert switch == pytest.approx(0.75 * 0.25 * 1.1 * P + 0.25 * 0.2 * P)
+    switch2, saved2 = stretch(None)  # the measured lead's saving, to the switch cost and to the ledger
+    assert switch2 == pytest.approx(0.75 * switch + 0.25 * 0.2 * P)
+    assert saved2 - saved == pytest.approx(3 * P - (0.010 - 0.9 * P) - 1.1 * P)
+    for _ in range(6):  # slow leads (the machine stalled): no saving is made of them, nor a cost
+        auto.lead(0.5 * P)
+    auto.lead(None)
+    assert auto._lead == 0.0
+
+
+def test_the_engine_credits_a_lead_for_a_stretch_after_the_first_token_and_none_at_the_last(tiny, monkeypatch):
+    """`AutoDecoder`: a speculative round right after the prefill's token gets `lead(None)`; the plain tokens before
+    every later stretch their measured lead; the request's last token (no round follows it) none."""
+    model, _, _ = tiny
+    auto = _ngram_auto(model, {"ngram@2": 0.95, "ngram@run": 0.95})
+    leads = []
+    real_lead, real_plan = auto.lead, auto.plan
+    monkeypatch.setattr(auto, "lead", lambda extra: (leads.append(extra), real_lead(extra))[1])
+    glimmer_mlx.generate(model, [3, 4, 5, 6], max_tokens=12, drafter=auto)  # (any earlier context for `plan`)
+    calls = []
+    monkeypatch.setattr(auto, "plan", lambda k, regime, remaining: (calls.append(remaining), len(calls) > 1)[1])
+    leads.clear()
+    glimmer_mlx.generate(model, [7, 8, 9, 10, 7, 8, 9, 10, 7, 8], max_tokens=12, drafter=auto)
+    assert leads[:1] == [None] and None not in leads[1:]
+    monkeypatch.setattr(auto, "plan", lambda k, regime, remaining: True)  # every round plain
+    leads.clear()
+    glimmer_mlx.generate(model, [7, 8, 9, 10, 7, 8, 9, 10, 7, 8], max_tokens=12, drafter=auto)
+    assert leads == []
+
+
 def test_the_slow_plain_tokens_after_a_stretch_are_its_cost_not_the_scale_s(tiny, tmp_path):
     """After a speculative stretch the pipelined plain tokens that run slower than the scale's price (by more than
     `SETTLE_SLACK`) are that stretch's wake. When it ends — a token at the price (which measures the scale), a new

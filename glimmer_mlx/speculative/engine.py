@@ -304,7 +304,11 @@ class AutoDecoder(SpeculativeDecoder):
         now = time.perf_counter()
         if t_prev is not None and self.last_round != "first":
             auto.chooser.elapse(now - t_prev)  # the ledger's budget (`AutoChooser.credit`)
-        if self.last_round == "first" or (final and self.last_round == "plain"):
+        if self.last_round == "first":  # the prefill's token: the next token's forward queued behind it, or a stretch
+            self._after = "plain"       # starts (its lead: what queueing none saved)
+            if self._spec_next:
+                auto.lead(None)
+        elif final and self.last_round == "plain":
             self._after = None
         elif self.last_round == "spec":
             spec = t_prev is not None and auto.end_round(now - t_prev, len(out))
@@ -316,8 +320,8 @@ class AutoDecoder(SpeculativeDecoder):
                     auto.restart(excess)
                 elif self._after == "plain" and self.plain.queued:  # inside a plain stretch
                     auto.plain_token(now - t_prev)
-                elif self._after == "plain":  # the last plain token before a speculative round
-                    auto.lead(excess)
+                elif self._after == "plain" and budget > 1:  # the last plain token before a speculative round
+                    auto.lead(excess)  # (not the request's last token: no round follows it)
             self._after = "plain"
         self._t_commit = now
         return out

@@ -127,6 +127,9 @@ class AutoDrafter:
         # the latest stretch's wake so far, (seconds, excess) per slow plain token after it (`plain_token`); None: none
         self._wake: list | None = None
         self._lead = 0.0  # what the plain token before the coming speculative round cost beyond a pipelined one
+        # ... and the plain tokens before stretches, EMA (None: none measured yet): what the prefill's token saved by
+        # queueing no next forward when a stretch starts right after it (`lead(None)`)
+        self._lead_ema: float | None = None
         self._option = None  # the option of the latest speculative round (its ledger: `AutoChooser.credit`)
         self._entry = None  # ... and its ledger entry (`AutoChooser.entry`: the phase of the response it ran in)
         self.remaining: int | None = None  # tokens of the request still to generate (the decoder sets it per round)
@@ -527,10 +530,20 @@ class AutoDrafter:
         self._round = None
         return True
 
-    def lead(self, extra: float) -> None:
+    def lead(self, extra: float | None) -> None:
         """A speculative stretch starts after a plain token that took `extra` seconds more than a pipelined one
-        (negative when less: it had no next forward to queue)."""
+        (negative when less: it had no next forward to queue). None: after the prefill's token, which queued no next
+        forward either but has no pipelined price to be measured against: it saved what the plain tokens before
+        stretches measurably save (their EMA, at most 0; none measured yet: nothing). Where a queued forward runs
+        beside the host (a GPU) that is ~0; where queueing it computes it (MLX's CPU backend) a whole forward —
+        uncounted, every stretch that started a request was charged the forward its first plain token computes
+        again after it (`restart`) and none it saved: on the trained tiny set the switch cost measured 1.4 plain
+        tokens instead of ~0.4, and DFlash's ledger lost where DFlash alone runs 1.08x plain."""
         self._close_wake()
+        if extra is None:
+            extra = min(0.0, self._lead_ema or 0.0)
+        else:
+            self._lead_ema = extra if self._lead_ema is None else 0.75 * self._lead_ema + 0.25 * extra
         self._stretch = self._lead = extra
 
     def restart(self, extra: float) -> None:

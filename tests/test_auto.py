@@ -1448,6 +1448,27 @@ def test_the_decoder_hands_every_pipelined_plain_token_to_the_wake_check(tiny, t
     assert plain >= 8 and len(seen) >= 8 and all(s > 0 for s in seen)
 
 
+def test_draft_costs_timed_now_are_priced_at_the_calibrations_speed(tiny, tmp_path, monkeypatch):
+    """A cached curve and the drafters' costs timed when `auto` starts meet in the calibration's seconds: with the
+    machine running 1.5x slower now than when the curve was cached (a plain token checked now), a DFlash round
+    timed at 15 ms is priced as 10 calibrated ms and the speed scale starts at 1.5 — so a round costs, in the
+    chooser's eyes, the 15 ms it was timed at now, not 22.5."""
+    from glimmer_mlx.speculative.auto import multiplex
+
+    model, _, dpath = tiny
+    P = 0.004
+    curve = {L: P * (1 + 0.05 * (L - 1)) for L in range(1, 17)}
+    for speed in (1.5, None):
+        info = {"cached": True, "plain_token_s": P, "wide_forward_s": None,
+                **({"checked_plain_token_s": speed * P} if speed else {})}
+        monkeypatch.setattr(multiplex, "load_or_calibrate", lambda *a, **kw: (dict(curve), dict(info)))
+        monkeypatch.setattr(multiplex, "measure_draft_costs", lambda *a, **kw: {"dflash": (0.015, 0.0)})
+        auto = make_auto(model, dflash=glimmer_mlx.load_drafter(dpath, model), ngram=False, calibration_dir=tmp_path)
+        ch = auto.chooser
+        assert ch.scale == pytest.approx(speed or 1.0) and ch.plain_cost == pytest.approx((speed or 1.0) * P)
+        assert ch.scale * ch.options["dflash"].cost(4) == pytest.approx(0.015)
+
+
 def test_the_suite_s_auto_curve_switch_bends_what_auto_calibrates(tiny, tmp_path, monkeypatch):
     """`GLIMMER_TEST_AUTO_CURVE` (tests/conftest.py, run both ways by `.ci/run`): steep — a verify of L rows costs L
     plain steps; flat — every verify one plain step; the cache keeps what was measured; anything else is refused.

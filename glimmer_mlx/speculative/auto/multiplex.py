@@ -93,7 +93,14 @@ class AutoDrafter:
         wide = self.calibration.get("wide_forward_s")
         self.chooser = AutoChooser(verify_costs, plain_cost=self.calibration.get("plain_token_s"),
                                    wide=(wide["rows"], wide["seconds"]) if wide else None)
-        self.draft_costs = measure_draft_costs(target, self.drafters, self.taps, self._tap_idx)
+        # the drafters' costs are timed now, a cached curve on another day: both go to the chooser in the
+        # calibration's seconds, the machine's speed now being a plain token checked now over the calibration's (a
+        # curve cached while the machine ran 1.5x faster than it does now priced DFlash and MTP 1.5x too dear in
+        # every round: `auto` never tried them where DFlash alone ran 1.13-1.22x plain)
+        speed = self._speed_now()
+        self.chooser.scale = speed
+        self.draft_costs = {n: (fixed / speed, per / speed) for n, (fixed, per) in
+                            measure_draft_costs(target, self.drafters, self.taps, self._tap_idx).items()}
         self._kind_of: dict[str, str] = {}  # option name -> drafter kind
         for n, d in self.drafters.items():
             if n == "ngram":
@@ -139,6 +146,12 @@ class AutoDrafter:
         self._verdict = None  # the plain verdict a plain stretch keeps (`_hold`)
         self._planned = None  # (state, offers, `pick`'s answer) of the latest speculative `plan`, for `propose`
         self._reset([], None)
+
+    def _speed_now(self) -> float:
+        """A plain token now over the calibration's (`calibrate.cached_problem` checks a cached curve with one;
+        a curve measured now or given: 1)."""
+        now, cal = self.calibration.get("checked_plain_token_s"), self.calibration.get("plain_token_s")
+        return now / cal if now and cal and now > 0 and cal > 0 else 1.0
 
     def _add_trees(self) -> None:
         """A token-tree option beside the DFlash drafter's chain ("dflash+tree"): each round `TREE_ROWS` verify rows

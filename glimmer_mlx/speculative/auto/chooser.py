@@ -26,7 +26,8 @@ occurred before (its drafts are known in advance: `peek`), one option per matche
 always one of the options and every option is scored in the same time unit, `auto` decodes plainly whenever no
 drafter pays, except for exploration rounds that the rest of the request can pay for (`AutoChooser.explore`: the
 expected saving over the remaining tokens if the option's uncertain acceptance turns out better, against what the
-round costs; an option whose optimistic acceptance cannot beat plain is never tried). Inside a plain stretch a round
+round costs; an option whose optimistic acceptance cannot beat plain is never tried, nor one whose offers passed over
+are scored: `Option.shadowed`). Inside a plain stretch a round
 asks only the options that could change a plain choice (`AutoChooser.relevant`), so a stretch costs what plain
 decoding costs.
 

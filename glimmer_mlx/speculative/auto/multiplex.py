@@ -95,8 +95,9 @@ class AutoDrafter:
                                    wide=(wide["rows"], wide["seconds"]) if wide else None)
         # the drafters' costs are timed now, a cached curve on another day: both go to the chooser in the
         # calibration's seconds, the machine's speed now being a plain token checked now over the calibration's (a
-        # curve cached while the machine ran 1.5x faster than it does now priced DFlash and MTP 1.5x too dear in
-        # every round: `auto` never tried them where DFlash alone ran 1.13-1.22x plain)
+        # curve cached while the machine ran 1.56x faster than it does now priced DFlash's and MTP's rounds 1.56x too
+        # dear: in two `--quick` sittings where DFlash alone ran 1.13-1.22x plain, auto drafted it in 0 and 11 of ~450
+        # rounds)
         speed = self._speed_now()
         self.chooser.scale = speed
         self.draft_costs = {n: (fixed / speed, per / speed) for n, (fixed, per) in
@@ -550,8 +551,8 @@ class AutoDrafter:
         stretches measurably save (their EMA, at most 0; none measured yet: nothing). Where a queued forward runs
         beside the host (a GPU) that is ~0; where queueing it computes it (MLX's CPU backend) a whole forward —
         uncounted, every stretch that started a request was charged the forward its first plain token computes
-        again after it (`restart`) and none it saved: on the trained tiny set the switch cost measured 1.4 plain
-        tokens instead of ~0.4, and DFlash's ledger lost where DFlash alone runs 1.08x plain."""
+        again after it (`restart`) and none it saved: on the trained tiny set the switch cost measured 1.0-1.4 plain
+        tokens instead of ~0.5, and DFlash's ledger lost where DFlash alone runs 1.04-1.09x plain."""
         self._close_wake()
         if extra is None:
             extra = min(0.0, self._lead_ema or 0.0)

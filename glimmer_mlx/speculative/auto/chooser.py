@@ -381,7 +381,9 @@ class AutoChooser:
     or, when the rest of the request can pay for it, a round that explores an option whose acceptance is uncertain.
 
     verify_costs: {L: seconds of a target forward over L tokens} for L = 1..max_k+1 (the calibrated curve);
-    plain_cost: calibrated seconds per pipelined plain token (default: the single forward, verify_costs[1]).
+    plain_cost: calibrated seconds per pipelined plain token (default: the single forward, verify_costs[1]);
+    scale: the machine's speed when the chooser starts, a plain token timed now over plain_cost (`scale` below;
+    default 1: as at calibration).
 
     Every time is kept in calibrated units: one running `scale` (how much slower the machine runs now than at
     calibration: the median of the latest `SCALE_WINDOW` pipelined plain tokens over the calibrated one) converts
@@ -409,7 +411,7 @@ class AutoChooser:
 
     def __init__(self, verify_costs: dict[int, float], scale_ema: float = 0.1,
                  plain_cost: float | None = None, age_every: int = 64, age: float = 0.998,
-                 wide: tuple[int, float] | None = None):
+                 wide: tuple[int, float] | None = None, scale: float = 1.0):
         if 1 not in verify_costs:
             raise ValueError("verify_costs needs L = 1 (a plain step)")
         self.costs = {int(L): float(c) for L, c in verify_costs.items()}
@@ -420,7 +422,7 @@ class AutoChooser:
         self.options: dict[str, Option] = {}
         self.scale_ema = scale_ema
         self._spec_last = False  # the latest choice was a drafter
-        self.scale = 1.0  # measured / calibrated time of a pipelined plain token, the median of the latest few
+        self.scale = scale  # measured / calibrated time of a pipelined plain token, the median of the latest few
         self._speeds: collections.deque = collections.deque(maxlen=SCALE_WINDOW)  # (round, measured / calibrated)
         self._sampled_at: int | None = None  # the round of the latest plain token measured (`check_due`)
         self._check_from: int | None = None  # the round a running check of the scale began at

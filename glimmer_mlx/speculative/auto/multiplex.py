@@ -91,15 +91,14 @@ class AutoDrafter:
                                                                directory=calibration_dir, recalibrate=recalibrate,
                                                                log=log)
         wide = self.calibration.get("wide_forward_s")
-        self.chooser = AutoChooser(verify_costs, plain_cost=self.calibration.get("plain_token_s"),
-                                   wide=(wide["rows"], wide["seconds"]) if wide else None)
         # the drafters' costs are timed now, a cached curve on another day: both go to the chooser in the
         # calibration's seconds, the machine's speed now being a plain token checked now over the calibration's (a
         # curve cached while the machine ran 1.56x faster than it does now priced DFlash's and MTP's rounds 1.56x too
         # dear: in two `--quick` sittings where DFlash alone ran 1.13-1.22x plain, auto drafted it in 0 and 11 of ~450
-        # rounds)
+        # rounds); the chooser's speed scale starts there
         speed = self._speed_now()
-        self.chooser.scale = speed
+        self.chooser = AutoChooser(verify_costs, plain_cost=self.calibration.get("plain_token_s"),
+                                   wide=(wide["rows"], wide["seconds"]) if wide else None, scale=speed)
         self.draft_costs = {n: (fixed / speed, per / speed) for n, (fixed, per) in
                             measure_draft_costs(target, self.drafters, self.taps, self._tap_idx).items()}
         self._kind_of: dict[str, str] = {}  # option name -> drafter kind

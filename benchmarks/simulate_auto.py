@@ -43,7 +43,7 @@ def simulate(policy: str, draft: float, *, requests: int, tokens: int, seed: int
             if k >= 1 and policy == "dflash":
                 name, kk = "dflash", k
             elif k >= 1 and policy == "auto":
-                ch.set_lag("dflash", lag, fill=True)
+                ch.set_lag("dflash", lag, fill=lag > 8)  # a drafter in step since its last round has its taps
                 name, kk = ch.choose({"dflash": k}, regime, left)
             if name is None:
                 seconds += PLAIN * (1.9 if spec_last else 1.0)

@@ -2137,6 +2137,50 @@ def test_early_in_a_process_a_few_plain_tokens_loss_bars_nothing():
     assert ch.barred == {"dflash"} and -ch.saved["dflash"] > LEDGER_FLOOR * ch.plain_cal
 
 
+def test_prior_variance_is_the_variance_of_the_tokens_a_round_commits_by_the_prior():
+    """`AcceptanceStats.prior_variance(k)` against the enumerated distribution of 1 + accepted drafts (accepted ≥ j
+    with probability α_0 … α_{j−1}, at most k) under the prior's α — whatever was measured since."""
+    for prior, then, k in [((1.0, 2.0), None, 7), ((3.0, 4.0), None, 3), ((1.0, 5.0), (4.0, 5.0), 8), ((1.0, 2.0), None, 1)]:
+        st = AcceptanceStats(8, prior=prior, then=then)
+        alphas = st.alphas()[:k]
+        for _ in range(30):  # measurements move the estimates, not the prior's variance
+            st.update(k, 0)
+        reach = np.cumprod([1.0] + alphas)  # P(at least j drafts accepted), j = 0..k
+        p = reach - np.append(reach[1:], 0.0)  # P(exactly j accepted)
+        tokens = np.arange(1, k + 2)
+        var = float((p * tokens ** 2).sum() - (p * tokens).sum() ** 2)
+        assert st.prior_variance(k) == pytest.approx(var, rel=1e-12, abs=1e-12)
+
+
+def test_a_few_unlucky_rounds_of_a_paying_drafter_are_noise_a_steady_loser_is_still_barred(monkeypatch):
+    """`LEDGER_Z`: six rounds of a drafter (prior α 0.5, 7 drafts) that were all rejected lost 0.75 plain tokens
+    each — 4.5 together, more than the floor's 4, but within what six such rounds swing by chance (1.4 tokens each,
+    × √6 × 1.5 = 5.0): not barred. Without the test (LEDGER_Z = 0) the sixth barred it. A drafter whose every round
+    loses 1.5 plain tokens is barred as soon as the floor allows all the same (the third round), one losing 0.5 a
+    round within ~20."""
+    from glimmer_mlx.speculative.auto import chooser as chooser_mod
+
+    def rounds(n, tokens, seconds):
+        ch = AutoChooser(flat(9))
+        ch.add("dflash", 7, "affine", draft_prior=(2 * MS, 0.0))
+        ch.observe_plain(10 * MS)
+        ch.elapse(100 * MS)
+        for i in range(n):
+            ch.update("dflash", 7, tokens - 1, "greedy", 2 * MS, 10 * MS)
+            ch.credit("dflash", tokens, seconds)
+            if ch.barred:
+                return i + 1
+        return None
+
+    assert rounds(6, 1, 17.5 * MS) is None
+    monkeypatch.setattr(chooser_mod, "LEDGER_Z", 0.0)
+    assert rounds(6, 1, 17.5 * MS) == 6  # the floor alone
+    monkeypatch.undo()
+    assert rounds(200, 2, 35 * MS) == 3
+    n = rounds(200, 1, 15 * MS)
+    assert n is not None and 9 <= n <= 20
+
+
 def test_one_stall_during_a_speculative_round_bars_speculation_only_briefly():
     """A one-second stall (another process, a first-call build) inside one speculative round is charged at most
     `LEDGER_ROUND_CAP` plain tokens: speculation is open again after a few hundred plain tokens, not after the 50 s

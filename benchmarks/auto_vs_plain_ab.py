@@ -25,7 +25,8 @@ round; and the same without phases); ngauto (auto over n-gram lookup alone: plai
 (auto whose plain forwards never yield the model drafters' taps); norun, ngnorun (auto, and auto over n-gram lookup
 alone, whose n-gram offers are named by matched size only: no "ngram@run", as before the twelfth session); nowake,
 ngnowake (auto, and auto over n-gram lookup alone, charging a stretch the first plain token after it only, the slow
-ones after that measuring the speed scale, as before the thirteenth session: `chooser.SETTLE_SLACK`);
+ones after that measuring the speed scale, as before the thirteenth session: `chooser.SETTLE_SLACK`); noz (auto whose
+ledger bars on its floor and budget alone, as before the seventeenth session: `chooser.LEDGER_Z`);
 dflash, ngram, mtp (fixed, dflash at block 8).
 
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
@@ -91,6 +92,13 @@ def unguarded(auto):
 def budget(auto, share):
     """auto whose ledger lets speculation lose `share` of the decoding time (`AutoChooser.loss_budget`)."""
     auto.chooser.loss_budget = share
+    return auto
+
+
+def no_z(auto):
+    """auto as before the seventeenth session: its ledger bars on the floor and the budget alone, not also beyond
+    what its rounds swing by chance (`AutoChooser.ledger_z`)."""
+    auto.chooser.ledger_z = 0.0
     return auto
 
 
@@ -208,6 +216,7 @@ make = {
     "emascale": lambda: ema_scale(second_auto()),
     "budget2": lambda: budget(second_auto(), 0.02),
     "nocheck": lambda: no_check(second_auto()),
+    "noz": lambda: no_z(second_auto()),
     "before": lambda: budget(no_check(second_auto()), 0.02),
     "servable": lambda: all_servable(second_auto()), "shrunk": lambda: shrunk(second_auto()),
     "nowide": lambda: no_wide(second_auto()),

@@ -500,6 +500,7 @@ class AutoChooser:
         self.barred: frozenset = frozenset()
         self._reopen = math.inf
         self.loss_budget = LOSS_BUDGET
+        self.ledger_z = LEDGER_Z
         self.surplus_share = SURPLUS_SHARE
         # the phase of the response the rounds are in (`set_phase`: None — the chooser is not told — one set of
         # estimates and ledger entries per regime and option, as the batch's rows use them)
@@ -1059,7 +1060,7 @@ class AutoChooser:
     def _bar(self) -> None:
         lost = sum(v for v in self.saved.values() if v < 0.0)
         short = -lost - self.surplus_share * sum(v for v in self.saved.values() if v > 0.0)
-        noise = LEDGER_Z * math.sqrt(sum(self.spread_sq.get(n, 0.0) for n, v in self.saved.items() if v < 0.0))
+        noise = self.ledger_z * math.sqrt(sum(self.spread_sq.get(n, 0.0) for n, v in self.saved.items() if v < 0.0))
         if short > max(self.loss_budget * self.elapsed, LEDGER_FLOOR * self.plain_cal, noise):
             barred = frozenset(n for n, v in self.saved.items() if v <= 0.0)
             self._reopen = short / self.loss_budget

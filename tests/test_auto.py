@@ -2097,11 +2097,13 @@ def test_plain_decoding_earns_the_budget_back_and_reopens_the_choice():
     assert ch.pick({"ngram": 8}, remaining=100)[0] == "ngram"
 
 
-def test_the_ledger_bars_what_lost_when_the_losses_together_exceed_the_budget():
-    """Each losing option's loss fits the budget on its own, their sum does not: neither is chosen; one that
-    measurably saves still is, and a share of its saving (`SURPLUS_SHARE`) joins the budget; one never tried may
-    be tried (once: then it is on the ledger)."""
-    opts = {n: (8, "free", 0.0, [0.9] * 8) for n in ("a", "b", "c", "untried")}
+def test_the_ledger_bars_the_largest_losers_until_what_the_rest_lost_fits_the_budget():
+    """Over the budget, the options that lost most are barred, the largest loss first, until the others' losses fit:
+    one that lost a round's worth beside one that lost more is not barred with it, but of three whose losses each
+    fit the budget and together do not, the two largest are; one that measurably saves goes on, and a share of its
+    saving (`SURPLUS_SHARE`) joins the budget; one never tried may be tried (once: then it is on the ledger). The bar
+    moves with the ledger: what the others earn back lifts the smaller of two bars first."""
+    opts = {n: (8, "free", 0.0, [0.9] * 8) for n in ("a", "b", "c", "saver", "untried")}
     from glimmer_mlx.speculative.auto.chooser import LOSS_BUDGET, SURPLUS_SHARE
 
     ch = chooser(flat(9), opts)
@@ -2109,16 +2111,26 @@ def test_the_ledger_bars_what_lost_when_the_losses_together_exceed_the_budget():
     ch.elapse(50 * MS / LOSS_BUDGET)  # a decoding time whose budget is 50 ms (above the floor's 4 plain tokens)
     ch.credit("a", 1, 70 * MS)  # −60 ms: over the 50 ms budget
     assert ch.barred == {"a"}
-    tokens = round(15 * MS / SURPLUS_SHARE / (10 * MS)) + 2
-    ch.credit("c", tokens, 20 * MS)  # saved (tokens − 2) plain steps: 15 ms of them join the budget
+    ch.credit("saver", round(15 * MS / SURPLUS_SHARE / (10 * MS)) + 2, 20 * MS)  # 15 ms of its saving join the budget
     assert not ch.barred
-    ch.credit("b", 1, 20 * MS)  # −70 ms together, over 65
+    ch.credit("c", 1, 15 * MS)  # −65 ms together, within 50 + 15
+    assert not ch.barred
+    ch.credit("b", 1, 20 * MS)  # −75 ms: a barred, b's and c's 15 ms fit
+    assert ch.barred == {"a"}
+    assert ch.pick({"a": 8, "b": 8}, remaining=100)[0] == "b"
+    ch.credit("b", 1, 45 * MS)  # b −45: a barred, then 50 − 15 fits
+    assert ch.barred == {"a"}
+    ch.credit("c", 1, 49 * MS)  # c −44: a, then b barred (c's 44 − 15 fits), though b's and c's each fit alone
     assert ch.barred == {"a", "b"}
     assert ch.pick({"a": 8, "b": 8}, remaining=100)[0] is None
     assert ch.pick({"a": 8, "b": 8, "c": 8}, remaining=100)[0] == "c"
+    assert ch.pick({"a": 8, "b": 8, "saver": 8}, remaining=100)[0] == "saver"
     assert ch.pick({"a": 8, "b": 8, "untried": 8}, remaining=100)[0] == "untried"
-    ch.credit("untried", 1, 11 * MS)
-    assert ch.barred == {"a", "b", "untried"}
+    ch.credit("untried", 1, 11 * MS)  # −1: 45 − 15 fits
+    assert ch.barred == {"a", "b"}
+    ch.credit("saver", round(60 * MS / SURPLUS_SHARE / (10 * MS)), 0.0)  # 60 ms more join: b's loss fits again
+    assert ch.barred == {"a"}
+    assert ch._reopen == pytest.approx((60 + 45 + 44 + 1 - 75) * MS / LOSS_BUDGET)  # when a's fits as well
 
 
 def test_early_in_a_process_a_few_plain_tokens_loss_bars_nothing():
@@ -2137,10 +2149,57 @@ def test_early_in_a_process_a_few_plain_tokens_loss_bars_nothing():
     assert ch.barred == {"dflash"} and -ch.saved["dflash"] > LEDGER_FLOOR * ch.plain_cal
 
 
+def test_a_requests_own_rounds_scale_the_estimates_it_is_priced_with_and_the_next_request_starts_afresh():
+    """`HERE_WEIGHT`: a drafter carried across requests at α 0.7 (pinned by a thousand rounds: a request's rounds do
+    not move it) pays on a flat curve. In a request where its rounds are all rejected, ρ = (0 + W) / (expected + W)
+    falls with each and within a dozen or so rounds auto goes plain — a chooser never told of requests keeps drafting. The
+    next request starts from the carried estimates again; one whose rounds accept everything is priced above them
+    (never past 0.99). n-gram options (their offers are scored every token) keep no such measure."""
+    from glimmer_mlx.speculative.auto.chooser import HERE_WEIGHT
+
+    def request(ch, accepted, rounds=24):
+        names = []
+        for _ in range(rounds):
+            name, k = ch.choose({"dflash": 7}, "greedy", 100)
+            names.append(name)
+            if name is not None:
+                ch.update(name, k, accepted, "greedy", 8 * MS, 10 * MS)
+        return names
+
+    def fresh():
+        ch = chooser(flat(9), {"dflash": (7, "affine", (8 * MS, 0.0), [0.7] * 7),
+                               "ngram": (8, "free", 0.0, [0.05] * 8)})
+        ch.options["ngram"].shadowed = True
+        ch.observe_plain(10 * MS)
+        return ch
+
+    told, untold = fresh(), fresh()
+    told.new_context()
+    assert request(untold, 0) == ["dflash"] * 24
+    names = request(told, 0)
+    assert names[:2] == ["dflash"] * 2 and names[-4:] == [None] * 4
+    a, e = told.options["dflash"].here["greedy"]
+    assert a == 0 and e == pytest.approx(0.7 * names.count("dflash"), rel=0.02)  # position 0 tried, α 0.7 expected
+    told.new_context()
+    assert told.options["dflash"].here == {} and request(told, 1, rounds=1) == ["dflash"]
+    told.new_context()
+    request(told, 7, rounds=12)
+    accepted, expected = told.options["dflash"].here["greedy"]
+    rho = (accepted + HERE_WEIGHT) / (expected + HERE_WEIGHT)
+    assert rho > 1.3
+    raw = told.options["dflash"].acceptance("greedy").alphas()
+    assert raw == pytest.approx([0.7] * 7, abs=0.01)
+    assert told.options["dflash"].alphas("greedy") == pytest.approx([min(a * rho, 0.99) for a in raw], rel=1e-9)
+    told.update("ngram", 8, 0, "greedy", 0.0, 10 * MS)
+    assert told.options["ngram"].here == {}
+    assert told.summary()["this_request"] == {"dflash": {"greedy": pytest.approx(rho, abs=1e-3)}}
+
+
 def test_prior_variance_is_the_variance_of_the_tokens_a_round_commits_by_the_prior():
     """`AcceptanceStats.prior_variance(k)` against the enumerated distribution of 1 + accepted drafts (accepted ≥ j
     with probability α_0 … α_{j−1}, at most k) under the prior's α — whatever was measured since."""
-    for prior, then, k in [((1.0, 2.0), None, 7), ((3.0, 4.0), None, 3), ((1.0, 5.0), (4.0, 5.0), 8), ((1.0, 2.0), None, 1)]:
+    for prior, then, k in [((1.0, 2.0), None, 7), ((3.0, 4.0), None, 3), ((1.0, 5.0), (4.0, 5.0), 8),
+                           ((1.0, 2.0), None, 1)]:
         st = AcceptanceStats(8, prior=prior, then=then)
         alphas = st.alphas()[:k]
         for _ in range(30):  # measurements move the estimates, not the prior's variance

@@ -37,9 +37,10 @@ measurement of an option), so what speculation did is also kept as a ledger, in 
 the default action's): per option the seconds its rounds saved over plain decoding, measured (tokens × the plain
 token's cost now − the round's wall time, the plain tokens that start and end its stretches included). While the
 options that lost have together lost more than `LOSS_BUDGET` × the decoding time so far (plus `SURPLUS_SHARE` of
-what the options in surplus saved), none of them is chosen (an option never tried may be, once), until plain
-decoding has earned the budget back: auto then loses at most that share against plain decoding plus a round per
-option, whatever its estimates.
+what the options in surplus saved), the largest losers among them are not chosen until what the rest lost fits
+(an option never tried may be, once) and plain decoding has earned the budget back: auto then loses at most that
+share against plain decoding on the options it still allows, plus what each barred one lost before it was barred,
+whatever its estimates.
 
 What a drafter accepts changes along a response, the same way request after request (an answer's opening tokens
 are predicted worse, or better, than the rest of it), so the acceptance estimates and the ledger's entries are kept
@@ -53,7 +54,9 @@ each round cost and accepted, and it never touches a model.
 from __future__ import annotations
 
 import collections
+import itertools
 import math
+import operator
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -257,6 +260,18 @@ PHASES = (16, 64)
 
 PRIOR_WEIGHT = 4.0  # a drafter's own measured τ (its eval.json) counts as this many observed rounds
 
+# what a model drafter accepts differs from request to request far more than its estimates, carried across requests,
+# can follow (the embedded model's DFlash drafter takes 0.75x plain decoding's time on its code, JSON and maths
+# prompts, 1.15-1.2x on its chat and quoting ones; a request's few rounds barely move estimates that a session's
+# hundreds of rounds made): a round is priced with its option's estimates scaled by how this request's rounds did
+# against them, ρ = (drafts accepted + HERE_WEIGHT) / (drafts the estimates expected accepted + HERE_WEIGHT) over the
+# drafts they tried (`Option.here`, afresh with each request: `AutoChooser.new_context`). n-gram options learn from
+# every offer (`Option.shadowed`): their estimates follow the request by themselves. `benchmarks/simulate_auto.py`
+# (ten 96-token requests, a drafter paying 18 %, 32 seeds): where every request accepts alike, auto 1.115x plain
+# without it, 1.084 / 1.098 / 1.104 at a weight of 8 / 16 / 32; where half the requests accept 30 % more and half
+# 30 % less (`--spread 0.3`), 1.166 without, 1.241 / 1.222 / 1.215
+HERE_WEIGHT = 16.0
+
 
 def alpha_from_tau(tau: float, width: int) -> float:
     """The per-position acceptance α with 1 + α + … + α^width = τ (τ measured at `width` drafts per round)."""
@@ -379,6 +394,26 @@ class Option:
     # before the round): a plain round learns what a round of it would, so it is never explored — a round drafted
     # only to learn it would pay for what passing it over learns for free — and is chosen where its estimate pays
     shadowed: bool = False
+    # regime -> [drafts accepted, drafts its estimates expected accepted] in this request's rounds (`HERE_WEIGHT`)
+    here: dict = field(default_factory=dict)
+
+    def alphas(self, key: str) -> list[float]:
+        """The acceptance estimates of `key` (`acceptance`) as this request's rounds measure them (`here`): each
+        scaled by ρ (at most 0.99 where that raises it)."""
+        a = self.acceptance(key).alphas()
+        h = self.here.get(key.split("#", 1)[0])
+        if h is None:
+            return a
+        rho = (h[0] + HERE_WEIGHT) / (h[1] + HERE_WEIGHT)
+        return [min(x * rho, max(x, 0.99)) for x in a]
+
+    def note_here(self, key: str, k: int, n_accepted: int) -> None:
+        """A round of k drafts, n accepted, in this request (before its estimates of `key` learn from it)."""
+        h = self.here.setdefault(key.split("#", 1)[0], [0.0, 0.0])
+        alphas = self.acceptance(key).alphas()
+        tried = min(n_accepted + 1, k, self.max_k)
+        h[0] += min(n_accepted, tried)
+        h[1] += sum(alphas[:tried])
 
     def verify_rows(self, k: int) -> int:
         """Rows one round at k drafts (a tree: k deep) feeds the target's verify forward."""
@@ -486,6 +521,7 @@ class AutoChooser:
         # option -> (target positions its drafter is behind, whether their taps must be recomputed) (set per round by
         # the drafter that multiplexes them): a round of it first catches up on them (`catch_up_cost`), a one-time
         # cost spread over the horizon like the switch cost
+        self._contexts = False  # told when requests begin (`new_context`)
         self.lags: dict[str, tuple[int, bool]] = {}  # set through `set_lag` / `clear_lags` (they keep `_lag_sig`)
         self._lag_sig: tuple = ()  # the lags' buckets (`lag_bucket`), part of the memo keys
         self.chosen: Counter = Counter()  # (name or "plain", k) -> rounds
@@ -583,6 +619,16 @@ class AutoChooser:
         if self._lag_key(name) != old:
             self._lag_sig = tuple(sorted((n, self._lag_key(n)) for n in self.lags if self.lags[n][0] > 0))
 
+    def new_context(self) -> None:
+        """A new request: no drafter is behind (`clear_lags`), and what its rounds measure starts afresh
+        (`Option.here`; a chooser never told of requests keeps no such measure)."""
+        self._contexts = True
+        self.clear_lags()
+        if any(o.here for o in self.options.values()):
+            for o in self.options.values():
+                o.here = {}
+            self._forget()
+
     def clear_lags(self) -> None:
         """A new context: no drafter is behind."""
         self.lags.clear()
@@ -631,13 +677,13 @@ class AutoChooser:
         every rate it can have with the same estimates, whatever came last, its backlog and the horizon
         (`_bounded_by`)."""
         opt = self.options[name]
-        stats = opt.acceptance(self._key(regime, phase))
+        alphas = opt.alphas(self._key(regime, phase))
         switch = 0.0 if free else self._switch(name)
         span = self.horizon
         if regime in opt.stretch and not self._spec_last:
             span = max(1.0, min(span, opt.stretch[regime]))
         out, e, p, scale = [], 1.0, 1.0, self.scale
-        for a, base in zip(stats.alphas()[:min(cap, opt.max_k)], self._round_costs(name, regime)):
+        for a, base in zip(alphas[:min(cap, opt.max_k)], self._round_costs(name, regime)):
             a += shift
             p *= 1.0 if a >= 1.0 else (a if a > 0.0 else 0.0)
             e += p
@@ -765,7 +811,8 @@ class AutoChooser:
                 if z == SCENARIOS[-1]:  # the width the optimistic scenario would draft at: the one to try
                     k_e = 1 + rs.index(top)
             mean = self.rates(name, k_e, regime)[k_e - 1] * self.scale
-            e_mean = stats.expected_tokens(k_e)
+            e_mean = 1.0 + sum(itertools.accumulate(self.options[name].alphas(self._key(regime))[:k_e],
+                                                    operator.mul))
             # calibrated seconds this round loses on the incumbent by the mean estimate, its switch and catch-up
             # spread as its rate spreads them. (Charging them whole — a round that ends its stretch — explored less
             # and found less: `benchmarks/simulate_auto.py`, a drafter paying 1.17x, auto 1.063x against 1.093x.)
@@ -992,6 +1039,8 @@ class AutoChooser:
             opt = self.options[name]
             key = self._key(regime)
             stats = opt.acceptance(key)
+            if self._contexts and not opt.shadowed:
+                opt.note_here(key, k, n_accepted)
             stats.update(k, n_accepted)
             opt.touched[key] = self.round
             self._round_var[self.entry(name)] = stats.prior_variance(k)
@@ -1041,11 +1090,13 @@ class AutoChooser:
         `seconds` its stretch cost beyond pipelined plain tokens (the plain tokens that start and end it). Its
         saving over plain decoding, tokens × a plain token now − seconds, is added (in calibrated seconds; a loss
         of at most `LEDGER_ROUND_CAP` plain tokens). While the options that lost, together, lost more than
-        `LOSS_BUDGET` × the decoding time plus `SURPLUS_SHARE` of what the others saved, every option that
-        measurably lost is barred from being chosen (one that saves goes on: another's loss does not stop it; one
-        never tried may be tried once, which puts it on the ledger), until `elapse` has brought the budget back
-        (module docstring). entry: the ledger entry (`entry`) of the phase its rounds ran in, if not the current
-        one (the plain token that ends a stretch may fall in the next phase of the response)."""
+        `LOSS_BUDGET` × the decoding time plus `SURPLUS_SHARE` of what the others saved (and more than noise:
+        `LEDGER_Z`), those that lost most are barred from being chosen, the largest loss first, until what the
+        others lost fits (one that saves goes on: another's loss does not stop it; one never tried may be tried
+        once, which puts it on the ledger; one that lost a round's worth beside one that lost hundreds is not
+        barred with it), until `elapse` has brought the budget back (module docstring). entry: the ledger entry
+        (`entry`) of the phase its rounds ran in, if not the current one (the plain token that ends a stretch may
+        fall in the next phase of the response)."""
         gain = max(tokens * self.plain_cal - seconds / self.scale, -LEDGER_ROUND_CAP * self.plain_cal)
         name = entry if entry is not None else self.entry(name)
         self.saved[name] = self.saved.get(name, 0.0) + gain
@@ -1058,16 +1109,22 @@ class AutoChooser:
         self._bar()
 
     def _bar(self) -> None:
-        lost = sum(v for v in self.saved.values() if v < 0.0)
-        short = -lost - self.surplus_share * sum(v for v in self.saved.values() if v > 0.0)
-        noise = self.ledger_z * math.sqrt(sum(self.spread_sq.get(n, 0.0) for n, v in self.saved.items() if v < 0.0))
-        if short > max(self.loss_budget * self.elapsed, LEDGER_FLOOR * self.plain_cal, noise):
-            barred = frozenset(n for n, v in self.saved.items() if v <= 0.0)
-            self._reopen = short / self.loss_budget
-        else:
-            barred, self._reopen = frozenset(), math.inf
-        if barred != self.barred:
-            self.barred = barred
+        """Bar the options that lost, the largest loss first, until what the others lost fits what they may lose
+        (`credit`); reconsider the last one barred when the decoding time has earned its loss back (`_reopen`)."""
+        losers = sorted((v, n) for n, v in self.saved.items() if v < 0.0)
+        short = -sum(v for v, _ in losers) - self.surplus_share * sum(v for v in self.saved.values() if v > 0.0)
+        var = sum(self.spread_sq.get(n, 0.0) for _, n in losers)
+        floor = max(self.loss_budget * self.elapsed, LEDGER_FLOOR * self.plain_cal)
+        barred, self._reopen = [], math.inf
+        for v, n in losers:
+            if short <= max(floor, self.ledger_z * math.sqrt(max(var, 0.0))):
+                break
+            barred.append(n)
+            short += v
+            var -= self.spread_sq.get(n, 0.0)
+            self._reopen = (short - v) / self.loss_budget
+        if frozenset(barred) != self.barred:
+            self.barred = frozenset(barred)
             self._forget()
 
     def observe_round_overhead(self, seconds: float) -> None:
@@ -1207,6 +1264,8 @@ class AutoChooser:
                                         for n, o in self.options.items() if o.verify_factor},
             "acceptance": {n: {reg: [round(a, 3) for a in s.alphas()] for reg, s in o.stats.items()}
                            for n, o in self.options.items()},
+            "this_request": {n: {reg: round((a + HERE_WEIGHT) / (e + HERE_WEIGHT), 3) for reg, (a, e) in o.here.items()}
+                             for n, o in self.options.items() if o.here},
             "draft_cost_ms": {n: {f"k={k}": round(1000 * self.scale * o.cost(k), 3) for k in sorted({1, o.max_k})}
                               for n, o in self.options.items() if o.cost.unit is not None},
         }

@@ -466,7 +466,7 @@ class AutoDrafter:
         prefill next to nothing (the LM head runs over its last position either way) and they spare a drafter tried
         later in the request a forward over the whole prompt: its catch-up then runs again only the tokens decoded
         since (`_sync`)."""
-        self.chooser.clear_lags()
+        self.chooser.new_context()
         self._lost.clear()
         self._opened = None  # a new response: its opening phase until it starts (`_reset`)
         self._phase()

@@ -26,7 +26,10 @@ round; and the same without phases); ngauto (auto over n-gram lookup alone: plai
 alone, whose n-gram offers are named by matched size only: no "ngram@run", as before the twelfth session); nowake,
 ngnowake (auto, and auto over n-gram lookup alone, charging a stretch the first plain token after it only, the slow
 ones after that measuring the speed scale, as before the thirteenth session: `chooser.SETTLE_SLACK`); noz (auto whose
-ledger bars on its floor and budget alone, as before the seventeenth session: `chooser.LEDGER_Z`);
+ledger bars on its floor and budget alone, as before the seventeenth session: `chooser.LEDGER_Z`); nohere (auto whose
+rounds are priced by the estimates carried across requests alone, as before the seventeenth session:
+`chooser.HERE_WEIGHT`); pooled (auto whose ledger bars every option that lost once the losses exceed the budget, as
+before the seventeenth session, not the largest losers until the rest fits);
 dflash, ngram, mtp (fixed, dflash at block 8).
 
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
@@ -36,6 +39,7 @@ dflash, ngram, mtp (fixed, dflash at block 8).
         its target, DFlash drafter and MTP layers; the prompts byte-encoded as `glimmer bench` does
 """
 import copy
+import math
 import os
 import statistics
 import sys
@@ -46,6 +50,7 @@ from glimmer_mlx.bench.runner import task_order
 from glimmer_mlx.bench.settings import load_prompts
 from glimmer_mlx.session import load_session
 from glimmer_mlx.speculative.auto import make_auto
+from glimmer_mlx.speculative.auto.chooser import LEDGER_FLOOR
 
 T = float(sys.argv[1])
 reps = int(sys.argv[2]) if len(sys.argv) > 2 else 4
@@ -99,6 +104,34 @@ def no_z(auto):
     """auto as before the seventeenth session: its ledger bars on the floor and the budget alone, not also beyond
     what its rounds swing by chance (`AutoChooser.ledger_z`)."""
     auto.chooser.ledger_z = 0.0
+    return auto
+
+
+def no_here(auto):
+    """auto as before the seventeenth session: every round priced by its option's estimates carried across requests,
+    not scaled by how this request's rounds did against them (`chooser.HERE_WEIGHT`)."""
+    auto.chooser.new_context = auto.chooser.clear_lags
+    return auto
+
+
+def pooled_bar(auto):
+    """auto as before the seventeenth session: once the losers' losses exceed what they may lose, every option that
+    lost is barred, not only the largest losers until the rest fits (`AutoChooser._bar`)."""
+    ch = auto.chooser
+
+    def bar():
+        losers = {n for n, v in ch.saved.items() if v < 0.0}
+        short = -sum(ch.saved[n] for n in losers) - ch.surplus_share * sum(v for v in ch.saved.values() if v > 0.0)
+        noise = ch.ledger_z * math.sqrt(sum(ch.spread_sq.get(n, 0.0) for n in losers))
+        if short > max(ch.loss_budget * ch.elapsed, LEDGER_FLOOR * ch.plain_cal, noise):
+            barred, ch._reopen = frozenset(n for n, v in ch.saved.items() if v <= 0.0), short / ch.loss_budget
+        else:
+            barred, ch._reopen = frozenset(), math.inf
+        if barred != ch.barred:
+            ch.barred = barred
+            ch.rescore()
+
+    ch._bar = bar
     return auto
 
 
@@ -217,6 +250,8 @@ make = {
     "budget2": lambda: budget(second_auto(), 0.02),
     "nocheck": lambda: no_check(second_auto()),
     "noz": lambda: no_z(second_auto()),
+    "nohere": lambda: no_here(second_auto()),
+    "pooled": lambda: pooled_bar(second_auto()),
     "before": lambda: budget(no_check(second_auto()), 0.02),
     "servable": lambda: all_servable(second_auto()), "shrunk": lambda: shrunk(second_auto()),
     "nowide": lambda: no_wide(second_auto()),

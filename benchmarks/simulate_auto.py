@@ -26,9 +26,11 @@ ALPHAS = [0.508, 0.717, 0.627, 0.676, 0.669, 0.798, 0.46]
 
 
 def simulate(policy: str, draft: float, *, requests: int, tokens: int, seed: int, prior_tau: float = 2.2,
-             regime: str = "sampling") -> tuple[float, int]:
-    """(tokens per second, exploration rounds) of `policy` ("plain", "dflash": every round at 7 drafts, "auto")."""
+             regime: str = "sampling", spread: float = 0.0) -> tuple[float, int]:
+    """(tokens per second, exploration rounds) of `policy` ("plain", "dflash": every round at 7 drafts, "auto").
+    spread: each request's acceptance is ALPHAS × (1 − spread) or × (1 + spread), at random (prompts differ)."""
     rng = random.Random(seed)
+    kinds = random.Random(seed + 10**6)  # the requests' draws, the same for every policy
     ch = AutoChooser(COSTS, plain_cost=PLAIN)
     ch.add("dflash", 7, "block", draft_prior=draft,
            measured_tau={"width": 7, "greedy": prior_tau, "sampling": prior_tau})
@@ -36,7 +38,9 @@ def simulate(policy: str, draft: float, *, requests: int, tokens: int, seed: int
     for _ in range(requests):
         left, spec_last, lag = tokens - 1, False, 0
         seconds, done = seconds + PLAIN, done + 1  # the prefill's token
-        ch.clear_lags()
+        factor = 1.0 + spread * kinds.choice((-1.0, 1.0))
+        alphas = [min(a * factor, 0.98) for a in ALPHAS]
+        ch.new_context()
         while left > 0:
             k = min(7, left - 1)
             name, kk = None, 0
@@ -57,7 +61,7 @@ def simulate(policy: str, draft: float, *, requests: int, tokens: int, seed: int
                 continue
             fill = COSTS[9] if lag > 8 else 0.0
             n = 0
-            while n < kk and rng.random() < ALPHAS[min(n, len(ALPHAS) - 1)]:
+            while n < kk and rng.random() < alphas[min(n, len(alphas) - 1)]:
                 n += 1
             seconds += draft + COSTS[kk + 1] + fill
             got = min(n + 1, left)
@@ -80,6 +84,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=10)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--seeds", type=int, default=16)
+    ap.add_argument("--spread", type=float, default=0.0, help="requests' acceptance × (1 ± spread), at random")
+    ap.add_argument("--here-weight", type=float, default=None, help="override chooser.HERE_WEIGHT")
     a = ap.parse_args()
     if a.future_tokens is not None:
         chooser_mod.FUTURE_TOKENS = a.future_tokens
@@ -87,16 +93,19 @@ def main() -> None:
         chooser_mod.PRIOR_WEIGHT = a.prior_weight
     if a.loss_budget is not None:
         chooser_mod.LOSS_BUDGET = a.loss_budget
+    if a.here_weight is not None:
+        chooser_mod.HERE_WEIGHT = a.here_weight
     if a.ledger_floor is not None:
         chooser_mod.LEDGER_FLOOR = a.ledger_floor
-    res = {p: [simulate(p, a.draft_ms * MS, requests=a.requests, tokens=a.tokens, seed=s, prior_tau=a.prior_tau)
+    res = {p: [simulate(p, a.draft_ms * MS, requests=a.requests, tokens=a.tokens, seed=s, prior_tau=a.prior_tau,
+                        spread=a.spread)
                 for s in range(a.seeds)]
            for p in ("plain", "dflash", "auto")}
     base = statistics.mean(r for r, _ in res["plain"])
     rel = {p: round(statistics.mean(r for r, _ in v) / base, 3) for p, v in res.items()}
     print(f"draft {a.draft_ms} ms, prior τ {a.prior_tau}, FUTURE_TOKENS {chooser_mod.FUTURE_TOKENS}, PRIOR_WEIGHT "
           f"{chooser_mod.PRIOR_WEIGHT}, LOSS_BUDGET {chooser_mod.LOSS_BUDGET}, LEDGER_FLOOR "
-          f"{chooser_mod.LEDGER_FLOOR}: × plain {rel}, auto explored "
+          f"{chooser_mod.LEDGER_FLOOR}, HERE_WEIGHT {chooser_mod.HERE_WEIGHT}, spread {a.spread}: × plain {rel}, auto explored "
           f"{statistics.mean(e for _, e in res['auto']):.1f} rounds a run")
 
 

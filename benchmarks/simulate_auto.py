@@ -5,7 +5,7 @@ than a block recomputing its taps (C(L)); the chooser's ledger is kept as AutoDe
 `elapse`). Noise-free, so decision-rule changes can be compared without a quiet machine; the figures it prints are
 tokens per second relative to plain decoding, averaged over seeds.
 
-    python benchmarks/simulate_auto.py --draft-ms 3 [--future-tokens 128] [--requests 10 --tokens 96]
+    python benchmarks/simulate_auto.py --draft-ms 3 [--future-tokens 128] [--requests 10 --tokens 96] [--spread 0.3]
 """
 
 from __future__ import annotations
@@ -105,7 +105,8 @@ def main() -> None:
     rel = {p: round(statistics.mean(r for r, _ in v) / base, 3) for p, v in res.items()}
     print(f"draft {a.draft_ms} ms, prior τ {a.prior_tau}, FUTURE_TOKENS {chooser_mod.FUTURE_TOKENS}, PRIOR_WEIGHT "
           f"{chooser_mod.PRIOR_WEIGHT}, LOSS_BUDGET {chooser_mod.LOSS_BUDGET}, LEDGER_FLOOR "
-          f"{chooser_mod.LEDGER_FLOOR}, HERE_WEIGHT {chooser_mod.HERE_WEIGHT}, spread {a.spread}: × plain {rel}, auto explored "
+          f"{chooser_mod.LEDGER_FLOOR}, HERE_WEIGHT {chooser_mod.HERE_WEIGHT}, spread {a.spread}: × plain {rel}, "
+          f"auto explored "
           f"{statistics.mean(e for _, e in res['auto']):.1f} rounds a run")
 
 

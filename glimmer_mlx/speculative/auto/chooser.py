@@ -54,13 +54,20 @@ each round cost and accepted, and it never touches a model.
 from __future__ import annotations
 
 import collections
-import itertools
 import math
-import operator
 from collections import Counter
 from dataclasses import dataclass, field
 
 COST_SHAPES = ("affine", "block", "chain", "free")
+
+
+def expected_tokens(alphas: list[float]) -> float:
+    """Tokens one round commits on average whose drafts are accepted with conditional probabilities `alphas`."""
+    e, p = 1.0, 1.0
+    for a in alphas:
+        p *= a
+        e += p
+    return e
 
 
 class AcceptanceStats:
@@ -83,6 +90,7 @@ class AcceptanceStats:
         self.acc, self.tried = list(self.base[0]), list(self.base[1])
         self.shrink = prior[1]  # weight of "like the position before" for positions >= 1
         self.then = None if not then or then[1] <= 0 else then[0] / then[1]  # position 1's anchor, if given
+        self._prior_alphas = self._alphas(*self.base, prior[1])  # what the prior alone says (`prior_variance`)
 
     def alphas(self) -> list[float]:
         return self._alphas(self.acc, self.tried, self.shrink)
@@ -100,7 +108,7 @@ class AcceptanceStats:
         acceptance alone: how much a round's outcome swings by chance for this drafter, whatever was measured."""
         e = e2 = 0.0
         p = 1.0
-        for j, a in enumerate([1.0] + self._alphas(*self.base, self.prior[1])[:k]):
+        for j, a in enumerate([1.0] + self._prior_alphas[:k]):
             p *= a  # P(the round commits more than j tokens)
             e += p
             e2 += (2 * j + 1) * p
@@ -117,11 +125,7 @@ class AcceptanceStats:
         self.shrink = 0.0
 
     def expected_tokens(self, k: int) -> float:
-        e, p = 1.0, 1.0
-        for a in self.alphas()[:k]:
-            p *= a
-            e += p
-        return e
+        return expected_tokens(self.alphas()[:k])
 
     def update(self, k: int, n_accepted: int) -> None:
         if k <= 0:
@@ -401,11 +405,13 @@ class Option:
         """The acceptance estimates of `key` (`acceptance`) as this request's rounds measure them (`here`): each
         scaled by ρ (at most 0.99 where that raises it)."""
         a = self.acceptance(key).alphas()
-        h = self.here.get(key.split("#", 1)[0])
-        if h is None:
-            return a
-        rho = (h[0] + HERE_WEIGHT) / (h[1] + HERE_WEIGHT)
-        return [min(x * rho, max(x, 0.99)) for x in a]
+        rho = self.rho(key.split("#", 1)[0])
+        return a if rho is None else [min(x * rho, max(x, 0.99)) for x in a]
+
+    def rho(self, regime: str) -> float | None:
+        """How this request's rounds of `regime` did against its estimates (`HERE_WEIGHT`; None: no round yet)."""
+        h = self.here.get(regime)
+        return None if h is None else (h[0] + HERE_WEIGHT) / (h[1] + HERE_WEIGHT)
 
     def note_here(self, key: str, k: int, n_accepted: int) -> None:
         """A round of k drafts, n accepted, in this request (before its estimates of `key` learn from it)."""
@@ -811,8 +817,7 @@ class AutoChooser:
                 if z == SCENARIOS[-1]:  # the width the optimistic scenario would draft at: the one to try
                     k_e = 1 + rs.index(top)
             mean = self.rates(name, k_e, regime)[k_e - 1] * self.scale
-            e_mean = 1.0 + sum(itertools.accumulate(self.options[name].alphas(self._key(regime))[:k_e],
-                                                    operator.mul))
+            e_mean = expected_tokens(self.options[name].alphas(self._key(regime))[:k_e])
             # calibrated seconds this round loses on the incumbent by the mean estimate, its switch and catch-up
             # spread as its rate spreads them. (Charging them whole — a round that ends its stretch — explored less
             # and found less: `benchmarks/simulate_auto.py`, a drafter paying 1.17x, auto 1.063x against 1.093x.)
@@ -1101,7 +1106,8 @@ class AutoChooser:
         name = entry if entry is not None else self.entry(name)
         self.saved[name] = self.saved.get(name, 0.0) + gain
         if tokens > 0:  # a round: how much its saving swings by chance (`LEDGER_Z`)
-            self.spread_sq[name] = self.spread_sq.get(name, 0.0) + self._round_var.pop(name, 0.0) * self.plain_cal ** 2
+            by_chance = self._round_var.pop(name, 0.0) * self.plain_cal ** 2
+            self.spread_sq[name] = self.spread_sq.get(name, 0.0) + by_chance
         if gain > -LEDGER_ROUND_CAP * self.plain_cal:  # a capped loss is charged in full however plain is priced
             u = self._unconfirmed.setdefault(name, [0.0, 0.0])
             u[0] += seconds
@@ -1264,7 +1270,7 @@ class AutoChooser:
                                         for n, o in self.options.items() if o.verify_factor},
             "acceptance": {n: {reg: [round(a, 3) for a in s.alphas()] for reg, s in o.stats.items()}
                            for n, o in self.options.items()},
-            "this_request": {n: {reg: round((a + HERE_WEIGHT) / (e + HERE_WEIGHT), 3) for reg, (a, e) in o.here.items()}
+            "this_request": {n: {reg: round(o.rho(reg), 3) for reg in o.here}
                              for n, o in self.options.items() if o.here},
             "draft_cost_ms": {n: {f"k={k}": round(1000 * self.scale * o.cost(k), 3) for k in sorted({1, o.max_k})}
                               for n, o in self.options.items() if o.cost.unit is not None},

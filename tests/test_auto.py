@@ -1764,6 +1764,41 @@ def test_a_backlog_forward_is_priced_toward_the_calibrated_wide_forward():
     assert AutoChooser(costs, wide=(8, 1.0)).wide is None  # a "wide" point inside the curve is no wide point
 
 
+def test_memoised_tables_choose_what_a_fresh_scoring_chooses():
+    """The chooser's memo (`_leaders`, `_optimistic`, `_scenarios`, `_explore_terms`, the sets) keeps tables until
+    what they rest on changes: a table of an option that pays no switch and no catch-up is shared across horizons
+    and what came last (`_where`), and a new switch cost drops only the tables that price one (`_forget_switched`).
+    Through rounds, updates, backlogs, switch costs and stretches on random tables, `pick` with the memo answers what
+    a copy scoring everything afresh answers."""
+    import copy
+
+    rng = np.random.default_rng(7)
+    for trial in range(12):
+        costs, opts = random_tables(rng, slope=0.08, top=1.0, ngram="ngram@2")
+        ch = chooser(costs, opts)
+        for name in ("dflash", "mtp"):  # uncertain: worth exploring
+            ch.options[name].acceptance("greedy").set_alphas(opts[name][3], weight=3.0)
+        ch.switch_cost = 20 * MS
+        checked = 0
+        for step in range(80):
+            remaining = int(rng.choice([2, 3, 5, 9, 17, 40, 200]))
+            available = {n: int(rng.integers(1, ch.options[n].max_k + 1)) for n in ch.options if rng.random() < 0.8}
+            for n in ("dflash", "mtp"):
+                lag = int(rng.choice([0, 0, 3, 40]))
+                ch.set_lag(n, lag, fill=bool(rng.random() < 0.5))
+            afresh = copy.deepcopy(ch)
+            afresh._memo.clear()
+            got = ch.pick(available, remaining=remaining)
+            assert got == afresh.pick(available, remaining=remaining), (trial, step)
+            checked += 1
+            name, k = ch.choose(available, remaining=remaining, picked=got)
+            if name is not None:
+                ch.update(name, k, int(rng.integers(0, k + 1)))
+            if rng.random() < 0.15:
+                ch.observe_switch(float(rng.uniform(-5, 60)) * MS)
+        assert checked == 80
+
+
 def test_exploring_counts_only_the_tokens_the_option_could_serve():
     """`_servable`: where n-gram lookup commits nine tokens in ten at many times plain speed, what exploring an
     uncertain DFlash drafter could teach serves only the tenth plain rounds commit, so a request long enough to

@@ -91,6 +91,7 @@ class AcceptanceStats:
         self.shrink = prior[1]  # weight of "like the position before" for positions >= 1
         self.then = None if not then or then[1] <= 0 else then[0] / then[1]  # position 1's anchor, if given
         self._prior_alphas = self._alphas(*self.base, prior[1])  # what the prior alone says (`prior_variance`)
+        self._prior_var: dict[int, float] = {}  # k -> `prior_variance(k)` (the prior never changes)
 
     def alphas(self) -> list[float]:
         return self._alphas(self.acc, self.tried, self.shrink)
@@ -106,13 +107,17 @@ class AcceptanceStats:
     def prior_variance(self, k: int) -> float:
         """The variance of the tokens one round of k drafts commits (1 + the drafts accepted) by the prior's
         acceptance alone: how much a round's outcome swings by chance for this drafter, whatever was measured."""
+        got = self._prior_var.get(k)
+        if got is not None:
+            return got
         e = e2 = 0.0
         p = 1.0
         for j, a in enumerate([1.0] + self._prior_alphas[:k]):
             p *= a  # P(the round commits more than j tokens)
             e += p
             e2 += (2 * j + 1) * p
-        return max(0.0, e2 - e * e)
+        out = self._prior_var[k] = max(0.0, e2 - e * e)
+        return out
 
     def alpha(self, j: int) -> float:
         return self.alphas()[j]
@@ -619,9 +624,12 @@ class AutoChooser:
     def set_lag(self, name: str, lag: int, fill: bool | int = True) -> None:
         """Option `name`'s drafter is `lag` target positions behind (0: in step); fill: how many of them (the
         latest) must be run again for their taps (a plain stretch computed none); True: all of them, False: none."""
-        old = self._lag_key(name)
         rows = (lag if fill else 0) if isinstance(fill, bool) else min(int(fill), lag)
-        self.lags[name] = (lag, max(0, rows))
+        new = (lag, max(0, rows))
+        if self.lags.get(name) == new:
+            return
+        old = self._lag_key(name)
+        self.lags[name] = new
         if self._lag_key(name) != old:
             self._lag_sig = tuple(sorted((n, self._lag_key(n)) for n in self.lags if self.lags[n][0] > 0))
 
@@ -753,8 +761,7 @@ class AutoChooser:
         switch or catch-up, `rates`), kept until an estimate changes. In units of the speed scale, so a plain token
         moving the scale leaves it valid (every rate, plain's included, scales alike)."""
         memo = self._memo_of(name)
-        key = ("free", regime, self.phase) if free else (
-            "lead", regime, self.phase, self._spec_last, self.horizon, self._lag_key(name))
+        key = ("lead", regime, self.phase) + (("free",) if free else self._where(name))
         out = memo.get(key)
         if out is None:
             out, bk, br = [], 0, 0.0
@@ -764,6 +771,14 @@ class AutoChooser:
                 out.append((bk, br))
             memo[key] = out
         return out
+
+    def _where(self, name: str) -> tuple:
+        """What option `name`'s rates depend on beyond its estimates (`rates`), as a memo key: what came last, the
+        horizon and its backlog — or ("free",) when its round would pay neither a switch nor a catch-up, its rates
+        then those of its free tables whatever the horizon (inside a stretch, its drafter in step)."""
+        if self._switch(name) <= 0.0:
+            return ("free",)
+        return (self._spec_last, self.horizon, self._lag_key(name))
 
     def _bounded_by(self, name: str, bound: float, rate) -> bool:
         """Whether option `name` cannot beat `bound` even free of a switch and a catch-up: `rate(free)` is the rate
@@ -800,31 +815,47 @@ class AutoChooser:
 
     def _explore_terms(self, name: str, cap: int, regime: str, incumbent: tuple) -> tuple[float, float, int]:
         """(EI × share, loss, k) of exploring option `name` (at most `cap` drafts) against `incumbent` = (name or
-        None, its rate × scale): see the class docstring. Scale-free, kept until an estimate changes."""
+        None, its rate × scale): see the class docstring. Scale-free, kept until an estimate changes; what does not
+        depend on the incumbent (`_scenarios`) is kept apart, the incumbent moving every round or two."""
         memo = self._memo_of(name)
-        key = ("explore", regime, self.phase, self._spec_last, self.horizon, self._lag_key(name), cap, incumbent)
+        key = ("explore", regime, self.phase, cap, incumbent) + self._where(name)
         out = memo.get(key)
         if out is None:
-            stats = self.options[name].acceptance(self._key(regime))
-            sd = stats.spread()
+            tops, k_e, mean, e_mean, share = self._scenarios(name, cap, regime)
             t_inc = 1.0 / incumbent[1]  # calibrated seconds per token of the incumbent
-            ei, k_e = 0.0, 1
-            for z in SCENARIOS:
-                rs = [r * self.scale for r in self.rates(name, cap, regime, shift=z * sd)]
-                top = max(rs)
+            ei = 0.0
+            for top in tops:
                 if top > incumbent[1] * (1 + MIN_GAIN):
                     ei += (t_inc - 1.0 / top) / len(SCENARIOS)
-                if z == SCENARIOS[-1]:  # the width the optimistic scenario would draft at: the one to try
-                    k_e = 1 + rs.index(top)
-            mean = self.rates(name, k_e, regime)[k_e - 1] * self.scale
-            e_mean = expected_tokens(self.options[name].alphas(self._key(regime))[:k_e])
             # calibrated seconds this round loses on the incumbent by the mean estimate, its switch and catch-up
             # spread as its rate spreads them. (Charging them whole — a round that ends its stretch — explored less
             # and found less: `benchmarks/simulate_auto.py`, a drafter paying 1.17x, auto 1.063x against 1.093x.)
             loss = max(0.0, e_mean * (1.0 / mean - t_inc))
+            out = memo[key] = (ei * share, loss, k_e)
+        return out
+
+    def _scenarios(self, name: str, cap: int, regime: str) -> tuple[list[float], int, float, float, float]:
+        """Option `name` explored at most `cap` drafts, whatever the incumbent: (its best rate × scale in each of
+        `SCENARIOS`, the width k its optimistic one drafts at — the one to try —, its mean rate × scale at k, the
+        tokens a round at k commits by the mean estimates, the share of its uncertainty one round resolves),
+        kept until an estimate changes."""
+        memo = self._memo_of(name)
+        key = ("scenarios", regime, self.phase, cap) + self._where(name)
+        out = memo.get(key)
+        if out is None:
+            stats = self.options[name].acceptance(self._key(regime))
+            sd = stats.spread()
+            tops, k_e = [], 1
+            for z in SCENARIOS:
+                rs = [r * self.scale for r in self.rates(name, cap, regime, shift=z * sd)]
+                tops.append(max(rs))
+                if z == SCENARIOS[-1]:
+                    k_e = 1 + rs.index(tops[-1])
+            mean = self.rates(name, k_e, regime)[k_e - 1] * self.scale
+            e_mean = expected_tokens(self.options[name].alphas(self._key(regime))[:k_e])
             n_new = min(e_mean, k_e)  # positions one round tries, about
             share = n_new / (max(stats.tried[0], 0.0) + n_new)
-            out = memo[key] = (ei * share, loss, k_e)
+            out = memo[key] = (tops, k_e, mean, e_mean, share)
         return out
 
     def _optimistic(self, name: str, cap: int, regime: str, free: bool = False,
@@ -835,8 +866,7 @@ class AutoChooser:
         without a switch or catch-up (`rates`); phase: whose estimates ("now": the current one)."""
         phase = self.phase if phase == "now" else phase
         memo = self._memo_of(name)
-        key = ("optimistic", regime, phase, cap) + (
-            ("free",) if free else (self._spec_last, self.horizon, self._lag_key(name)))
+        key = ("optimistic", regime, phase, cap) + (("free",) if free else self._where(name))
         out = memo.get(key)
         if out is None:
             sd = self.options[name].acceptance(self._key(regime, phase)).spread()
@@ -848,7 +878,7 @@ class AutoChooser:
         """(name, k) of the option worth exploring now, or None: remaining · (the share of it that option could
         serve: `_servable`) · EI · share must exceed the round's loss against the incumbent ((name or None,
         rate × scale)); the largest surplus wins."""
-        best, surplus = None, 0.0
+        best, surplus, served = None, 0.0, None
         # the incumbent's rate to 1 % (its estimate moves a little every round: the tables need not)
         incumbent = (incumbent[0], math.exp(round(100 * math.log(incumbent[1])) / 100))
         for name, cap in available.items():
@@ -864,23 +894,32 @@ class AutoChooser:
             if top <= bar:
                 continue  # not even its optimistic scenario beats the incumbent: EI = 0 (and no scoring pass)
             value, loss, k = self._explore_terms(name, cap, regime, incumbent)
-            gain = remaining * self._servable(name, top, regime) * value - loss
+            if served is None:
+                served = self._served_by(regime)
+            gain = remaining * self._servable(name, top, regime, served) * value - loss
             if gain > surplus:
                 best, surplus = (name, k), gain
         return best
 
-    def _servable(self, name: str, top: float, regime: str) -> float:
+    def _servable(self, name: str, top: float, regime: str, served: list | None = None) -> float:
         """The share of the tokens decoded lately (`served`) that option `name` could have served had it been as
         good as its optimistic rate `top` (× scale): those of plain rounds, its own, and those of options whose best
         rate by the mean estimates is below it. What is learned about it serves only such tokens: where n-gram
         lookup commits most of the tokens at five times plain speed, a DFlash drafter's answer serves the rest alone
-        (on the trained tiny set a fresh auto explored DFlash, its trees and MTP there again and again)."""
+        (on the trained tiny set a fresh auto explored DFlash, its trees and MTP there again and again). served:
+        `_served_by(regime)` of this very state, when the caller has it."""
         total = sum(self.served.values())
         if total <= 0.0:
             return 1.0
-        ok = sum(v for y, v in self.served.items()
-                 if y is None or y == name or (y in self.options and self._leaders(y, regime)[-1][1] < top))
+        rows = served if served is not None else self._served_by(regime)
+        ok = sum(v for y, v, best in rows if y is None or y == name or (best is not None and best < top))
         return ok / total
+
+    def _served_by(self, regime: str) -> list[tuple[str | None, float, float | None]]:
+        """[(option or None for plain, tokens it served lately, its best rate × scale by the mean estimates — None
+        for plain or an option no longer offered)] in `served`'s order (`_servable`)."""
+        return [(y, v, self._leaders(y, regime)[-1][1] if y in self.options else None)
+                for y, v in self.served.items()]
 
     def pick(self, available: dict[str, int], regime: str = "greedy",
              remaining: int | None = None) -> tuple[str | None, int, bool]:
@@ -1154,7 +1193,7 @@ class AutoChooser:
         cap = (8.0 + SETTLE_TOKEN_CAP * wake) * self.plain_cal
         self.wake_tokens += wake
         self.switch_cost = (1 - ema) * self.switch_cost + ema * min(max(seconds / self.scale, -cap), cap)
-        self._forget()
+        self._forget_switched()
 
     def rescore(self) -> None:
         """Score every option afresh (after estimates were set from outside)."""
@@ -1184,6 +1223,17 @@ class AutoChooser:
         else:
             self._memo.clear()
             self._shared = (self.round_overhead, dict(self.verify_factor))
+        self.version += 1
+
+    def _forget_switched(self) -> None:
+        """The switch cost changed: drop the tables that price one (the free ones and the round costs stand: the
+        next stretch's first round need not score every option, width and scenario afresh), and the sets."""
+        for name, memo in self._memo.items():
+            if name is None:
+                memo.clear()
+                continue
+            for key in [k for k in memo if k[-1] != "free" and k[0] != "round costs"]:
+                del memo[key]
         self.version += 1
 
     def _forget_options(self, names: set[str]) -> None:

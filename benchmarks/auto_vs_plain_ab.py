@@ -29,7 +29,8 @@ ones after that measuring the speed scale, as before the thirteenth session: `ch
 ledger bars on its floor and budget alone, as before the seventeenth session: `chooser.LEDGER_Z`); nohere (auto whose
 rounds are priced by the estimates carried across requests alone, as before the seventeenth session:
 `chooser.HERE_WEIGHT`); pooled (auto whose ledger bars every option that lost once the losses exceed the budget, as
-before the seventeenth session, not the largest losers until the rest fits);
+before the seventeenth session, not the largest losers until the rest fits); emaoverhead (auto whose round overhead
+is an EMA of samples capped at two plain steps only, as before the eighteenth session: `chooser.OVERHEAD_CLIP`);
 dflash, ngram, mtp (fixed, dflash at block 8).
 
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
@@ -239,6 +240,19 @@ def no_wide(auto):
     return auto
 
 
+def ema_overhead(auto):
+    """auto as before the eighteenth session: its round overhead an EMA of samples capped at two plain steps only,
+    not also at `chooser.OVERHEAD_CLIP` × the estimate (`AutoChooser.observe_round_overhead`)."""
+    ch = auto.chooser
+
+    def observe_round_overhead(seconds):
+        x = min(max(seconds / ch.scale, 0.0), 2.0 * ch.plain_cal)
+        ch.round_overhead = (1 - ch.scale_ema) * ch.round_overhead + ch.scale_ema * x
+        ch._rescore(None)
+    ch.observe_round_overhead = observe_round_overhead
+    return auto
+
+
 make = {
     "ar": lambda: None, "ar2": lambda: None, "auto": d.auto,
     "forced": lambda: make_auto(m, dflash=d.dflash, mtp=d.mtp, ngram=8,
@@ -252,6 +266,7 @@ make = {
     "noz": lambda: no_z(second_auto()),
     "nohere": lambda: no_here(second_auto()),
     "pooled": lambda: pooled_bar(second_auto()),
+    "emaoverhead": lambda: ema_overhead(second_auto()),
     "before": lambda: budget(no_check(second_auto()), 0.02),
     "servable": lambda: all_servable(second_auto()), "shrunk": lambda: shrunk(second_auto()),
     "nowide": lambda: no_wide(second_auto()),

@@ -1241,14 +1241,22 @@ def test_measured_tau_sets_the_starting_acceptance(tmp_path):
 def test_round_overhead_is_charged_to_drafting_and_capped():
     """Time a speculative round spends outside its draft and verify windows counts against drafting: an option that
     wins on draft + verify alone loses once the measured overhead is added; a single stall moves it by at most
-    0.1 × two plain steps."""
+    0.1 × a quarter of a plain step from nothing, and by at most 0.1 × 2 × the estimate (`OVERHEAD_CLIP`) once it
+    has one; a lasting overhead still comes through."""
+    from glimmer_mlx.speculative.auto.chooser import OVERHEAD_CLIP
     costs = {L: 10 * MS * (1 + 0.05 * (L - 1)) for L in range(1, 17)}
     ch = chooser(costs, {"ngram": (8, "free", 0.0, [0.3])})
     assert ch.choose({"ngram": 8})[0] == "ngram" and ch.round_overhead == 0.0
     ch.observe_plain(10 * MS)
     ch.observe_round_overhead(1.0)  # a one-second stall
-    assert ch.round_overhead == pytest.approx(0.1 * 20 * MS)
+    assert ch.round_overhead == pytest.approx(0.1 * 0.25 * 10 * MS)
     for _ in range(60):
+        ch.observe_round_overhead(2 * MS)
+    steady = ch.round_overhead
+    assert steady == pytest.approx(2 * MS, rel=0.01)
+    ch.observe_round_overhead(10 * MS)  # a stall of the machine's, as the plain tokens have them too
+    assert ch.round_overhead == pytest.approx(0.9 * steady + 0.1 * OVERHEAD_CLIP * steady)
+    for _ in range(80):
         ch.observe_round_overhead(8 * MS)
     assert ch.round_overhead == pytest.approx(8 * MS, rel=1e-2)
     assert ch.choose({"ngram": 8}) == (None, 0)

@@ -187,6 +187,8 @@ SHARED_DRIFT = 0.03
 # ... and the sets of options that could pay or pay (`could_pay`, `paying`: one option's new estimate may change
 # them) every this many changes
 RESCORE_EVERY = 8
+# a speculative round's overhead sample counts at most this many times the current estimate (`observe_round_overhead`)
+OVERHEAD_CLIP = 3.0
 # the speed scale is the median of this many latest pipelined plain tokens (`AutoChooser.observe_plain`): the timing
 # noise of a shared machine is heavy-tailed (the same round took 2.5–12 ms within one sitting here), and plain
 # tokens are rare once speculation pays, so an EMA of them sat wherever the last spikes left it (2.96–3.9 while their
@@ -1174,10 +1176,15 @@ class AutoChooser:
 
     def observe_round_overhead(self, seconds: float) -> None:
         """Measured wall time of a speculative round (from the previous round's commit to its own) minus its
-        measured draft and verify time. An EMA from 0, each sample capped at two plain steps: one stall (another
-        process, a first-call kernel build) cannot lock the drafters out, a lasting overhead comes through within
-        ~20 speculative rounds."""
-        x = min(max(seconds / self.scale, 0.0), 2.0 * self.plain_cal)
+        measured draft and verify time. An EMA from 0, each sample capped at two plain steps (one stall — another
+        process, a first-call kernel build — cannot lock the drafters out) and at `OVERHEAD_CLIP` × the estimate
+        (at least a quarter of a plain step, so that it grows from 0): the samples' tail is the machine's (on the
+        trained tiny set: median 0.41 ms, nine in ten below 0.65, and the odd 5-10 ms stall of a shared CPU, which
+        the plain tokens suffer alike), and capped at two plain steps alone, one such spike in the few speculative
+        rounds of a plain-heavy sitting left the estimate at 1.0-1.2 ms — 0.15 of a plain token more on every round
+        of DFlash, a drafter paying 5-8 % there. A lasting overhead still comes through within ~30 rounds."""
+        cap = min(2.0 * self.plain_cal, max(OVERHEAD_CLIP * self.round_overhead, 0.25 * self.plain_cal))
+        x = min(max(seconds / self.scale, 0.0), cap)
         self.round_overhead = (1 - self.scale_ema) * self.round_overhead + self.scale_ema * x
         self._rescore(None)
 

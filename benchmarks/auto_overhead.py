@@ -13,35 +13,20 @@ first prompt of each shipped category, MAX_TOKENS tokens, REPS repeats (the mode
     AB_SET=DIR python benchmarks/auto_overhead.py T REPS [...]      the trained tiny set (benchmarks/bench_tiny_set.py)
 """
 import functools
-import os
 import statistics
-import sys
 import time
 
 import glimmer_mlx
-from glimmer_mlx.bench.runner import encode_prompts, task_order
-from glimmer_mlx.bench.settings import load_prompts
-from glimmer_mlx.session import load_session
+from ab_setup import args, session_and_prompts
+from glimmer_mlx.bench.runner import task_order
 from glimmer_mlx.speculative.auto.chooser import AutoChooser
 from glimmer_mlx.speculative.auto.multiplex import AutoDrafter
 from glimmer_mlx.speculative.engine import AutoDecoder
 
-T = float(sys.argv[1])
-reps = int(sys.argv[2]) if len(sys.argv) > 2 else 4
-maxt = int(sys.argv[3]) if len(sys.argv) > 3 else 96
-SET = os.environ.get("AB_SET")
-P = load_prompts()
-cats = list(P)
-if SET:
-    s = load_session(f"{SET}/target", draft_model=f"{SET}/dflash", mtp_model=f"{SET}/mtp")
-    m = s.model
-    encoded, _ = encode_prompts(P, None, m.args.vocab_size)
-    ids = {c: encoded[c][0] for c in cats}
-else:
-    s = load_session(None)
-    m, tok = s.model, s.tokenizer
-    ids = {c: tok.apply_chat_template([{"role": "user", "content": P[c][0]}], add_generation_prompt=True,
-                                      tokenize=True) for c in cats}
+T, reps, maxt = args()
+s, ids, SET = session_and_prompts()
+cats = list(ids)
+m = s.model
 m.eos_token_ids = set()  # every run decodes MAX_TOKENS tokens
 d = s.drafters
 auto = d.auto()

@@ -47,33 +47,18 @@ import sys
 import time
 
 import glimmer_mlx
+from ab_setup import args, session_and_prompts
 from glimmer_mlx.bench.runner import task_order
-from glimmer_mlx.bench.settings import load_prompts
-from glimmer_mlx.session import load_session
 from glimmer_mlx.speculative.auto import make_auto
 from glimmer_mlx.speculative.auto.chooser import LEDGER_FLOOR
 
-T = float(sys.argv[1])
-reps = int(sys.argv[2]) if len(sys.argv) > 2 else 4
-maxt = int(sys.argv[3]) if len(sys.argv) > 3 else 96
+T, reps, maxt = args()
 modes = sys.argv[4].split(",") if len(sys.argv) > 4 else ["ar", "auto"]
-SET = os.environ.get("AB_SET")
 SETTLE = float(os.environ.get("AB_SETTLE", "0"))  # seconds idle before each run (what the run before left running
 # settles: OpenBLAS's idle threads spin ~0.1 s after a multi-row GEMM)
-P = load_prompts()
-cats = list(P)
-if SET:
-    from glimmer_mlx.bench.runner import encode_prompts
-
-    s = load_session(f"{SET}/target", draft_model=f"{SET}/dflash", mtp_model=f"{SET}/mtp")
-    m = s.model
-    encoded, _ = encode_prompts(P, None, m.args.vocab_size)  # byte fallback, as glimmer bench
-    ids = {c: encoded[c][0] for c in cats}
-else:
-    s = load_session(None)
-    m, tok = s.model, s.tokenizer
-    ids = {c: tok.apply_chat_template([{"role": "user", "content": P[c][0]}], add_generation_prompt=True,
-                                      tokenize=True) for c in cats}
+s, ids, SET = session_and_prompts()
+cats = list(ids)
+m = s.model
 d = s.drafters
 # every run decodes MAX_TOKENS tokens, as `glimmer bench` does: at T = 1 an EOS ends each mode's runs at its own
 # length (auto's first speculative round changes what the rest samples), and runs of 10 and 96 tokens weigh alike in

@@ -9,30 +9,15 @@ are checked identical to plain's.
 import json
 import os
 import platform
-import sys
 
 import glimmer_mlx
-from glimmer_mlx.bench.settings import load_prompts
-from glimmer_mlx.session import load_session
+from ab_setup import args, session_and_prompts
 from glimmer_mlx.speculative.ngram import NGramDrafter, NGramIndex
 from glimmer_mlx.strategy import NGRAM_DRAFTS
 
-T = float(sys.argv[1])
-reps = int(sys.argv[2]) if len(sys.argv) > 2 else 4
-maxt = int(sys.argv[3]) if len(sys.argv) > 3 else 96
-SET = os.environ.get("AB_SET")
-P = load_prompts()
-cats = list(P)
-if SET:
-    from glimmer_mlx.bench.runner import encode_prompts
-
-    s = load_session(f"{SET}/target", draft_model=f"{SET}/dflash", mtp_model=f"{SET}/mtp")
-    encoded, _ = encode_prompts(P, None, s.model.args.vocab_size)
-    ids = {c: encoded[c][0] for c in cats}
-else:
-    s = load_session(None)
-    ids = {c: s.tokenizer.apply_chat_template([{"role": "user", "content": P[c][0]}], add_generation_prompt=True,
-                                              tokenize=True) for c in cats}
+T, reps, maxt = args()
+s, ids, SET = session_and_prompts()
+cats = list(ids)
 m, d = s.model, s.drafters
 
 

@@ -500,7 +500,7 @@ def test_auto_speculates_when_verification_is_nearly_free(ba):
     each row with its best option, never more drafts than its budget allows. Catches: choose always plain, the
     budget cap ignored, the worse option picked."""
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
-    ba.measured, ba.ratio = {}, None
+    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
     pin(ba, "dflash", "greedy", 0.8)
     pin(ba, "mtp", "greedy", 0.3)
     rows = [("greedy", 100, {"dflash": 15, "mtp": 1}), ("greedy", 100, {"dflash": 15}), ("greedy", 3, {"dflash": 15})]
@@ -519,7 +519,7 @@ def test_auto_plain_when_compute_bound(ba):
     Catches: choose ignoring the step cost of B·L positions (speculating whenever drafts are accepted), step_cost
     preferring the calibration over a measured n."""
     ba.curve = {n: 0.001 * n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
-    ba.measured, ba.ratio = {}, None
+    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
     pin(ba, "dflash", "greedy", 0.9)
     pin(ba, "mtp", "greedy", 0.9)
     rows = [("greedy", 100, {"dflash": 15, "mtp": 1})] * 4
@@ -527,7 +527,7 @@ def test_auto_plain_when_compute_bound(ba):
     assert k == 0 and plan == [(None, 0)] * 4
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
     assert ba.choose(rows, 0, 1, 0.0, 15)[0] > 0  # the same rows speculate when verification is free
-    ba.measured = {n: 0.001 * n for n in range(1, 257)}
+    ba.measured, ba.by_rows = {n: 0.001 * n for n in range(1, 257)}, {}
     k, plan = ba.choose(rows, 0, 1, 0.0, 15)
     assert k == 0 and plan == [(None, 0)] * 4
 
@@ -536,7 +536,7 @@ def test_auto_never_speculates_without_drafts(ba):
     """No row has drafts (no option available: an n-gram row whose suffix never occurred; or budget 1), even with
     drafting free and acceptance 1. Catches: a plan drafting for a row with no option, a width past the budget."""
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
-    ba.measured, ba.ratio = {}, None
+    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
     pin(ba, "dflash", "greedy", 0.99)
     k, plan = ba.choose([("greedy", 100, {}), ("greedy", 50, {})], 0, 1, 0.0, 15)
     assert k == 0 and plan == [(None, 0)] * 2
@@ -556,7 +556,7 @@ def test_the_batch_ledger_turns_speculation_off_once_it_lost_its_budget(ba):
     from glimmer_mlx.speculative.batch import BatchGenerator
 
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
-    ba.measured, ba.ratio = {2: 0.01}, None
+    ba.measured, ba.ratio, ba.by_rows = {2: 0.01}, None, {}
     pin(ba, "dflash", "greedy", 0.8)
     rows = [("greedy", 100, {"dflash": 15})] * 2
     assert ba.choose(rows, 0, 1, 0.0, 15)[0] > 0
@@ -602,7 +602,7 @@ def test_auto_cost_model_observe_and_interpolate(ba):
     """observe: an EMA per n and a measured/calibrated ratio applied to unmeasured n; calibrated extends the curve
     linearly. Catches: a ratio never applied, interpolation between the wrong points."""
     ba.curve = {1: 1.0, 4: 4.0, 8: 6.0}
-    ba.measured, ba.ratio = {}, None
+    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
     assert ba.calibrated(2) == pytest.approx(2.0) and ba.calibrated(6) == pytest.approx(5.0)
     assert ba.calibrated(12) == pytest.approx(8.0)  # the last slope: 0.5 per position
     ba.observe(4, 8.0, spec=True)
@@ -650,7 +650,7 @@ def test_auto_choice_equals_scoring_every_width_on_random_tables(ba):
     for trial in range(300):
         slope = rng.choice([0.0, 0.02, 0.1, 0.5, 1.0])
         ba.curve = {n: 0.01 * (1 + slope * (n - 1)) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
-        ba.measured, ba.ratio = {}, None
+        ba.measured, ba.ratio, ba.by_rows = {}, None, {}
         ba.draft_cost = (lambda c: lambda name, k: c * (1 + 0.1 * k))(rng.choice([0.0, 1e-4, 2e-3]))
         for name in names:
             for regime in ("greedy", "sampling"):
@@ -702,7 +702,7 @@ def test_auto_prices_an_unmeasured_wide_step_from_the_largest_measured_one(ba):
     8 rows x 5 positions at 2/3 of what they cost, and auto drafted n-gram blocks that lost (agg 359 vs 444 tok/s).
     Catches: the proportional floor dropped (the test's choice flips to speculation)."""
     ba.curve = {1: 0.00686, 4: 0.00701, 8: 0.0099, 16: 0.01266, 128: 0.04528}
-    ba.measured, ba.ratio = {}, None
+    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
     for n, t in ((1, 0.0045), (2, 0.0045), (4, 0.0050), (7, 0.0110), (8, 0.0109)):  # 7 vs 8 rows: noise
         ba.observe(n, t, spec=False)
     ba.ratio = 0.69  # the EMA after many more cheap 1-row steps than 8-row ones (the server's figure)
@@ -713,8 +713,8 @@ def test_auto_prices_an_unmeasured_wide_step_from_the_largest_measured_one(ba):
     rows = [("greedy", 100, {"dflash": 4})] * 8
     assert ba.choose(rows, 0, 1, 0.0, 4)[0] == 0  # 8 rows x 2..5 positions: plain
     real = ba._interpolated
-    ba._interpolated = lambda n: (lambda m, b: m[b] + ba.ratio * (ba.calibrated(n) - ba.calibrated(b)))(
-        ba.measured, max(k for k in ba.measured if k <= n)) if n > max(ba.measured) else real(n)
+    ba._interpolated = lambda n, m: (lambda b: m[b] + ba.ratio * (ba.calibrated(n) - ba.calibrated(b)))(
+        max(k for k in m if k <= n)) if n > max(m) else real(n, m)
     assert ba.choose(rows, 0, 1, 0.0, 4)[0] > 0  # the additive estimate alone speculates
 
 
@@ -743,13 +743,41 @@ def test_model_drafter_rows_draft_together_exactly_what_they_would_alone(sess, i
         assert {int(n): c for n, c in rows[j].hist.items()} == st.extra["acceptance_histogram"], j
 
 
+def test_a_step_is_priced_by_its_shape_not_only_its_position_count(ba):
+    """`BatchAuto.by_rows`: a plain step of 8 rows and a verify of 8 positions in one row both feed 8 positions and
+    cost different things (each row attends over its own keys). Priced by the count alone, a server that had batched
+    eight requests priced a lone request's verify at the 8-row step and left its drafters out (`could_pay`): auto
+    0.91x plain at one client where DFlash rows alone ran 1.29x. A shape's own table is used once it has a plain
+    step (before, the position counts'). Catches: step_cost ignoring rows; a shape priced from another's steps."""
+    ba.curve = {n: 0.01 * (1 + 0.05 * (n - 1)) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # verify nearly free
+    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    pin(ba, "mtp", "greedy", 0.8)
+    ba.draft_cost = lambda name, k: 0.003
+    for _ in range(5):
+        ba.observe(8, 0.060, spec=False, rows=8)  # 8 rows x 1 position: 60 ms
+        ba.observe(1, 0.010, spec=False, rows=1)  # 1 row: 10 ms
+    assert ba.step_cost(8, rows=8) == pytest.approx(0.060)
+    alone = ba.step_cost(2, rows=1)  # one row, a token and a draft: along the calibrated curve from its plain step
+    assert 0.010 < alone < 0.0125
+    assert ba.step_cost(2) > 0.016  # by the position count alone: between the 1-row and the 8-row plain steps
+    assert ba.could_pay("mtp", "greedy", 1, optimistic=False)
+    shaped, ba.by_rows = ba.by_rows, {}
+    assert not ba.could_pay("mtp", "greedy", 1, optimistic=False)  # what it said before
+    ba.by_rows = {1: {4: 0.012}}  # a shape measured only speculating: its plain price is not extrapolated from that
+    assert ba.step_cost(1, rows=1) == ba.step_cost(1)
+    ba.by_rows = shaped
+    ba.observe(9, 0.050, spec=True, rows=1)  # a verify of 9 positions that measured slow is its own shape's price
+    assert ba.step_cost(9, rows=1) == pytest.approx(0.050)
+    assert ba.step_cost(8, rows=8) == pytest.approx(0.060)
+
+
 def test_an_auto_row_is_sized_for_the_batch_it_joins_counting_the_rows_queued_with_it(sess, ids, ba):
     """A model drafter that pays for a request alone but not in a batch of four: four auto requests added at once
     carry only n-gram lookup (each is sized, when its prefill starts, by the rows decoding and those queued with it
     — sized at `add`, the first ones saw an empty batch and carried the drafter, its taps every step); one request
     alone carries it."""
     ba.curve = {n: 0.01 * (1 + 0.4 * (n - 1)) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # each row +40 %
-    ba.measured, ba.ratio = {}, None
+    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
     pin(ba, "dflash", "greedy", 0.6)
     pin(ba, "mtp", "greedy", 0.6)
     assert ba.could_pay("mtp", "greedy", 1, optimistic=False)
@@ -760,7 +788,7 @@ def test_an_auto_row_is_sized_for_the_batch_it_joins_counting_the_rows_queued_wi
     while gen.waiting:
         gen.step()
     assert [set(r.options) for r in rows] == [{"ngram"}] * 4
-    ba.measured, ba.ratio = {}, None  # what the steps above measured: the curve alone again
+    ba.measured, ba.ratio, ba.by_rows = {}, None, {}  # what the steps above measured: the curve alone again
     assert ba.could_pay("mtp", "greedy", 1, optimistic=False)
     alone = BatchGenerator(sess.model, auto=ba)
     row = alone.add(request(sess, ids[0], "auto", params(), 0, 8))
@@ -790,7 +818,7 @@ def test_a_new_auto_row_carries_only_drafters_that_pay_by_their_mean(ba):
     mean estimate (what `choose` goes by); one that only its optimistic scenario makes pay would never draft and
     would cost the row its taps and bookkeeping every step. n-gram lookup always joins."""
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # flat: verification is free
-    ba.measured, ba.ratio = {}, None
+    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
     pin(ba, "dflash", "greedy", 0.6)
     pin(ba, "mtp", "greedy", 0.6)
     assert set(ba.options("greedy", 4)) == {"ngram", "dflash", "mtp"}
@@ -958,6 +986,11 @@ def test_the_slow_plain_steps_after_a_speculative_step_are_its_cost(sess):
 
     auto = sess.drafters.batch_auto()
     auto.measured, auto.ratio, auto.saved, auto.elapsed = {2: 0.010, 10: 0.020}, 1.0, 0.0, 0.0
+    auto.by_rows = {2: {1: 0.010, 5: 0.020}}  # the same steps by shape: 2 rows x 1 and x 5 positions
+
+    def plain_price(seconds):
+        auto.measured[2] = auto.by_rows[2][1] = seconds
+
     gen = BatchGenerator(sess.model, prefill_step=16, auto=auto)
     clock = [100.0]
     f = 1 - 1 / LEDGER_ROUNDS  # the ledger fades a step at a time
@@ -982,7 +1015,7 @@ def test_the_slow_plain_steps_after_a_speculative_step_are_its_cost(sess):
     step(1, 0.019)  # no speculative step since: a slow step is a plain step's measure
     assert auto.measured[2] == pytest.approx(0.8 * p2 + 0.2 * 0.019)
 
-    auto.measured[2] = 0.010
+    plain_price(0.010)
     step(5, 0.020, committed=6)
     step(1, 0.010, chained=False)
     spec = auto.measured[10]
@@ -999,7 +1032,7 @@ def test_the_slow_plain_steps_after_a_speculative_step_are_its_cost(sess):
         assert auto.measured[10] == spec
         assert auto.measured[2] == pytest.approx(0.030 + 0.8 ** 4 * (0.010 - 0.030))
         auto.chooser.settle_max = 0  # the unpipelined plain step only
-        auto.measured[2] = 0.010
+        plain_price(0.010)
         step(5, 0.020, committed=6)
         step(1, 0.010, chained=False)
         step(1, 0.030)
@@ -1018,7 +1051,7 @@ def test_an_auto_row_left_without_options_steps_plainly(sess, ids):
     auto = make_auto(sess.model, dflash=sess.drafters.dflash, ngram=False)
     ba = BatchAuto(auto)
     ba.curve = {n: 0.01 * n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # compute-bound: nothing can pay
-    ba.measured, ba.ratio = {}, None
+    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
     assert ba.options("greedy", 2) == {}
     gen = BatchGenerator(sess.model, prefill_step=16, auto=ba)
     plan = [(0, request(sess, ids[0], "auto", params(), 0, 20)), (0, request(sess, ids[1], "ar", params(), 0, 20)),
@@ -1029,7 +1062,7 @@ def test_an_auto_row_left_without_options_steps_plainly(sess, ids):
     assert rows[0].options == {} and gen.steps >= 16  # a prune step came and went
     # a row whose only option, a model drafter, is pruned (it could pay when the row joined, not at the prune)
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # flat: verification is free
-    ba.measured, ba.ratio = {}, None
+    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
     ba.draft_cost = lambda name, k: 1e-5 * k
     pin(ba, "dflash", "greedy", 0.6)
     gen = BatchGenerator(sess.model, prefill_step=16, auto=ba)
@@ -1037,8 +1070,8 @@ def test_an_auto_row_left_without_options_steps_plainly(sess, ids):
     gen.step()
     assert set(row.options) == {"dflash"}
     ba.curve = {n: 0.01 * n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
-    ba.measured, ba.ratio = {}, None
-    ba.observe = lambda n, seconds, spec: None  # keep the compute-bound curve as told
+    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    ba.observe = lambda n, seconds, spec, rows=None: None  # keep the compute-bound curve as told
     while len(gen):
         gen.step()
     assert row.options == {} and gen.steps > 16
@@ -1053,7 +1086,7 @@ def test_a_row_carries_a_model_drafter_only_where_the_batch_s_choice_could_take_
     from glimmer_mlx.speculative.auto.chooser import ENTER_GAIN
 
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # flat: only acceptance decides
-    ba.measured, ba.ratio = {}, None
+    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
     for alpha, carried in ((0.6 * ENTER_GAIN, False), (3 * ENTER_GAIN, True)):
         pin(ba, "mtp", "greedy", alpha)
         pin(ba, "dflash", "greedy", 0.0)

@@ -281,9 +281,9 @@ class BatchGenerator:
         self._landed: float | None = None  # when the latest step was read back
         self._prefilling = 0.0  # seconds of prefill chunks since then
         # the positions of the latest step when it was speculative, and whether an auto row drafted in it (the ledger's)
-        self._after_spec: tuple[int, bool] | None = None
+        self._after_spec: tuple[int, bool, int] | None = None
         # a speculative step's wake so far (`_observe`): (its n, credited, [(B, seconds, plain step, excess)]) or None
-        self._wake: tuple[int, bool, list] | None = None
+        self._wake: tuple[int, bool, list, int] | None = None
 
     def __len__(self) -> int:
         return len(self.rows) + len(self.waiting)
@@ -558,34 +558,34 @@ class BatchGenerator:
         if it ends within `settle_max` steps (`BatchAuto.settled`; one that does not is the machine's). committed:
         the tokens the step committed when an auto row drafted in it (the ledger's: `BatchAuto.credit`)."""
         dt = (now - self._landed if self._landed is not None else now - st.t0) - self._prefilling
-        plain_step = self.auto.step_cost(B)  # before this step's time moves it
+        plain_step = self.auto.step_cost(B, rows=B)  # before this step's time moves it
         self.auto.elapse(dt)
         wake, self._wake = self._wake, None
         extra = self.auto.settled(dt, plain_step) if wake is not None and L == 1 else None
         if wake is not None and extra is None:
             # the wake ended (a step at a plain step's price, or the next speculative step): it was the step's doing
-            self.auto.charge_wake(wake[0], wake[2], wake[1])
+            self.auto.charge_wake(wake[0], wake[2], wake[1], rows=wake[3])
             wake = None
         if L > 1:
-            self.auto.observe(B * L, dt - st.drafting, spec=True)
-            self._after_spec = (B * L, committed is not None)
+            self.auto.observe(B * L, dt - st.drafting, spec=True, rows=B)
+            self._after_spec = (B * L, committed is not None, B)
             if committed is not None:
                 self.auto.credit(committed * plain_step / B - dt, plain_step)
         elif self._after_spec is not None and not st.chained:
-            n, credited = self._after_spec
-            self.auto.charge(n, dt - plain_step)
+            n, credited, rows = self._after_spec
+            self.auto.charge(n, dt - plain_step, rows)
             if credited:
                 self.auto.credit(plain_step - dt, plain_step)
             self._after_spec = None
-            self._wake = (n, credited, []) if self.auto.settle_max else None
+            self._wake = (n, credited, [], rows) if self.auto.settle_max else None
         elif wake is not None and len(wake[2]) + 1 < self.auto.settle_max:
             wake[2].append((B, dt, plain_step, extra))
             self._wake = wake
         else:
             if wake is not None:  # a wake that does not end is the machine's: its steps measure plain steps
                 for b, s, _, _ in wake[2]:
-                    self.auto.observe(b, s, spec=False)
-            self.auto.observe(B, dt, spec=False)
+                    self.auto.observe(b, s, spec=False, rows=b)
+            self.auto.observe(B, dt, spec=False, rows=B)
             self._after_spec = None
 
     def _finish(self, row: Row) -> None:

@@ -46,6 +46,11 @@ class BatchAuto:
         if wide and wide["rows"] > max(self.curve):
             self.curve[int(wide["rows"])] = max(float(wide["seconds"]), self.curve[max(self.curve)])
         self.measured: dict[int, float] = {}  # n positions -> EMA seconds of a step
+        # B rows -> {L positions per row -> EMA seconds of a step}: what a step of that shape costs. n = B·L alone
+        # conflates shapes: on the embedded server a plain step of 8 rows took 19.8 ms and a 1-row verify of 8
+        # positions ~9; priced by n, a server that had ever batched 8 requests priced a lone request's verify at the
+        # 8-row step and never drafted for it again (DFlash rows alone ran 1.29x plain there, auto 0.91x)
+        self.by_rows: dict[int, dict[int, float]] = {}
         self.ratio: float | None = None  # measured / calibrated step time, EMA over every step
         self.steps = {"plain": 0, "spec": 0}
         self.draft_factor: dict[str, float] = {}  # option -> measured / calibrated draft time, EMA
@@ -73,14 +78,14 @@ class BatchAuto:
         would, and the row would pay its taps and bookkeeping every step for nothing."""
         acc = self.acceptance(name, regime)
         lift = 1.28 * acc.spread() if optimistic else 0.0
-        plain = (1.0 if optimistic else 1.0 + ENTER_GAIN) / self.step_cost(batch)
+        plain = (1.0 if optimistic else 1.0 + ENTER_GAIN) / self.step_cost(batch, rows=batch)
         alphas = acc.alphas()
         for k in range(1, self.chooser.options[name].max_k + 1):
             e, p = 1.0, 1.0
             for a in alphas[:k]:
                 p *= min(1.0, a + lift)
                 e += p
-            if e / (self.step_cost(batch * (k + 1)) + batch * self.draft_cost(name, k)) > plain:
+            if e / (self.step_cost(batch * (k + 1), rows=batch) + batch * self.draft_cost(name, k)) > plain:
                 return True
         return False
 
@@ -105,18 +110,22 @@ class BatchAuto:
             return c[b] + max(slope, 0.0) * (n - b)
         return c[lo] + (c[hi] - c[lo]) * (n - lo) / (hi - lo)
 
-    def step_cost(self, n: int) -> float:
+    def step_cost(self, n: int, rows: int | None = None) -> float:
         """Seconds of a step feeding n positions: the measured EMA at n; between two measured counts, linear
         between them; past the largest, its time plus the steeper of the measured slope (its last two counts) and
         the calibrated one; below the smallest, the smallest scaled down along the calibrated curve; nothing
         measured yet, the calibrated curve (x the measured ratio) — and never less than a smaller count measured
-        (the times are noisy; the cost is not decreasing in positions)."""
+        (the times are noisy; the cost is not decreasing in positions). rows: a step of that many rows (n / rows
+        positions each), from the steps measured with as many rows (`by_rows`) once a plain one is among them."""
         m = self.measured
+        if rows:
+            shaped = self.by_rows.get(rows)
+            if shaped and 1 in shaped:
+                m = {rows * L: t for L, t in shaped.items()}
         floor = max((t for k, t in m.items() if k < n), default=0.0)  # more positions never cost less
-        return max(floor, self._interpolated(n))
+        return max(floor, self._interpolated(n, m))
 
-    def _interpolated(self, n: int) -> float:
-        m = self.measured
+    def _interpolated(self, n: int, m: dict[int, float]) -> float:
         if n in m:
             return m[n]
         ratio = self.ratio if self.ratio is not None else 1.0
@@ -140,12 +149,16 @@ class BatchAuto:
         proportional = m[below] * self.calibrated(n) / self.calibrated(below)
         return max(m[below] + max(slope, 0.0) * (n - below), proportional)
 
-    def observe(self, n: int, seconds: float, spec: bool) -> None:
-        """A step over n positions took `seconds` (its drafting excluded)."""
+    def observe(self, n: int, seconds: float, spec: bool, rows: int | None = None) -> None:
+        """A step over n positions (of `rows` rows, if told) took `seconds` (its drafting excluded)."""
         if seconds <= 0:
             return
         old = self.measured.get(n)
         self.measured[n] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        if rows:
+            shaped = self.by_rows.setdefault(rows, {})
+            old = shaped.get(n // rows)
+            shaped[n // rows] = seconds if old is None else (1 - EMA) * old + EMA * seconds
         r = seconds / self.calibrated(n)
         self.ratio = r if self.ratio is None else (1 - EMA) * self.ratio + EMA * r
         self.steps["spec" if spec else "plain"] += 1
@@ -169,12 +182,15 @@ class BatchAuto:
         steps (every step is plain until not)."""
         return self.saved + max(LOSS_BUDGET * self.elapsed, LEDGER_FLOOR * self.plain_step) < 0.0
 
-    def charge(self, n: int, seconds: float) -> None:
+    def charge(self, n: int, seconds: float, rows: int | None = None) -> None:
         """What a speculative step over n positions cost beyond its own time (the plain step after it, which could
         not be queued before the speculative step was read: its time over a pipelined plain step's), added to n's
         estimate (EMA-weighted)."""
         if n in self.measured and seconds > 0:
             self.measured[n] += EMA * seconds
+        shaped = self.by_rows.get(rows) if rows else None
+        if shaped is not None and n // rows in shaped and seconds > 0:
+            shaped[n // rows] += EMA * seconds
 
     @staticmethod
     def settled(seconds: float, plain_step: float) -> float | None:
@@ -183,12 +199,12 @@ class BatchAuto:
         `BatchGenerator._observe`; the solo chooser's, per token: `multiplex.AutoDrafter.plain_token`)."""
         return wake_excess(seconds, plain_step)
 
-    def charge_wake(self, n: int, wake: list, credited: bool) -> None:
+    def charge_wake(self, n: int, wake: list, credited: bool, rows: int | None = None) -> None:
         """A speculative step over n positions left a wake that ended: each of its plain steps' excess
         ((rows, seconds, plain step seconds, excess) per step) is that step's cost (`charge`; the ledger's too where
         it was `credited`)."""
         for _, _, plain_step, extra in wake:
-            self.charge(n, extra)
+            self.charge(n, extra, rows)
             if credited:
                 self.credit(-extra, plain_step)
 
@@ -235,7 +251,7 @@ class BatchAuto:
         best_k, best_plan = 0, plain
         if self.barred:
             return best_k, best_plan
-        best = (len(rows) + fixed_tokens) / self.step_cost(B * fixed_width)
+        best = (len(rows) + fixed_tokens) / self.step_cost(B * fixed_width, rows=B)
         k_top = min(k_max, max((cap for _, _, avail in rows for cap in avail.values()), default=0))
         if k_top < 1:
             return best_k, best_plan
@@ -245,7 +261,7 @@ class BatchAuto:
         most = fixed_tokens + sum(max([1.0] + [expected(name, regime, min(k_top, cap, budget - 1))
                                                for name, cap in avail.items() if min(k_top, cap, budget - 1) >= 1])
                                   for regime, budget, avail in rows)
-        if most / self.step_cost(B * (fixed_width + 1)) <= best * (1 + ENTER_GAIN):
+        if most / self.step_cost(B * (fixed_width + 1), rows=B) <= best * (1 + ENTER_GAIN):
             return best_k, best_plan
         for k in range(1, k_top + 1):  # no width beyond what some row can draft
             plan, tokens, drafting, L = [], fixed_tokens, 0.0, fixed_width
@@ -265,7 +281,7 @@ class BatchAuto:
                     L = max(L, pick[1] + 1)
             if L == fixed_width:
                 continue  # no row drafts at this width: the same as plain
-            rate = tokens / (self.step_cost(B * L) + drafting)
+            rate = tokens / (self.step_cost(B * L, rows=B) + drafting)
             if rate > best * (1 + ENTER_GAIN if best_k == 0 else 1.0):
                 best, best_k, best_plan = rate, k, plan
         return best_k, best_plan
@@ -276,4 +292,6 @@ class BatchAuto:
     def stats(self) -> dict:
         return {"auto_steps": dict(self.steps), "ledger_saved_s": round(self.saved, 6),
                 "ledger_elapsed_s": round(self.elapsed, 6), "barred": self.barred,
-                "step_seconds": {int(n): round(s, 6) for n, s in sorted(self.measured.items())}}
+                "step_seconds": {int(n): round(s, 6) for n, s in sorted(self.measured.items())},
+                "step_seconds_by_rows": {int(b): {int(L): round(s, 6) for L, s in sorted(t.items())}
+                                         for b, t in sorted(self.by_rows.items())}}

@@ -743,6 +743,34 @@ def test_model_drafter_rows_draft_together_exactly_what_they_would_alone(sess, i
         assert {int(n): c for n, c in rows[j].hist.items()} == st.extra["acceptance_histogram"], j
 
 
+def test_a_fixed_mode_rows_drafting_is_not_priced_as_the_step(sess, ids, ba):
+    """`BatchGenerator._launch`: what a step costs the batch chooser is its time without the rows' drafting — a
+    fixed-mode row's as well as an auto row's. Counted in, a fixed DFlash row's drafter forward priced every
+    1 x 16 step ~1.8x what its forward costs, and auto paid its own drafting twice on that price (its rounds' step
+    plus `draft_cost`). Catches: only auto rows' drafting taken out."""
+    import time as time_mod
+
+    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    req = request(sess, ids[0], "dflash", params(), 0, 6)
+    real = req.drafter.propose
+
+    def slow(*a, **k):
+        time_mod.sleep(0.25)
+        return real(*a, **k)
+
+    req.drafter.propose = slow
+    gen = BatchGenerator(sess.model, auto=ba)
+    gen.add(req)
+    walls = []
+    while len(gen):
+        t = time_mod.perf_counter()
+        gen.step()
+        walls.append(time_mod.perf_counter() - t)
+    spec = {L: t for L, t in ba.by_rows.get(1, {}).items() if L > 1}
+    assert spec and max(walls) > 0.25  # it drafted, slowly
+    assert max(spec.values()) < 0.2, spec
+
+
 def test_a_step_is_priced_by_its_shape_not_only_its_position_count(ba):
     """`BatchAuto.by_rows`: a plain step of 8 rows and a verify of 8 positions in one row both feed 8 positions and
     cost different things (each row attends over its own keys). Priced by the count alone, a server that had batched

@@ -480,9 +480,11 @@ class BatchGenerator:
                 c = choices.get(b)
                 t = time.perf_counter()
                 f = r.plan(*plans[b], drafted.get(b))
+                spent = time.perf_counter() - t
+                if plans[b][1] > 0:  # a row that drafts, in a fixed mode as well: the step's time is without it
+                    drafting += spent  # (counted in, a fixed DFlash row's drafter forward priced every 1 × 16 step
+                    # ~1.8x what its forward costs, and auto's own rounds paid their drafting twice on that price)
                 if c is not None and c[0] is not None:  # what the chosen drafter's round measurably costs
-                    spent = time.perf_counter() - t
-                    drafting += spent
                     self.auto.observe_draft(c[0], c[1], spent + (shared if b in drafted else 0.0))
                 parts.append(f)
                 widths.append(len(f))

@@ -8,8 +8,9 @@ per second:
   learned across rows and requests, shared with the solo `auto` of the same process); a row whose option gives
   fewer drafts (n-gram lookup: only where its context's suffix occurred before) counts what it gives; a row in a
   fixed mode counts its own width's expectation; a plain row 1.
-- T(n): seconds of one batched step feeding n = B·L positions (B rows, padded to the widest block L), measured:
-  every step's time updates an EMA per n; an n not measured yet is the solo calibration's forward cost C(n) (the
+- T(n): seconds of one batched step feeding n = B·L positions (B rows, padded to the widest block L), measured
+  (without the rows' drafting): every step's time updates an EMA per shape (B, L) — and per n, what a shape with no
+  plain step measured yet is priced by; an n not measured yet is the solo calibration's forward cost C(n) (the
   cost curve `auto` measured for this machine and model, up to its widest verify, then toward the calibration's
   forward over 128 positions) times the measured/calibrated ratio of the steps seen.
   At a small batch verification is nearly free and drafting pays; as B·L grows the step becomes compute-bound, T

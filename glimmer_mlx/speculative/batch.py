@@ -280,9 +280,11 @@ class BatchGenerator:
         self.pending: Launched | None = None  # a queued step not read back yet (plain rows, pipelined)
         self._landed: float | None = None  # when the latest step was read back
         self._prefilling = 0.0  # seconds of prefill chunks since then
-        # the positions of the latest step when it was speculative, and whether an auto row drafted in it (the ledger's)
+        # the latest step when it was speculative: (its positions, whether an auto row drafted in it (the ledger's),
+        # its rows)
         self._after_spec: tuple[int, bool, int] | None = None
-        # a speculative step's wake so far (`_observe`): (its n, credited, [(B, seconds, plain step, excess)]) or None
+        # a speculative step's wake so far (`_observe`): (its n, credited, [(B, seconds, plain step, excess)], its rows)
+        # or None
         self._wake: tuple[int, bool, list, int] | None = None
 
     def __len__(self) -> int:

@@ -36,6 +36,11 @@ from .multiplex import AutoDrafter
 EMA = 0.2  # weight of a new step time in its n's estimate
 
 
+def ema(old: float | None, x: float) -> float:
+    """`x` folded into the estimate `old` with weight `EMA` (None: no estimate yet, `x` itself)."""
+    return x if old is None else (1 - EMA) * old + EMA * x
+
+
 class BatchAuto:
     """The batch-level chooser over an `AutoDrafter`'s options and cost curve (the solo `auto` of the process)."""
 
@@ -154,14 +159,11 @@ class BatchAuto:
         """A step over n positions (of `rows` rows, if told) took `seconds` (its drafting excluded)."""
         if seconds <= 0:
             return
-        old = self.measured.get(n)
-        self.measured[n] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        self.measured[n] = ema(self.measured.get(n), seconds)
         if rows:
             shaped = self.by_rows.setdefault(rows, {})
-            old = shaped.get(n // rows)
-            shaped[n // rows] = seconds if old is None else (1 - EMA) * old + EMA * seconds
-        r = seconds / self.calibrated(n)
-        self.ratio = r if self.ratio is None else (1 - EMA) * self.ratio + EMA * r
+            shaped[n // rows] = ema(shaped.get(n // rows), seconds)
+        self.ratio = ema(self.ratio, seconds / self.calibrated(n))
         self.steps["spec" if spec else "plain"] += 1
 
     def elapse(self, seconds: float) -> None:
@@ -224,8 +226,7 @@ class BatchAuto:
         if shape <= 0 or seconds <= 0:
             return
         f = seconds / shape
-        old = self.draft_factor.get(name)
-        self.draft_factor[name] = f if old is None else (1 - EMA) * old + EMA * f
+        self.draft_factor[name] = ema(self.draft_factor.get(name), f)
 
     def acceptance(self, name: str, regime: str) -> AcceptanceStats:
         return self.chooser.options[name].acceptance(regime)

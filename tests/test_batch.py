@@ -481,18 +481,28 @@ def test_batched_forward_equals_solo_forward_for_ragged_blocks(sess, ids):
 def ba(sess):
     """A BatchAuto over the session's auto with its acceptance tables restored afterwards (they are shared)."""
     auto = sess.drafters.auto()
-    saved = {name: [(a.acc[:], a.tried[:], a.shrink) for a in (o.acceptance("greedy"), o.acceptance("sampling"))]
+    saved = {name: {key: (a.acc[:], a.tried[:], a.shrink) for key, a in o.stats.items()}
              for name, o in auto.chooser.options.items()}
     b = BatchAuto(auto)
     b.draft_cost = lambda name, k: 1e-5 * k  # drafting nearly free: the tests are about the step cost
     yield b
     for name, o in auto.chooser.options.items():
-        for a, (acc, tried, shrink) in zip((o.acceptance("greedy"), o.acceptance("sampling")), saved[name]):
+        for key in [k for k in o.stats if k not in saved[name]]:
+            del o.stats[key]
+        for key, (acc, tried, shrink) in saved[name].items():
+            a = o.stats[key]
             a.acc, a.tried, a.shrink = acc, tried, shrink
 
 
+def phase_keys(ba, regime):
+    """`regime` and its keys in every phase of a response (`BatchAuto.key`)."""
+    return [regime] + [ba.key(regime, n) for n in (0, *(ba.chooser.phases or ()))]
+
+
 def pin(ba, name, regime, alpha):
-    ba.acceptance(name, regime).set_alphas([alpha])
+    """`name`'s estimates of `regime` pinned at `alpha`, in every phase as well."""
+    for key in phase_keys(ba, regime):
+        ba.acceptance(name, key).set_alphas([alpha])
 
 
 def test_auto_speculates_when_verification_is_nearly_free(ba):
@@ -656,7 +666,8 @@ def test_auto_choice_equals_scoring_every_width_on_random_tables(ba):
             for regime in ("greedy", "sampling"):
                 ba.acceptance(name, regime).set_alphas([rng.uniform(0.0, 0.95) for _ in range(3)])
         rows = [(rng.choice(["greedy", "sampling"]), rng.choice([1, 2, 3, 50]),
-                 {n: rng.randint(1, 15) for n in names if rng.random() < 0.6}) for _ in range(rng.randint(1, 6))]
+                 {n: rng.randint(1, ba.chooser.options[n].max_k) for n in names if rng.random() < 0.6})
+                for _ in range(rng.randint(1, 6))]  # an offer never exceeds its option's widest round
         fixed, fixed_width = rng.choice([(0, 1), (1, 1), (2, 4)])
         fixed_tokens = float(fixed) * (1.0 if fixed_width == 1 else 2.0)
         k_max = 15
@@ -788,9 +799,9 @@ def test_a_step_is_priced_by_its_shape_not_only_its_position_count(ba):
     alone = ba.step_cost(2, rows=1)  # one row, a token and a draft: along the calibrated curve from its plain step
     assert 0.010 < alone < 0.0125
     assert ba.step_cost(2) > 0.016  # by the position count alone: between the 1-row and the 8-row plain steps
-    assert ba.could_pay("mtp", "greedy", 1, optimistic=False)
+    assert ba.could_pay("mtp", "greedy", 1)
     shaped, ba.by_rows = ba.by_rows, {}
-    assert not ba.could_pay("mtp", "greedy", 1, optimistic=False)  # what it said before
+    assert not ba.could_pay("mtp", "greedy", 1)  # what it said before
     ba.by_rows = {1: {4: 0.012}}  # a shape measured only speculating: its plain price is not extrapolated from that
     assert ba.step_cost(1, rows=1) == ba.step_cost(1)
     ba.by_rows = shaped
@@ -808,16 +819,16 @@ def test_an_auto_row_is_sized_for_the_batch_it_joins_counting_the_rows_queued_wi
     ba.measured, ba.ratio, ba.by_rows = {}, None, {}
     pin(ba, "dflash", "greedy", 0.6)
     pin(ba, "mtp", "greedy", 0.6)
-    assert ba.could_pay("mtp", "greedy", 1, optimistic=False)
-    assert not ba.could_pay("mtp", "greedy", 4, optimistic=False)
-    assert not ba.could_pay("dflash", "greedy", 4, optimistic=False)
+    assert ba.could_pay("mtp", "greedy", 1)
+    assert not ba.could_pay("mtp", "greedy", 4)
+    assert not ba.could_pay("dflash", "greedy", 4)
     gen = BatchGenerator(sess.model, auto=ba)
     rows = [gen.add(request(sess, ids[i], "auto", params(), 0, 8)) for i in range(4)]
     while gen.waiting:
         gen.step()
     assert [set(r.options) for r in rows] == [{"ngram"}] * 4
     ba.measured, ba.ratio, ba.by_rows = {}, None, {}  # what the steps above measured: the curve alone again
-    assert ba.could_pay("mtp", "greedy", 1, optimistic=False)
+    assert ba.could_pay("mtp", "greedy", 1)
     alone = BatchGenerator(sess.model, auto=ba)
     row = alone.add(request(sess, ids[0], "auto", params(), 0, 8))
     alone.step()
@@ -832,8 +843,8 @@ def test_the_server_sizes_an_auto_request_for_the_jobs_running_and_queued(sess, 
     from glimmer_mlx.speculative.auto.batch import BatchAuto
 
     sizes, real = [], BatchAuto.options
-    monkeypatch.setattr(BatchAuto, "options", lambda self, regime, batch=1: (sizes.append(batch),
-                                                                            real(self, regime, batch))[1])
+    monkeypatch.setattr(BatchAuto, "options", lambda self, regime, batch=1, budget=None: (
+        sizes.append(batch), real(self, regime, batch, budget))[1])
     worker = Worker(sess, max_queue=8, max_batch=8)
     for i in range(4):
         worker.submit(Request(list(ids[i]), params(), 0, None, 8, DecodeSpec("auto", None)))
@@ -841,23 +852,190 @@ def test_the_server_sizes_an_auto_request_for_the_jobs_running_and_queued(sess, 
     assert len(worker.running) == 4 and sizes == [4, 4, 4, 4]
 
 
-def test_a_new_auto_row_carries_only_drafters_that_pay_by_their_mean(ba):
-    """`BatchAuto.options`: a model drafter joins a new auto row only if it beats plain at the batch's size by its
-    mean estimate (what `choose` goes by); one that only its optimistic scenario makes pay would never draft and
-    would cost the row its taps and bookkeeping every step. n-gram lookup always joins."""
+def unknown(ba, name, regime, alpha, tried=1.0):
+    """`name`'s estimates (of `regime`, in every phase) as if it had tried `tried` first drafts, accepting a share
+    `alpha`: a wide spread."""
+    for key in phase_keys(ba, regime):
+        a = ba.acceptance(name, key)
+        a.acc, a.tried = [alpha * tried] + [0.0] * (len(a.acc) - 1), [tried] + [0.0] * (len(a.tried) - 1)
+        a.shrink = 2.0
+
+
+@pytest.mark.parametrize("pays", [True, False], ids=["refill", "reuse"])
+def test_an_auto_request_on_a_prompt_cached_without_drafter_states_prefills_again_where_that_pays(sess, ids,
+                                                                                                monkeypatch, pays):
+    """A prompt the server answered plainly is cached without a model drafter's state; an auto request for it either
+    prefills it again so its drafters get their state (`BatchAuto.refill_pays`: where a drafter is worth more to
+    the row than that prefill), or reuses the cache and leaves them out. Greedy output equals plain decoding's both
+    ways. Catches: a cached prompt locking auto out of its model drafters for good (the serve benchmark replays
+    prompts: every auto request hit a plain request's entry and never drafted with DFlash), a refill that keeps the
+    stale cache (positions fed twice: output differs)."""
+    from glimmer_mlx.serve.api import Request
+    from glimmer_mlx.serve.worker import Worker
+    from glimmer_mlx.speculative.auto.batch import BatchAuto
+
+    monkeypatch.setattr(BatchAuto, "carries", lambda self, *a, **k: True)  # every model drafter joins
+    asked = []
+    monkeypatch.setattr(BatchAuto, "refill_pays", lambda self, *a: (asked.append(a), pays)[1])
+    worker = Worker(sess, max_queue=8, max_batch=8)
+    prompt = list(ids[3])
+
+    def serve(mode):
+        worker.submit(Request(prompt, params(), 0, None, 12, DecodeSpec(mode, None)))
+        worker._take_jobs(wait=False)
+        job = worker.running[-1]
+        while worker.running:
+            worker._step()
+        return job
+
+    serve("ar")
+    job = serve("auto")
+    carried = {kind for kind, d in job.row.options.items() if d.taps}
+    assert asked and asked[0][-1] == len(prompt) - 1  # asked once the plain entry was found: its positions
+    assert bool(carried) is pays
+    extra = job.row.stats.extra
+    assert (extra["cached_tokens"] == 0) is pays and (extra["cache"].startswith("fresh: prefilled again")) is pays
+    assert job.row.history[len(prompt):] == solo(sess, prompt, "ar", params(), 0, 12)[0]
+
+
+def test_a_new_auto_row_carries_the_drafters_the_batch_s_choice_could_take(ba):
+    """`BatchAuto.options`/`carries`: a model drafter joins a new auto row if it beats plain at the batch's size by
+    its mean estimate, or if exploring it would pay over the row's budget (a wide spread, a long request); not one
+    that cannot pay in any scenario, nor one only exploring could make pay on a short request (it would never
+    draft and would cost the row its taps and bookkeeping every step). n-gram lookup always joins."""
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # flat: verification is free
     ba.measured, ba.ratio, ba.by_rows = {}, None, {}
     pin(ba, "dflash", "greedy", 0.6)
     pin(ba, "mtp", "greedy", 0.6)
     assert set(ba.options("greedy", 4)) == {"ngram", "dflash", "mtp"}
     ba.curve = {n: 0.01 * n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # compute-bound: nothing pays
-    assert set(ba.options("greedy", 4)) == {"ngram"}
+    unknown(ba, "dflash", "greedy", 0.5)
+    assert set(ba.options("greedy", 4, 256)) == {"ngram"}
     # a weak mean with a wide spread: its optimistic scenario pays, its mean does not
     ba.curve = {n: 0.01 * (1 + 0.15 * (n - 1)) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # each row +15 %
-    a = ba.acceptance("dflash", "greedy")
-    a.acc, a.tried = [0.05] + [0.0] * (len(a.acc) - 1), [1.0] + [0.0] * (len(a.tried) - 1)
-    assert ba.could_pay("dflash", "greedy", 1) and not ba.could_pay("dflash", "greedy", 1, optimistic=False)
-    assert "dflash" not in ba.options("greedy", 1)
+    pin(ba, "mtp", "greedy", 0.0)
+    unknown(ba, "dflash", "greedy", 0.05)
+    assert not ba.could_pay("dflash", "greedy", 1)
+    ba.decoded = 0
+    assert "dflash" in ba.options("greedy", 1, 256)  # a long request: worth exploring
+    assert "dflash" not in ba.options("greedy", 1, 2)  # two tokens: nothing learned could pay back a step
+    pin(ba, "dflash", "greedy", 0.05)  # the same mean, known well: no scenario pays
+    assert "dflash" not in ba.options("greedy", 1, 256)
+
+
+def test_a_refill_for_a_drafter_s_state_pays_only_what_the_drafter_is_worth(ba):
+    """`BatchAuto.refill_pays`: prefilling a cached prompt again for a model drafter's state pays where the drafter
+    saves more over the row's budget than that prefill costs — by its mean, or by what exploring it is worth — not
+    for a drafter that cannot pay, a prompt whose prefill costs more than the drafter saves, or a row with little
+    left to generate."""
+    ba.curve = {n: 0.01 * (1 + 0.4 * (n - 1)) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # each position +40 %
+    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    pin(ba, "mtp", "greedy", 0.0)
+    pin(ba, "dflash", "greedy", 0.8)
+    assert ba.refill_pays("dflash", "greedy", 1, 256, 64)
+    assert not ba.refill_pays("dflash", "greedy", 1, 4, 64)  # 4 tokens save less than 64 positions cost
+    assert not ba.refill_pays("dflash", "greedy", 1, 256, 100_000)
+    pin(ba, "dflash", "greedy", 0.05)
+    assert not ba.refill_pays("dflash", "greedy", 1, 256, 64)
+    unknown(ba, "dflash", "greedy", 0.3, tried=2.0)  # unknown: worth exploring, so worth a short prefill
+    ba.decoded = 0
+    assert not ba.could_pay("dflash", ba.key("greedy", 0), 1)
+    assert ba.refill_pays("dflash", "greedy", 1, 256, 2)
+    assert not ba.refill_pays("dflash", "greedy", 1, 256, 64)
+
+
+def explore_run(ba, truth: dict, steps: int, rows: int = 1, budget: int = 256, seed: int = 0):
+    """`steps` of `BatchAuto.choose` for `rows` auto rows carrying every option in `truth` (option -> its true
+    per-position acceptance), each drafting row's round drawn from the truth and told (`update`). Returns
+    [(k, plan)] per step."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(steps):
+        k, plan = ba.choose([("greedy", budget, {n: 8 for n in truth})] * rows, 0, 1, 0.0, 8)
+        for name, kk in plan:
+            if name is not None:
+                n = 0
+                while n < kk and rng.random() < truth[name]:
+                    n += 1
+                ba.update(name, "greedy", kk, n)
+                ba.decoded += n + 1
+            else:
+                ba.decoded += 1
+        out.append((k, plan))
+    return out
+
+
+@pytest.mark.parametrize("rows, slope", [(1, 0.4), (4, 0.15)])
+def test_the_batch_explores_a_drafter_whose_estimate_says_it_does_not_pay(ba, rows, slope):
+    """A drafter at its prior (mean α 0.3: below what pays on this curve, wide spread) that truly accepts 0.8: the
+    batch explores it, learns, and drafts with it in most steps after (the mean alone never would). One that truly
+    accepts 0.05 is explored a few times and then left: few speculative steps. Catches: no exploration (the first
+    drafter is never drafted — what the embedded server did with DFlash at its prior), exploration that never stops
+    (the weak drafter drafted throughout). (slope: each position's cost over the first's, so that a mean of 0.3
+    does not pay at that many rows and 0.8 pays clearly.)"""
+    ba.curve = {n: 0.01 * (1 + slope * (n - 1)) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    pin(ba, "mtp", "greedy", 0.0)
+    ba.decoded = 0
+    unknown(ba, "dflash", "greedy", 0.3, tried=2.0)
+    first, _ = ba.choose([("greedy", 256, {"dflash": 8})] * rows, 0, 1, 0.0, 8)
+    assert not ba.could_pay("dflash", "greedy", rows)  # its mean does not pay ...
+    assert first > 0 and ba.exploring == "dflash"  # ... exploring it does
+    steps = explore_run(ba, {"dflash": 0.8}, 60, rows)
+    late = steps[20:]
+    assert sum(k > 0 for k, _ in late) >= 0.9 * len(late), [k for k, _ in steps]
+    assert ba.could_pay("dflash", "greedy", rows)
+    unknown(ba, "dflash", "greedy", 0.3, tried=2.0)
+    ba.decoded = 0
+    steps = explore_run(ba, {"dflash": 0.05}, 60, rows, seed=1)
+    spec = sum(k > 0 for k, _ in steps)
+    assert 1 <= spec <= 8, [k for k, _ in steps]
+    assert all(k == 0 for k, _ in steps[30:])
+
+
+def test_a_row_drafts_by_the_estimates_of_its_phase_of_the_response(sess, ids, ba):
+    """`BatchAuto.key`: a row's steps are chosen by, and teach, the estimates of the phase of the response it is in
+    (`chooser.PHASES`, the solo chooser's): DFlash accepting well in a response's opening (its first 16 tokens) and
+    never after drafts in the opening only, and its rounds update the opening's estimates only. Greedy output equals
+    plain decoding's. Catches: pooled estimates (drafting throughout, or not at all), rounds counted in the phase
+    after the tokens they committed."""
+    ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # flat: verification is free
+    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    ba.observe = lambda n, seconds, spec, rows=None: None  # keep the curve as told
+    for name in ba.chooser.options:
+        pin(ba, name, "greedy", 0.0)
+    opening, after = ba.key("greedy", 0), ba.key("greedy", 16)
+    assert opening != after and ba.key("greedy", 15) == opening
+    ba.acceptance("dflash", opening).set_alphas([0.9])
+    seen, real = [], ba.update
+    ba.update = lambda name, key, k, accepted: (seen.append((name, key, row.out.n)), real(name, key, k, accepted))
+    gen = BatchGenerator(sess.model, prefill_step=16, auto=ba)
+    row = gen.add(request(sess, ids[3], "auto", params(), 0, 40))
+    while len(gen) or gen.waiting:
+        gen.step()
+    assert seen and {(name, key) for name, key, _ in seen} == {("dflash", opening)}, seen
+    assert all(n < 16 for _, _, n in seen)
+    assert ba.acceptance("dflash", after).tried[0] == 1000.0  # untouched by the opening's rounds
+    assert row.history[len(ids[3]):] == solo(sess, ids[3], "ar", params(), 0, 40)[0]
+
+
+def test_the_batch_does_not_explore_for_a_short_request_or_a_used_option(ba):
+    """Exploring pays only over tokens still to come: rows with 3 tokens left in a fresh batch do not explore a
+    drafter that rows with 256 would; nor is an option the step's plan drafts with explored (its rounds teach it
+    anyway)."""
+    from glimmer_mlx.speculative.auto.batch import StepChoice
+
+    ba.curve = {n: 0.01 * (1 + 0.25 * (n - 1)) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    pin(ba, "mtp", "greedy", 0.0)
+    unknown(ba, "dflash", "greedy", 0.3, tried=2.0)
+    ba.decoded = 0
+    assert ba.choose([("greedy", 3, {"dflash": 8})] * 2, 0, 1, 0.0, 8)[0] == 0 and ba.exploring is None
+    assert ba.choose([("greedy", 256, {"dflash": 8})] * 2, 0, 1, 0.0, 8)[0] > 0 and ba.exploring == "dflash"
+    step = StepChoice(ba, [("greedy", 256, {"dflash": 8})], 0, 1, 0.0, 8)
+    assert ba.explore(step, step.plain_rate, [("dflash", 4)]) is None
 
 
 class CountingModel:
@@ -901,7 +1079,7 @@ def test_a_row_cached_to_its_last_prompt_token_joins_without_a_forward_of_its_ow
     if mode == "auto":  # n-gram lookup only, whatever this machine's timings say a model drafter could pay (one
         # carried would take its taps in a prefill forward: `test_an_auto_row_on_a_reused_prefix_...` covers that)
         auto = sess.drafters.batch_auto()
-        auto.could_pay = lambda *a, **k: False
+        auto.carries = lambda *a, **k: False
     gen = BatchGenerator(model, prefill_step=16, auto=auto)
     plan = [(0, request(sess, ids[0], "ar", p, 7, 12)),
             (3, request(sess, cached, mode, p, 8, 10, cache=pre, reuse=len(cached) - 1)),
@@ -936,7 +1114,7 @@ def test_an_auto_row_on_a_reused_prefix_leaves_its_model_drafters_out(sess, ids)
     sess.model(mx.array([cached[:40]], dtype=mx.int32), pre)  # 20 prompt tokens left: a prefill chunk and more
     mx.eval([c.state for c in pre])
     auto = sess.drafters.batch_auto()
-    auto.could_pay = lambda *a, **k: True
+    auto.carries = lambda *a, **k: True
     assert any(d.taps for d in auto.options("greedy", 2).values())
     gen = BatchGenerator(sess.model, prefill_step=16, auto=auto)
     plan = [(0, request(sess, cached, "auto", params(), 0, 12, cache=pre, reuse=40)),
@@ -1119,6 +1297,6 @@ def test_a_row_carries_a_model_drafter_only_where_the_batch_s_choice_could_take_
         pin(ba, "mtp", "greedy", alpha)
         pin(ba, "dflash", "greedy", 0.0)
         assert ("mtp" in ba.options("greedy", 1)) is carried, alpha
-        assert ba.could_pay("mtp", "greedy", 1, optimistic=False) is carried
+        assert ba.could_pay("mtp", "greedy", 1) is carried
         k, plan = ba.choose([("greedy", 64, {"mtp": 1})], 0, 1, 0.0, 1)
         assert (k > 0) is carried and (plan[0][0] == "mtp") is carried

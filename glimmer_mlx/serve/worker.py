@@ -175,18 +175,24 @@ class Worker:
         if auto and self.batch.auto is None:  # the batch's chooser drafts for it: its own forks of auto's drafters
             self.batch.auto = s.drafters.batch_auto()
 
+        regime = "greedy" if p.sampler.params.greedy else "sampling"
+        batch = min(self.max_batch, len(self.running) + self.jobs.qsize() + 1)  # the jobs running and queued
+
         def fresh() -> dict:
-            if auto:  # sized for the batch it will decode in: the jobs running and those queued behind it
-                batch = min(self.max_batch, len(self.running) + self.jobs.qsize() + 1)
-                return self.batch.auto.options("greedy" if p.sampler.params.greedy else "sampling", batch)
+            if auto:  # sized for the batch it will decode in
+                return self.batch.auto.options(regime, batch, p.budget)
             return {} if p.drafter is None else {p.drafter.kind: p.drafter.fork()}
 
         drafters, cache, reuse, reason = fresh(), None, 0, "fresh: no cached prefix"
         wanted = {state_key(d) for d in drafters.values() if d.taps}  # the states a prefix must come with
         hit = self.prompts.fetch(p.keys, usable=lambda ex: isinstance(ex, dict) and wanted <= set(ex)) \
             if wanted else self.prompts.fetch(p.keys)
-        if not hit and wanted and auto:  # auto can leave its model drafters out instead
+        if not hit and wanted and auto:  # auto can leave its model drafters out instead, unless prefilling the
+            # cached prefix again for their states pays (`BatchAuto.refill_pays`)
             hit = self.prompts.fetch(p.keys)
+            if hit and any(self.batch.auto.refill_pays(kind, regime, batch, p.budget, hit.reused)
+                           for kind, d in drafters.items() if d.taps):
+                hit, reason = None, "fresh: prefilled again for the states of its model drafters"
         if hit:
             drafters, cache, reuse, reason = self._continue(hit, drafters, auto)
             if cache is None:

@@ -314,7 +314,7 @@ class BatchGenerator:
             # requests added at once must not each be sized as if alone — the first would carry a model drafter,
             # its taps and bookkeeping, until `PRUNE_EVERY` steps drop it)
             n = min(self.max_batch, len(self.rows) + len(self.waiting))
-            row.options = self.auto.options(row.regime, max(1, n))
+            row.options = self.auto.options(row.regime, max(1, n), row.out.budget)
             if row.req.reuse:  # a model drafter has no state for the reused prefix (a server passes the states
                 # its prompt cache kept, as `options`): only n-gram lookup, which rebuilds its index from the ids
                 row.options = {kind: d for kind, d in row.options.items() if not d.taps}
@@ -393,9 +393,12 @@ class BatchGenerator:
             if row.cancelled:
                 self.waiting.popleft()
                 continue
-            t = time.perf_counter()
+            t, done = time.perf_counter(), row.done_prefill
             chunk = self._prefill_chunk(row)
-            self._prefilling += time.perf_counter() - t
+            spent = time.perf_counter() - t
+            self._prefilling += spent
+            if self.auto is not None:
+                self.auto.observe_prefill(row.done_prefill - done, spent)
             if chunk is not None or row.cache is None:  # prefilled: it joined, or finished at its first token
                 self.waiting.popleft()
             if chunk is not None:
@@ -438,12 +441,13 @@ class BatchGenerator:
         if not autos:
             return {}
         if self.steps % PRUNE_EVERY == 0:
-            # a model drafter that cannot pay at this batch size by its mean estimate is no longer carried (it joined
-            # on its optimistic one: if it never drafts, that estimate never narrows)
+            # a model drafter the batch's choice could no longer take for the row (`BatchAuto.carries`: it does not
+            # pay at this batch size by its mean estimate, and exploring it no longer would — its estimate narrowed,
+            # or the row's budget ran down) is no longer carried
             for b in autos:
                 r = rows[b]
                 for kind in [k for k, d in r.options.items() if d.taps]:
-                    if not self.auto.could_pay(kind, r.regime, len(rows), optimistic=False):
+                    if not self.auto.carries(kind, r.regime, len(rows), r.out.budget, r.out.n):
                         del r.options[kind]
             autos = [b for b in autos if rows[b].options]
             if not autos:
@@ -454,7 +458,7 @@ class BatchGenerator:
         fixed_width = max((1 + min(r.req.width, r.out.budget - 1) if r.drafter is not None and not r.first_pending
                            else 1 for r in fixed), default=1)
         fixed_tokens = sum(r.tau() for r in fixed)
-        _, plan = self.auto.choose([(r.regime, r.out.budget, r.available(k_max)) for r in (rows[b] for b in autos)],
+        _, plan = self.auto.choose([(self.auto.key(r.regime, r.out.n), r.out.budget, r.available(k_max)) for r in (rows[b] for b in autos)],
                                    len(fixed), fixed_width, fixed_tokens, k_max)
         return dict(zip(autos, plan))
 
@@ -463,6 +467,8 @@ class BatchGenerator:
         this one feeds (every row plain): those rows' lengths are advanced now by the token that step commits."""
         rows = list(self.rows)
         choices = {} if after is not None else self._choose(rows)
+        if choices and self.auto.exploring is not None:
+            self.auto.explored[self.auto.exploring] = self.auto.explored.get(self.auto.exploring, 0) + 1
         lazies = {b: after.tokens.get(id(r)) for b, r in enumerate(rows)} if after is not None else {}
         plans = {b: r.drafting(choices.get(b)) for b, r in enumerate(rows) if lazies.get(b) is None}
         t = time.perf_counter()
@@ -533,7 +539,7 @@ class BatchGenerator:
             committed += len(new)
             if r.choice is not None:
                 drafted = True
-                self.auto.update(r.choice[0], r.regime, len(r.drafts), len(new) - 1)
+                self.auto.update(r.choice[0], self.auto.key(r.regime, r.out.n), len(r.drafts), len(new) - 1)
             if r.ahead:  # the step after this one already counted this token
                 r.ahead = False
             else:
@@ -546,6 +552,7 @@ class BatchGenerator:
                 finished.append(b)
         now = time.perf_counter()
         if self.auto is not None:
+            self.auto.decoded += committed
             self._observe(st, B, L, now, committed if drafted else None)
         self._landed, self._prefilling = now, 0.0
         if finished:

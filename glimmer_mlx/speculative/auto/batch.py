@@ -17,8 +17,13 @@ per second:
   grows with n, and plain steps win — then `auto` chooses them.
 - draft_r(k): the option's measured seconds per round (`DraftCost`, calibrated units × the measured scale).
 
-To speculate, the best width must beat plain by `ENTER_GAIN`. Outputs are lossless whatever is chosen (every
-drafted row is verified by `verify`); the choice only changes speed.
+To speculate, the best width must beat plain by `ENTER_GAIN`. A model drafter whose mean estimate does not pay may
+still be explored (`BatchAuto.explore`, the solo chooser's rule over the batch's rate): when the seconds its
+optimistic scenarios would save over the tokens still to come, times the share of its uncertainty one step resolves,
+exceed what the step loses by its mean. Without it a drafter's estimate never moved off its prior: on the embedded
+server DFlash stayed at α 0.55 (τ ≈ 2.2) while DFlash rows there committed ~4 tokens a round, and a lone auto
+request decoded plainly at 0.98x where DFlash rows ran 1.30x. Outputs are lossless whatever is chosen (every drafted
+row is verified by `verify`); the choice only changes speed.
 
 As the solo chooser does (`chooser.AutoChooser.credit`), the batch keeps a ledger of what its speculative steps
 measurably saved over plain steps of as many rows (the step's committed tokens × a plain step's time per row − its
@@ -29,11 +34,14 @@ unlucky step), every step is plain, until plain steps have earned the budget bac
 
 from __future__ import annotations
 
-from .chooser import (ENTER_GAIN, LEDGER_FLOOR, LEDGER_ROUND_CAP, LEDGER_ROUNDS, LOSS_BUDGET, AcceptanceStats,
-                      wake_excess)
+import bisect
+
+from .chooser import (ENTER_GAIN, FUTURE_TOKENS, LEDGER_FLOOR, LEDGER_ROUND_CAP, LEDGER_ROUNDS, LOSS_BUDGET,
+                      MIN_GAIN, SCENARIOS, AcceptanceStats, wake_excess)
 from .multiplex import AutoDrafter
 
 EMA = 0.2  # weight of a new step time in its n's estimate
+EXPLORE_EVERY = 8  # steps an answer of `BatchAuto.explore` holds while nothing it depends on but the step costs moved
 
 
 def ema(old: float | None, x: float) -> float:
@@ -65,35 +73,99 @@ class BatchAuto:
         self.elapsed = 0.0
         self.saved = 0.0
         self.plain_step = 0.0  # seconds of a plain step of the batch, as the latest credit priced it (the floor's)
+        self.decoded = 0  # tokens the batch committed so far (`explore`: what is learned serves later requests too)
+        self.explored: dict[str, int] = {}  # option -> steps that explored it (counted by the batch that ran them)
+        self.exploring: str | None = None  # the option the latest `choose` explores, if any
+        self.prefill_s: float | None = None  # seconds per position of a prefill chunk, EMA (`prefill_cost`)
+        self._explore_memo: tuple | None = None  # (what `explore` was asked on, steps it still holds, its answer)
 
-    def options(self, regime: str, batch: int = 1) -> dict:
+    def key(self, regime: str, generated: int) -> str:
+        """The acceptance estimates a row of `regime` that has generated `generated` tokens drafts by: the regime's in
+        the phase of the response it is in (`chooser.PHASES`, the solo chooser's phases and estimates): the
+        embedded drafters accept far more in a response's opening than after it, and pooled, the estimates that
+        exploration taught in the openings priced the later steps' drafts ~15 % too high."""
+        phases = self.chooser.phases
+        return regime if phases is None else f"{regime}#{sum(generated >= b for b in phases)}"
+
+    def keys(self, regime: str, generated: int, budget: int) -> list[str]:
+        """The estimates' keys of the phases a row reaches from `generated` tokens on with `budget` more."""
+        out = []
+        for n in [generated] + [b for b in self.chooser.phases or () if generated < b < generated + budget]:
+            k = self.key(regime, n)
+            if k not in out:
+                out.append(k)
+        return out
+
+    def options(self, regime: str, batch: int = 1, budget: int | None = None) -> dict:
         """A new auto row's own drafters: forks of the auto's (shared weights, empty state) — n-gram lookup always
-        (it costs nothing to keep in step), a model drafter only if it could pay in a batch of `batch` rows by its
-        mean estimate (`could_pay`): every drafter of a row follows each of its steps (the taps of every committed
-        position, its own bookkeeping), and the batch's choice (`choose`) goes by the mean estimates, so one that
-        pays only in its optimistic scenario would never draft and only slow the row down."""
+        (it costs nothing to keep in step), a model drafter only if the batch's choice could take it for this row
+        (`carries`, in a batch of `batch` rows, `budget` tokens to generate: None, `FUTURE_TOKENS`): every drafter
+        of a row follows each of its steps (the taps of every committed position, its own bookkeeping), so one the
+        choice would never take would only slow the row down."""
+        budget = FUTURE_TOKENS if budget is None else budget
         return {kind: d.fork() for kind, d in self.auto.drafters.items()
-                if kind == "ngram" or self.could_pay(kind, regime, batch, optimistic=False)}
+                if kind == "ngram" or self.carries(kind, regime, batch, budget)}
 
-    def could_pay(self, name: str, regime: str, batch: int, optimistic: bool = True) -> bool:
-        """Whether `name` beats plain decoding at some width in a batch of `batch` rows all drafting with it (the
-        most favourable case: every row pays the widest block anyway), with its acceptance at the optimistic end of
-        what is known (mean + 1.28 sd of the first draft's, every position moved alike) or, not `optimistic`, at
-        its mean and by the margin `choose` wants to start speculating (`ENTER_GAIN`): a drafter a row carries for
-        that (`options`, the batch's prune) is one the batch's choice could take — at 1.00–1.05x plain it never
-        would, and the row would pay its taps and bookkeeping every step for nothing."""
-        acc = self.acceptance(name, regime)
-        lift = 1.28 * acc.spread() if optimistic else 0.0
-        plain = (1.0 if optimistic else 1.0 + ENTER_GAIN) / self.step_cost(batch, rows=batch)
-        alphas = acc.alphas()
+    def carries(self, name: str, regime: str, batch: int, budget: int, generated: int = 0) -> bool:
+        """Whether a row of `regime` that has generated `generated` tokens and may generate `budget` more, in a
+        batch of `batch` rows, should carry model drafter `name`: in a phase it reaches (`keys`) the batch's choice
+        could take it — it pays by its mean estimate (`could_pay`), or exploring it would (`explore`, in a batch of
+        such rows all carrying it only, against plain steps)."""
+        for key in self.keys(regime, generated, budget):
+            if self.could_pay(name, key, batch):
+                return True
+            rows = [(key, budget, {name: self.chooser.options[name].max_k})] * batch
+            plain = batch / self.step_cost(batch, rows=batch)
+            if self.explore(StepChoice(self, rows, 0, 1, 0.0, self.chooser.options[name].max_k), plain) is not None:
+                return True
+        return False
+
+    def could_pay(self, name: str, regime: str, batch: int) -> bool:
+        """Whether `name` beats plain decoding by the margin `choose` wants to start speculating (`ENTER_GAIN`) at
+        some width, by its mean estimate, in a batch of `batch` rows all drafting with it (the most favourable
+        case: every row pays the widest block anyway): at 1.00–1.05x plain the batch's choice never takes it."""
+        plain = (1.0 + ENTER_GAIN) / self.step_cost(batch, rows=batch)
+        alphas = self.acceptance(name, regime).alphas()
+        e, p = 1.0, 1.0
         for k in range(1, self.chooser.options[name].max_k + 1):
-            e, p = 1.0, 1.0
-            for a in alphas[:k]:
-                p *= min(1.0, a + lift)
-                e += p
+            p *= alphas[k - 1]
+            e += p
             if e / (self.step_cost(batch * (k + 1), rows=batch) + batch * self.draft_cost(name, k)) > plain:
                 return True
         return False
+
+    def refill_pays(self, name: str, regime: str, batch: int, budget: int, positions: int) -> bool:
+        """Whether a new row of `regime` with `budget` tokens to generate, in a batch of `batch` rows, should prefill
+        `positions` prompt positions a prompt cache holds again, to give model drafter `name` the state the cache
+        lacks (without it, the row leaves the drafter out: a conversation that once went without it, or a prompt
+        first served plainly, would never draft with it again, nor teach the batch what it accepts): what the
+        drafter is worth to the row must exceed what that prefill costs (`prefill_cost`). Its worth, phase by phase
+        of the response (`keys`): its mean saving over plain steps on that phase's tokens in a batch of such rows,
+        or, if more, what exploring it there is worth (`explore`)."""
+        if positions <= 0 or not self.carries(name, regime, batch, budget):
+            return False
+        cap = self.chooser.options[name].max_k
+        bounds = [0] + [b for b in self.chooser.phases or () if b < budget] + [budget]
+        worth = 0.0
+        for lo, hi in zip(bounds, bounds[1:]):
+            rows = [(self.key(regime, lo), hi - lo, {name: cap})] * batch
+            step = StepChoice(self, rows, 0, 1, 0.0, cap)
+            _, rate, _ = step.best()
+            found = self.explore(step, step.plain_rate)
+            worth += max((hi - lo) * (1.0 / step.plain_rate - 1.0 / rate), found[3] if found is not None else 0.0)
+        return worth > self.prefill_cost(positions)
+
+    def prefill_cost(self, positions: int) -> float:
+        """Seconds of prefilling `positions` prompt positions, drafters' start included: as the prefills measured
+        (`observe_prefill`), or before any, the calibrated forward over them (x the measured step ratio)."""
+        if self.prefill_s is not None:
+            return positions * self.prefill_s
+        return self.calibrated(positions) * (self.ratio if self.ratio is not None else 1.0)
+
+    def observe_prefill(self, positions: int, seconds: float) -> None:
+        """A prefill chunk of `positions` positions took `seconds` (its row's drafters' start included)."""
+        if positions > 0 and seconds > 0:
+            self.prefill_s = ema(self.prefill_s, seconds / positions)
 
     @property
     def taps(self) -> tuple:
@@ -105,11 +177,11 @@ class BatchAuto:
         c = self.curve
         if n in c:
             return c[n]
-        keys = list(c)
+        keys = sorted(c)
         if n < keys[0]:
             return c[keys[0]]
-        lo = max(k for k in keys if k <= n)
-        hi = min((k for k in keys if k > n), default=None)
+        i = bisect.bisect_right(keys, n)  # keys[i - 1] <= n < keys[i]
+        lo, hi = keys[i - 1], keys[i] if i < len(keys) else None
         if hi is None:  # beyond the calibrated widths: the slope of the last two points
             a, b = keys[-2] if len(keys) > 1 else keys[-1], keys[-1]
             slope = (c[b] - c[a]) / (b - a) if b > a else c[b] / b
@@ -235,65 +307,260 @@ class BatchAuto:
     def choose(self, rows, fixed_rows: int, fixed_width: int, fixed_tokens: float, k_max: int) -> tuple[int, list]:
         """rows: the auto rows, each as (regime, budget, {option: most drafts it gives now}); fixed_rows: the other
         rows, fixed_width: the widest block they feed (1: none wider than a token), fixed_tokens: their expected
-        tokens this step. Returns (k, [(option or None, drafts) per auto row]) — k 0: every auto row steps plainly."""
-        B = len(rows) + fixed_rows
+        tokens this step. Returns (k, [(option or None, drafts) per auto row]) — k 0: every auto row steps plainly;
+        the best width by the mean estimates, or a step that explores a model drafter where that is worth it
+        (`explore`)."""
+        self.exploring = None
         plain = [(None, 0)] * len(rows)
-        tables: dict = {}  # (option, regime) -> expected tokens at 0..max_k drafts, this step's estimates
-
-        def expected(name: str, regime: str, k: int) -> float:
-            t = tables.get((name, regime))
-            if t is None:
-                t, p = [1.0], 1.0
-                for a in self.acceptance(name, regime).alphas():
-                    p *= a
-                    t.append(t[-1] + p)
-                tables[(name, regime)] = t
-            return t[min(k, len(t) - 1)]
-
-        best_k, best_plan = 0, plain
         if self.barred:
-            return best_k, best_plan
-        best = (len(rows) + fixed_tokens) / self.step_cost(B * fixed_width, rows=B)
+            return 0, plain
         k_top = min(k_max, max((cap for _, _, avail in rows for cap in avail.values()), default=0))
         if k_top < 1:
-            return best_k, best_plan
+            return 0, plain
+        step = StepChoice(self, rows, fixed_rows, fixed_width, fixed_tokens, k_top)
+        best = step.plain_rate
         # a bound first (exact: it never changes the answer): every row at its most expected tokens, the step at its
-        # cheapest speculative width and no drafting cost; when even that cannot start speculating, the step is plain
-        # without scoring each width (a plain batch asks every step: at 8 rows that scoring was ~3 % of a step here)
-        most = fixed_tokens + sum(max([1.0] + [expected(name, regime, min(k_top, cap, budget - 1))
-                                               for name, cap in avail.items() if min(k_top, cap, budget - 1) >= 1])
-                                  for regime, budget, avail in rows)
-        if most / self.step_cost(B * (fixed_width + 1), rows=B) <= best * (1 + ENTER_GAIN):
-            return best_k, best_plan
-        for k in range(1, k_top + 1):  # no width beyond what some row can draft
-            plan, tokens, drafting, L = [], fixed_tokens, 0.0, fixed_width
-            for regime, budget, avail in rows:
-                pick, e_pick = (None, 0), 1.0
-                for name, cap in avail.items():
-                    kk = min(k, cap, budget - 1)
-                    if kk < 1:
-                        continue
-                    e = expected(name, regime, kk)
-                    if e > e_pick:
-                        pick, e_pick = (name, kk), e
-                plan.append(pick)
-                tokens += e_pick
-                if pick[0] is not None:
-                    drafting += self.draft_cost(pick[0], pick[1])
-                    L = max(L, pick[1] + 1)
-            if L == fixed_width:
-                continue  # no row drafts at this width: the same as plain
-            rate = tokens / (self.step_cost(B * L, rows=B) + drafting)
-            if rate > best * (1 + ENTER_GAIN if best_k == 0 else 1.0):
-                best, best_k, best_plan = rate, k, plan
-        return best_k, best_plan
+        # cheapest speculative width and no drafting cost; when even that cannot start speculating, no width is
+        # scored (a plain batch asks every step: at 8 rows that scoring was ~3 % of a step here)
+        best_k, best_plan = 0, None
+        if step.bound() > best * (1 + ENTER_GAIN):
+            for k in range(1, k_top + 1):  # no width beyond what some row can draft
+                rate, plan = step.at(k)
+                if rate > best * (1 + ENTER_GAIN if best_k == 0 else 1.0):
+                    best, best_k, best_plan = rate, k, plan
+        found = self._explored(step, best, best_plan)
+        if found is not None:
+            self.exploring = found[0]
+            return found[1], step.expand(found[2])
+        return best_k, plain if best_plan is None else step.expand(best_plan)
+
+    def _explored(self, step: "StepChoice", incumbent: float, plan: list | None) -> tuple | None:
+        """`explore`, asked again only when what it depends on changed beyond the steps' costs — the rows' offers
+        and budgets, the fixed rows, what the plan drafts with, an estimate — or after `EXPLORE_EVERY` steps
+        (scoring every scenario of every model drafter each step cost a batch of 8 rows ~1 ms a step here; its
+        answer moves with the step costs' EMA only slowly). A step that explores is asked afresh next time."""
+        used = frozenset(c[0] for c in plan or () if c[0] is not None)
+        names = sorted({n for _, _, avail in step.groups for n in avail
+                        if n not in used and not self.chooser.options[n].shadowed})
+        if not names:
+            return None
+        seen = tuple((n, r, self.acceptance(n, r).tried[0]) for n in names for r in {g[0] for g in step.groups})
+        key = (step.key, used, seen)
+        memo = self._explore_memo
+        if memo is not None and memo[0] == key and memo[1] > 0:
+            self._explore_memo = (key, memo[1] - 1, memo[2])
+            return memo[2]
+        found = self.explore(step, incumbent, plan, names)
+        self._explore_memo = (key, 0 if found is not None else EXPLORE_EVERY - 1, found)
+        return found
+
+    def explore(self, step: "StepChoice", incumbent: float, plan: list | None = None,
+                names: list | None = None) -> tuple | None:
+        """(option, k, plan per row group, surplus seconds) of a step that explores a model drafter, or None — the solo chooser's
+        rule (`chooser.AutoChooser.explore`) over the batch's rate: for each model drafter some row carries and the
+        step's plan (`plan`, at `incumbent` tokens per second) does not use (`names`: those, when known), the
+        batch's best rate with that drafter's acceptance in each of `SCENARIOS` (its spread, every position
+        alike); the expected saving EI = the mean over them of the seconds per token saved on the incumbent (beyond
+        `MIN_GAIN`), times the tokens it can serve (the rows' budgets and what the batch decoded, at most
+        `FUTURE_TOKENS`), times the share of its uncertainty the step resolves (the rows that try its first draft
+        against the first drafts counted), must exceed what the step loses by the mean estimates: its seconds over its tokens at the
+        incumbent's rate (less `ENTER_GAIN` when the incumbent is plain steps). The most surplus wins; the step is
+        the optimistic scenario's best plan. Model drafters only: an n-gram option's drafts are free."""
+        used = {c[0] for c in plan or () if c[0] is not None}
+        if names is None:
+            names = sorted({n for _, _, avail in step.groups for n in avail
+                            if n not in used and not self.chooser.options[n].shadowed})
+        if not names:
+            return None
+        bar = incumbent * (1 + MIN_GAIN)
+        t_inc = 1.0 / incumbent
+        # the step's loss counts the margin `choose` wants to leave plain steps (`ENTER_GAIN`: what a speculative
+        # step costs beyond its price, its wake), when the incumbent is plain
+        margin = 1.0 + ENTER_GAIN if not used else 1.0
+        horizon = sum(budget for _, budget, _ in step.rows) + min(self.decoded, FUTURE_TOKENS)
+        found, surplus = None, 0.0
+        for name in names:
+            top = (name, SCENARIOS[-1])
+            if step.bound(top) <= bar:
+                continue  # not even its optimistic scenario's bound beats the incumbent: EI = 0
+            ei, k_e, plan_e = 0.0, 0, None
+            for z in reversed(SCENARIOS):  # best first: the rate falls with the scenario
+                k, rate, p = step.best((name, z))
+                if plan_e is None:
+                    k_e, plan_e = k, p
+                if rate <= bar:
+                    break
+                ei += (t_inc - 1.0 / rate) / len(SCENARIOS)
+            if ei <= 0.0:
+                continue
+            tokens, seconds = step.cost(plan_e)
+            loss = max(0.0, seconds - tokens * t_inc / margin)
+            # the share of its uncertainty the step resolves: its spread is its first draft's (`spread`), which each
+            # row drafting with it tries once (counting the drafts each tries, ~4 a row at 2 rows, the batch kept
+            # exploring DFlash at 5-8 % under plain steps there, its estimate never narrowing enough)
+            tried = {}
+            for (key, _, _), count, (n, _) in zip(step.groups, step.counts, plan_e):
+                if n == name:
+                    tried[key] = tried.get(key, 0) + count
+            new = sum(tried.values())
+            if new <= 0:  # its best plan in that scenario drafts with other options only: nothing learned of it
+                continue
+            known = sum(max(self.acceptance(name, key).tried[0], 0.0) for key in tried)
+            gain = horizon * ei * new / (known + new) - loss
+            if gain > surplus:
+                found, surplus = (name, k_e, plan_e, gain), gain
+        return found
 
     def update(self, name: str, regime: str, k: int, accepted: int) -> None:
         self.acceptance(name, regime).update(k, accepted)
 
     def stats(self) -> dict:
-        return {"auto_steps": dict(self.steps), "ledger_saved_s": round(self.saved, 6),
+        return {"auto_steps": dict(self.steps), "explored_steps": dict(self.explored), "ledger_saved_s": round(self.saved, 6),
                 "ledger_elapsed_s": round(self.elapsed, 6), "barred": self.barred,
                 "step_seconds": {int(n): round(s, 6) for n, s in sorted(self.measured.items())},
                 "step_seconds_by_rows": {int(b): {int(L): round(s, 6) for L, s in sorted(t.items())}
                                          for b, t in sorted(self.by_rows.items())}}
+
+
+class StepChoice:
+    """One step's choice for `BatchAuto.choose`: the auto rows ((regime, budget, {option: most drafts it gives})),
+    the fixed rows (their count, widest block, expected tokens) and the widest block to consider. Rows alike for the
+    choice (the same regime and offers, budgets past the widest block) are scored once, as a group (`groups`, with
+    their `counts`; a plan is one (option or None, drafts) per group: `expand` makes it one per row). Each option's
+    expected tokens per round (`expected`), optionally in a scenario of its acceptance (`shift`: (option, z) — its
+    every position moved by z of its spread), and the batch's rate of the best plan at a width (`at`)."""
+
+    def __init__(self, auto: BatchAuto, rows, fixed_rows: int, fixed_width: int, fixed_tokens: float, k_top: int):
+        self.auto, self.rows, self.k_top = auto, rows, k_top
+        self.B = len(rows) + fixed_rows
+        self.fixed_width, self.fixed_tokens = fixed_width, fixed_tokens
+        self.tables: dict = {}  # (option, regime, z) -> expected tokens at 0..max_k drafts
+        self.picks: dict = {}  # shift -> `_picks`
+        self.costs: dict = {}  # L -> seconds of the step at L positions a row
+        self.drafts: dict = {}  # (option, drafts) -> seconds of its round
+        index: dict = {}
+        self.groups, self.counts, self.of = [], [], []  # group g: (regime, budget, offers), its rows; row -> group
+        for regime, budget, avail in rows:
+            key = (regime, min(budget, k_top + 1), tuple(avail.items()))
+            g = index.get(key)
+            if g is None:
+                g = index[key] = len(self.groups)
+                self.groups.append((regime, key[1], avail))
+                self.counts.append(0)
+            self.counts[g] += 1
+            self.of.append(g)
+        self.key = (tuple(index), tuple(self.of), fixed_rows, fixed_width, fixed_tokens, k_top)
+        self.plain_rate = (len(rows) + fixed_tokens) / self.step_cost(fixed_width)
+
+    def expand(self, plan: list) -> list:
+        """A plan per group as one per row."""
+        return [plan[g] for g in self.of]
+
+    def table(self, name: str, regime: str, z: float = 0.0) -> list[float]:
+        """[expected tokens of a round of `name` at 0..max_k drafts] in scenario z (its acceptance + z × spread)."""
+        t = self.tables.get((name, regime, z))
+        if t is None:
+            acc = self.auto.acceptance(name, regime)
+            lift = z * acc.spread() if z else 0.0
+            t, p = [1.0], 1.0
+            for a in acc.alphas():
+                p *= min(1.0, max(0.0, a + lift))
+                t.append(t[-1] + p)
+            self.tables[(name, regime, z)] = t
+        return t
+
+    def expected(self, name: str, regime: str, k: int, z: float = 0.0) -> float:
+        t = self.table(name, regime, z)
+        return t[min(k, len(t) - 1)]
+
+    def _picks(self, shift: tuple | None) -> list[list[tuple]]:
+        """Per group, per width k = 0..k_top: (its pick (option, drafts) or None, its expected tokens) — the option
+        with the most expected tokens at min(k, its offer, budget − 1) drafts."""
+        got = self.picks.get(shift)
+        if got is not None:
+            return got
+        out = []
+        for regime, budget, avail in self.groups:
+            lim = min(self.k_top, budget - 1)
+            opts = []
+            for n, cap in avail.items():
+                c = min(cap, lim)
+                if c >= 1:
+                    t = self.table(n, regime, shift[1] if shift is not None and shift[0] == n else 0.0)
+                    opts.append((t, min(c, len(t) - 1), n))
+            col = [(None, 1.0)]
+            for k in range(1, self.k_top + 1):
+                pick, e_pick = None, 1.0
+                for t, c, n in opts:
+                    kk = k if k < c else c
+                    if t[kk] > e_pick:
+                        pick, e_pick = (n, kk), t[kk]
+                col.append((pick, e_pick))
+            out.append(col)
+        self.picks[shift] = out
+        return out
+
+    def step_cost(self, L: int) -> float:
+        """Seconds of the step with every row fed L positions (`BatchAuto.step_cost`), once per step."""
+        got = self.costs.get(L)
+        if got is None:
+            got = self.costs[L] = self.auto.step_cost(self.B * L, rows=self.B)
+        return got
+
+    def draft_cost(self, pick: tuple) -> float:
+        got = self.drafts.get(pick)
+        if got is None:
+            got = self.drafts[pick] = self.auto.draft_cost(*pick)
+        return got
+
+    def bound(self, shift: tuple | None = None) -> float:
+        """A bound on every width's rate: each row at its most expected tokens, the step at its cheapest
+        speculative width and no drafting."""
+        most = self.fixed_tokens
+        for (regime, budget, avail), count in zip(self.groups, self.counts):
+            lim, e = min(self.k_top, budget - 1), 1.0
+            for n, cap in avail.items():
+                if min(cap, lim) >= 1:  # expected tokens grow with the drafts: its most is at its widest
+                    t = self.table(n, regime, shift[1] if shift is not None and shift[0] == n else 0.0)
+                    e = max(e, t[min(cap, lim, len(t) - 1)])
+            most += count * e
+        return most / self.step_cost(self.fixed_width + 1)
+
+    def at(self, k: int, shift: tuple | None = None) -> tuple[float, list]:
+        """(the batch's rate, [(option or None, drafts) per group]) at width k: each row its option with the most
+        expected tokens (0 where no row drafts at this width: the same as plain)."""
+        plan, tokens, drafting, L = [], self.fixed_tokens, 0.0, self.fixed_width
+        for col, count in zip(self._picks(shift), self.counts):
+            pick, e = col[k]
+            tokens += count * e
+            if pick is None:
+                plan.append((None, 0))
+                continue
+            plan.append(pick)
+            drafting += count * self.draft_cost(pick)
+            if pick[1] + 1 > L:
+                L = pick[1] + 1
+        if L == self.fixed_width:
+            return 0.0, plan
+        return tokens / (self.step_cost(L) + drafting), plan
+
+    def best(self, shift: tuple | None = None) -> tuple[int, float, list]:
+        """(k, rate, plan per group) of the best width (k 0: plain), with no margin."""
+        out = (0, self.plain_rate, [(None, 0)] * len(self.groups))
+        for k in range(1, self.k_top + 1):
+            rate, plan = self.at(k, shift)
+            if rate > out[1]:
+                out = (k, rate, plan)
+        return out
+
+    def cost(self, plan: list) -> tuple[float, float]:
+        """(expected tokens, seconds) of a step on `plan` (per group) by the mean estimates."""
+        tokens, drafting, L = self.fixed_tokens, 0.0, self.fixed_width
+        for (regime, _, _), count, (name, k) in zip(self.groups, self.counts, plan):
+            if name is None:
+                tokens += count
+                continue
+            tokens += count * self.expected(name, regime, k)
+            drafting += count * self.draft_cost((name, k))
+            L = max(L, k + 1)
+        return tokens, self.step_cost(L) + drafting

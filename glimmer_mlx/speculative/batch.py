@@ -458,8 +458,8 @@ class BatchGenerator:
         fixed_width = max((1 + min(r.req.width, r.out.budget - 1) if r.drafter is not None and not r.first_pending
                            else 1 for r in fixed), default=1)
         fixed_tokens = sum(r.tau() for r in fixed)
-        _, plan = self.auto.choose([(self.auto.key(r.regime, r.out.n), r.out.budget, r.available(k_max)) for r in (rows[b] for b in autos)],
-                                   len(fixed), fixed_width, fixed_tokens, k_max)
+        _, plan = self.auto.choose([(self.auto.key(r.regime, r.out.n), r.out.budget, r.available(k_max))
+                                    for r in (rows[b] for b in autos)], len(fixed), fixed_width, fixed_tokens, k_max)
         return dict(zip(autos, plan))
 
     def _launch(self, after: Launched | None) -> Launched:

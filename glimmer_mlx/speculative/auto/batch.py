@@ -115,8 +115,8 @@ class BatchAuto:
             if self.could_pay(name, key, batch):
                 return True
             rows = [(key, budget, {name: self.chooser.options[name].max_k})] * batch
-            plain = batch / self.step_cost(batch, rows=batch)
-            if self.explore(StepChoice(self, rows, 0, 1, 0.0, self.chooser.options[name].max_k), plain) is not None:
+            step = StepChoice(self, rows, 0, 1, 0.0, self.chooser.options[name].max_k)
+            if self.explore(step, step.plain_rate) is not None:
                 return True
         return False
 
@@ -356,16 +356,16 @@ class BatchAuto:
 
     def explore(self, step: "StepChoice", incumbent: float, plan: list | None = None,
                 names: list | None = None) -> tuple | None:
-        """(option, k, plan per row group, surplus seconds) of a step that explores a model drafter, or None — the solo chooser's
-        rule (`chooser.AutoChooser.explore`) over the batch's rate: for each model drafter some row carries and the
-        step's plan (`plan`, at `incumbent` tokens per second) does not use (`names`: those, when known), the
-        batch's best rate with that drafter's acceptance in each of `SCENARIOS` (its spread, every position
-        alike); the expected saving EI = the mean over them of the seconds per token saved on the incumbent (beyond
-        `MIN_GAIN`), times the tokens it can serve (the rows' budgets and what the batch decoded, at most
-        `FUTURE_TOKENS`), times the share of its uncertainty the step resolves (the rows that try its first draft
-        against the first drafts counted), must exceed what the step loses by the mean estimates: its seconds over its tokens at the
-        incumbent's rate (less `ENTER_GAIN` when the incumbent is plain steps). The most surplus wins; the step is
-        the optimistic scenario's best plan. Model drafters only: an n-gram option's drafts are free."""
+        """(option, k, plan per row group, surplus seconds) of a step that explores a model drafter, or None — the solo
+        chooser's rule (`chooser.AutoChooser.explore`) over the batch's rate: for each model drafter some row carries
+        and the step's plan (`plan`, at `incumbent` tokens per second) does not use (`names`: those, when known), the
+        batch's best rate with that drafter's acceptance in each of `SCENARIOS` (its spread, every position alike); the
+        expected saving EI = the mean over them of the seconds per token saved on the incumbent (beyond `MIN_GAIN`),
+        times the tokens it can serve (the rows' budgets and what the batch decoded, at most `FUTURE_TOKENS`), times the
+        share of its uncertainty the step resolves (the rows that try its first draft against the first drafts counted),
+        must exceed what the step loses by the mean estimates: its seconds over its tokens at the incumbent's rate (less
+        `ENTER_GAIN` when the incumbent is plain steps). The most surplus wins; the step is the optimistic scenario's
+        best plan. Model drafters only: an n-gram option's drafts are free."""
         used = {c[0] for c in plan or () if c[0] is not None}
         if names is None:
             names = sorted({n for _, _, avail in step.groups for n in avail
@@ -415,8 +415,9 @@ class BatchAuto:
         self.acceptance(name, regime).update(k, accepted)
 
     def stats(self) -> dict:
-        return {"auto_steps": dict(self.steps), "explored_steps": dict(self.explored), "ledger_saved_s": round(self.saved, 6),
-                "ledger_elapsed_s": round(self.elapsed, 6), "barred": self.barred,
+        return {"auto_steps": dict(self.steps), "explored_steps": dict(self.explored),
+                "ledger_saved_s": round(self.saved, 6), "ledger_elapsed_s": round(self.elapsed, 6),
+                "barred": self.barred,
                 "step_seconds": {int(n): round(s, 6) for n, s in sorted(self.measured.items())},
                 "step_seconds_by_rows": {int(b): {int(L): round(s, 6) for L, s in sorted(t.items())}
                                          for b, t in sorted(self.by_rows.items())}}

@@ -1296,8 +1296,10 @@ def test_stretch_accounting_adds_lead_and_restart(tiny, tmp_path):
     P = ch.plain_cost
     auto.lead(-0.9 * P)  # no next forward to wait for: shorter than a pipelined token
     auto._round, auto._option = 0.010, "ngram@2"  # measured draft + verify
-    assert auto.end_round(0.0105, 3)
-    assert ch.round_overhead * ch.scale == pytest.approx(0.1 * 0.0005)
+    # an overhead of a tenth of a plain step (below the first sample's cap, a quarter of one, whatever this machine's
+    # plain step costs)
+    assert auto.end_round(0.010 + 0.1 * P, 3)
+    assert ch.round_overhead * ch.scale == pytest.approx(0.1 * 0.1 * P)
     auto._round = 0.010
     assert auto.end_round(0.010, 2)
     assert not auto.end_round(0.010, 1)  # no speculative round measured since: nothing to charge
@@ -1307,7 +1309,7 @@ def test_stretch_accounting_adds_lead_and_restart(tiny, tmp_path):
     assert ch.switch_cost * ch.scale == pytest.approx(0.25 * (-0.9 * P + 1.1 * P))
     # the option's ledger: its 5 tokens at a plain token's cost, less its rounds and the stretch's two plain tokens'
     # excess (the lead's only once, with the stretch's first round)
-    saved = 5 * P - (0.0105 - 0.9 * P) - 0.010 - 1.1 * P
+    saved = 5 * P - (0.010 + 0.1 * P - 0.9 * P) - 0.010 - 1.1 * P
     assert ch.saved == {"ngram@2": pytest.approx(saved / ch.scale)}
 
 

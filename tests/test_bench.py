@@ -57,6 +57,47 @@ def test_mode_expansion_and_profiles():
             BenchSettings.from_profile(**{"profile": "quick", **bad})
 
 
+def test_a_time_budget_adds_repeats_while_they_fit():
+    """`--quick` runs at least 3 repeats and more while the sitting fits in its 150 s (at most 12); `--repeats` alone
+    runs exactly that many; `--budget` with it adds more; 0 none; a negative one is refused. `more_repeats`: as many
+    more as fit at the longest repeat's time, capped. Catches: a budget that overruns (repeats counted at the mean, or
+    the elapsed time ignored), a cap ignored, `--repeats` no longer exact."""
+    from glimmer_mlx.bench.runner import more_repeats
+
+    q = BenchSettings.from_profile("quick")
+    assert (q.repeats, q.budget_s, q.max_repeats) == (3, 150.0, 12)
+    assert more_repeats(q, 3, 40.0, 12.0) == 3 + 9  # 110 s left at 12 s a repeat
+    assert more_repeats(q, 3, 40.0, 5.0) == 12  # 22 would fit: capped
+    assert more_repeats(q, 3, 145.0, 12.0) == 3  # not one more fits
+    assert more_repeats(q, 5, 200.0, 12.0) == 5  # over budget already
+    exact = BenchSettings.from_profile("quick", repeats=2)
+    assert exact.budget_s is None and exact.max_repeats is None and more_repeats(exact, 2, 1.0, 0.1) == 2
+    both = BenchSettings.from_profile("quick", repeats=2, budget_s=60)
+    assert (both.repeats, both.budget_s, both.max_repeats) == (2, 60.0, 12)
+    d = BenchSettings.from_profile("default", budget_s="30")
+    assert (d.budget_s, d.max_repeats) == (30.0, 12)  # 4 x its 3 repeats
+    assert BenchSettings.from_profile("quick", budget_s=0).budget_s is None
+    with pytest.raises(ValueError, match="budget"):
+        BenchSettings.from_profile("quick", budget_s=-5)
+
+
+def test_a_budgeted_sitting_runs_the_repeats_that_fit(tiny_set, tmp_path, monkeypatch):
+    """run_bench with a time budget: a generous one runs `max_repeats` (every repeat's runs present, each task's
+    modes interleaved as always), one already spent runs the minimum; results.json says how many ran."""
+    from glimmer_mlx.bench import run_bench
+
+    path, _ = tiny_set
+    monkeypatch.setenv("GLIMMER_MLX_CACHE_DIR", str(tmp_path / "cache"))
+    for budget, ran in ((600.0, 3), (1e-6, 1)):
+        st = BenchSettings.from_profile("quick", modes="ar,ngram", categories="code", temps="0", max_tokens=6,
+                                        repeats=1, budget_s=budget)
+        st.max_repeats = 3
+        res = run_bench(str(path), st, draft_model="none", mtp_model="none")
+        assert res["settings"]["repeats_run"] == ran
+        assert sorted({x["repeat"] for x in res["runs"]}) == list(range(ran))
+        assert len(res["runs"]) == 2 * ran and res["results"]["T=0"]["ngram"]["speedup"]
+
+
 def test_byte_fallback_keeps_ids_in_vocab_and_repetitions():
     enc, how = encode_prompts({"quote": ["abcabc"]}, None, 48)
     ids = enc["quote"][0]

@@ -75,8 +75,9 @@ def render_table(res: dict) -> list:
     cats = None
     for tkey, modes in res["results"].items():
         cats = cats or list(next(iter(modes.values()))["categories"])
-        t = Table(title=f"{res['model']['target']} — {tkey}, {res['settings']['max_tokens']} tokens × "
-                        f"{res['settings']['repeats']} repeat(s) — {m.get('chip')}, mlx {m['mlx']}, BLAS {m['blas']}")
+        repeats = res["settings"].get("repeats_run", res["settings"]["repeats"])
+        t = Table(title=f"{res['model']['target']} — {tkey}, {res['settings']['max_tokens']} tokens × {repeats} "
+                        f"repeat(s) — {m.get('chip')}, mlx {m['mlx']}, BLAS {m['blas']}")
         for c in ("mode", "tok/s", "spread", "× plain", "τ", "TTFT ms", "peak GB", *cats):
             t.add_column(c, justify="left" if c == "mode" else "right", no_wrap=True)
         for mode, d in modes.items():

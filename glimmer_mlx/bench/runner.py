@@ -292,13 +292,15 @@ def run_bench(model: str | None = None, settings: BenchSettings | None = None, *
     runs: list[dict] = []
     outputs: dict[tuple, list[int]] = {}
     auto_choices: dict[str, dict[str, Counter]] = {}
-    total, done = settings.repeats * len(tasks) * len(modes), 0
-    for r in range(settings.repeats):
+    planned, done, ran, longest = settings.repeats, 0, 0, 0.0
+    while ran < planned:
+        r = ran
+        t_rep = time.perf_counter()
         for ti, (c, i, t) in enumerate(tasks):
             order = task_order(modes, r * len(tasks) + ti)
             seed = settings.seed + 1000 * r + ti
             for m in order:
-                prog(f"repeat {r + 1}/{settings.repeats} {c}[{i}] {_tkey(t)} {m}", done, total)
+                prog(f"repeat {r + 1}/{planned} {c}[{i}] {_tkey(t)} {m}", done, planned * len(tasks) * len(modes))
                 before = Counter(auto.chooser.chosen) if (m == "auto" and auto is not None) else None
                 mx.clear_cache()
                 rec, toks = runners[m](encoded[c][i], n, t, seed)
@@ -314,7 +316,10 @@ def run_bench(model: str | None = None, settings: BenchSettings | None = None, *
                     outputs[(m, c, i, r)] = toks
                 runs.append(rec)
                 done += 1
-    prog("done", total, total)
+        ran += 1
+        longest = max(longest, time.perf_counter() - t_rep)
+        planned = max(settings.repeats, more_repeats(settings, ran, time.perf_counter() - t_start, longest))
+    prog("done", done, done)
 
     # -- lossless check at greedy: every speculative mode of ours must reproduce `ar` token for token
     lossless = {}
@@ -344,7 +349,7 @@ def run_bench(model: str | None = None, settings: BenchSettings | None = None, *
         "command": " ".join(["glimmer"] + sys.argv[1:]) if Path(sys.argv[0]).name == "glimmer" else None,
         "machine": machine_fingerprint_info(),
         "model": {**parts, **model_desc(target)},
-        "settings": {**settings.as_dict(), "modes_run": modes, "ignore_eos": True,
+        "settings": {**settings.as_dict(), "modes_run": modes, "repeats_run": ran, "ignore_eos": True,
                      "speed": "(max_tokens - 1) / (time of last token - time of first token)"},
         "tokenization": tokenization,
         "skipped": skipped,
@@ -359,6 +364,16 @@ def run_bench(model: str | None = None, settings: BenchSettings | None = None, *
     }
     res["verdict"] = verdict(res)
     return res
+
+
+def more_repeats(settings: BenchSettings, done: int, elapsed: float, longest: float) -> int:
+    """The repeats a sitting with a time budget (`BenchSettings.budget_s`) runs in all, `done` of them run in
+    `elapsed` seconds since it started (loading and calibration included), the longest in `longest`: as many more as
+    fit in what is left of the budget at the longest's time each, at most `max_repeats` (without a budget: `done`)."""
+    if settings.budget_s is None or longest <= 0:
+        return done
+    fit = int(max(0.0, settings.budget_s - elapsed) // longest)
+    return min(settings.max_repeats, done + fit)
 
 
 def _aggregate(runs: list[dict], modes: list[str], cats: list[str]) -> dict:

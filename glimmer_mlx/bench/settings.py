@@ -9,11 +9,12 @@ from importlib import resources
 from ..strategy import DecodeSpec
 
 PROFILES = {
-    # a first look, under 3 min on a 2-core CPU (a fresh calibration included): every category, 3 repeats (a median
-    # and a spread; with 2 the 32-token runs put one repeat's jitter into every ratio), one fixed DFlash block and
-    # MTP depth next to their auto widths
-    "quick": dict(prompts_per_category=1, max_tokens=32, repeats=3, warmup_tokens=8, dflash_blocks=[8, "auto"],
-                  mtp_depths=[1]),
+    # a first look, under 3 min on a 2-core CPU (a fresh calibration included): every category, at least 3 repeats
+    # (a median and a spread; with 2 the 32-token runs put one repeat's jitter into every ratio) and more while the
+    # sitting fits in 150 s (at most 12: on a machine where 3 take 40 s, one repeat's × plain swung 0.8–1.3 and the
+    # median of 3 by ±10 %), one fixed DFlash block and MTP depth next to their auto widths
+    "quick": dict(prompts_per_category=1, max_tokens=32, repeats=3, budget_s=150.0, max_repeats=12, warmup_tokens=8,
+                  dflash_blocks=[8, "auto"], mtp_depths=[1]),
     # this CPU: enough repeats for a median and a spread
     "default": dict(prompts_per_category=2, max_tokens=96, repeats=3, warmup_tokens=16),
     # the published comparison on Apple silicon (M5 Max): every prompt, long generations, 5 repeats
@@ -129,6 +130,10 @@ class BenchSettings:
     max_tokens: int = 96
     temps: list = field(default_factory=lambda: [0.0, 1.0])
     repeats: int = 3
+    # more repeats after `repeats` while the whole sitting (loading and calibration included) still fits in this many
+    # seconds, at most `max_repeats` in all (None: exactly `repeats`)
+    budget_s: float | None = None
+    max_repeats: int | None = None
     warmup_tokens: int = 16
     dflash_blocks: list = field(default_factory=lambda: list(DEFAULT_BLOCKS))
     mtp_depths: list = field(default_factory=lambda: list(DEFAULT_DEPTHS))
@@ -137,9 +142,11 @@ class BenchSettings:
 
     @classmethod
     def from_profile(cls, profile: str = "default", *, modes=None, categories=None, prompts_per_category=None,
-                     max_tokens=None, temps=None, repeats=None, dflash_blocks=None, mtp_depths=None,
+                     max_tokens=None, temps=None, repeats=None, budget_s=None, dflash_blocks=None, mtp_depths=None,
                      num_draft_tokens: int = 3, seed: int = 0) -> "BenchSettings":
-        """A preset, with any given value overriding it (strings are comma-separated lists)."""
+        """A preset, with any given value overriding it (strings are comma-separated lists). `repeats` given alone
+        runs exactly that many (the preset's time budget dropped); `budget_s` given: repeats after `repeats` while
+        the sitting fits in it (0: none), at most `max_repeats` (the preset's, else 4 × `repeats`)."""
         if profile not in PROFILES:
             raise ValueError(f"unknown profile {profile!r}; one of {', '.join(PROFILES)}")
         s = cls(profile=profile, seed=seed, num_draft_tokens=num_draft_tokens, **PROFILES[profile])
@@ -154,6 +161,11 @@ class BenchSettings:
                                   ("repeats", repeats)):
             if value is not None:
                 setattr(s, field_name, value)
+        if repeats is not None and budget_s is None:
+            s.budget_s = s.max_repeats = None
+        if budget_s is not None:
+            s.budget_s = float(budget_s) or None
+            s.max_repeats = max(s.max_repeats or 4 * s.repeats, s.repeats) if s.budget_s else None
         s.validate()
         return s
 
@@ -162,6 +174,11 @@ class BenchSettings:
             raise ValueError("max_tokens must be >= 2 (speed is measured from the first to the last token)")
         if self.repeats < 1 or self.prompts_per_category < 1:
             raise ValueError("repeats and prompts per category must be >= 1")
+        if self.budget_s is not None and not self.budget_s > 0:
+            raise ValueError(f"--budget must be a number of seconds >= 0, got {self.budget_s}")
+        if self.budget_s is not None and (self.max_repeats is None or self.max_repeats < self.repeats):
+            raise ValueError(f"max_repeats must be >= repeats ({self.repeats}) with a time budget, got "
+                             f"{self.max_repeats}")
         if any(t < 0 for t in self.temps):
             raise ValueError(f"temperatures must be >= 0, got {self.temps}")
         if any(b != "auto" and (not isinstance(b, int) or b < 2) for b in self.dflash_blocks):

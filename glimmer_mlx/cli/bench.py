@@ -130,7 +130,11 @@ def bench_cmd(
     prompts_per_category: Optional[int] = typer.Option(None, "--prompts", help="Prompts per category."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Tokens generated per run (EOS ignored)."),
     temps: Optional[str] = typer.Option(None, "--temps", help="Comma-separated temperatures (default 0,1)."),
-    repeats: Optional[int] = typer.Option(None, "--repeats", help="Interleaved timed repeats."),
+    repeats: Optional[int] = typer.Option(None, "--repeats", help="Interleaved timed repeats (given alone: exactly "
+                                          "that many)."),
+    budget: Optional[float] = typer.Option(None, "--budget", help="Seconds the whole sitting may take: repeats after "
+                                           "--repeats while one more fits (--quick: 150, at most 12 repeats; 0: "
+                                           "none)."),
     dflash_blocks: Optional[str] = typer.Option(None, "--dflash-blocks", help="DFlash block sizes (default 4,8,16,auto;"
                                                 " those above the drafter's trained block size are skipped)."),
     mtp_depths: Optional[str] = typer.Option(None, "--mtp-depths", help="MTP depths (default 1,2,3)."),
@@ -151,8 +155,9 @@ def bench_cmd(
     try:
         settings = BenchSettings.from_profile("quick" if quick else profile, modes=modes, categories=categories,
                                               prompts_per_category=prompts_per_category, max_tokens=max_tokens,
-                                              temps=temps, repeats=repeats, dflash_blocks=dflash_blocks,
-                                              mtp_depths=mtp_depths, num_draft_tokens=num_draft_tokens, seed=seed)
+                                              temps=temps, repeats=repeats, budget_s=budget,
+                                              dflash_blocks=dflash_blocks, mtp_depths=mtp_depths,
+                                              num_draft_tokens=num_draft_tokens, seed=seed)
     except ValueError as e:
         fail(str(e))
     with bench_progress() as prog:

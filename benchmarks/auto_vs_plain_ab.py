@@ -1,6 +1,6 @@
 """auto vs plain decoding, interleaved, long (issue 20): the embedded model, the first prompt of each shipped category
 under the chat template, MAX_TOKENS tokens, REPS repeats, the modes' order rotated and reversed from run to run
-(`glimmer_mlx.bench.runner.task_order`: each mode follows each of its neighbours equally often); the generation
+(`glimmer_mlx.bench.runner.task_order`: each mode follows each other mode equally often); the generation
 seconds of each mode summed over all its runs, as × plain, and auto's choices. Greedy outputs are checked identical
 to plain's.
 

@@ -1,9 +1,9 @@
 """`glimmer bench`: every decoding mode on the same weights, prompts and seeds, in one process and one sitting.
 
 Protocol. All models load once. One warm-up generation per mode and temperature. Then, for each repeat, for each
-(category, prompt, temperature), every mode runs once in an order rotated from task to task and reversed every
-other task (`task_order`; interleaving: load from other processes, thermal drift and what the mode before left
-running hit every mode alike). The stop token is ignored, so every run generates exactly
+(category, prompt, temperature), every mode runs once in an order that changes from task to task so that each
+mode runs first, and right after each other mode, equally often (`task_order`, a Williams design; interleaving: load
+from other processes, thermal drift and what the mode before left running hit every mode alike). The stop token is ignored, so every run generates exactly
 `max_tokens` and all modes do the same work. Per run: time to first token (prefill + first token), generation speed
 (N − 1 tokens over the time from the first token to the last), τ (tokens committed per verify round), MLX peak
 memory. Per mode: tok/s per repeat (total tokens over total time, over all prompts), its median and spread, and the
@@ -56,16 +56,23 @@ def machine_fingerprint_info() -> dict:
 
 
 def task_order(modes: list, j: int) -> list:
-    """The modes' order for the j-th timed task: rotated one step every two tasks and reversed every other task,
-    so over 2 × len(modes) tasks each mode runs first equally often and follows each of its two neighbours equally
-    often. Rotation alone kept every mode behind the same one: what a mode leaves running slows the next for a
-    while (OpenBLAS's idle threads spin ~0.1 s after a multi-row GEMM, taking a core from the next request's
-    pipelined plain tokens on a 2-core machine), so the mode after a speculative one paid for it in every run — on
-    the trained tiny set auto ran 0.81x n-gram lookup alone behind it and 0.96x behind plain decoding (BENCHMARKS.md,
-    issue 20, twelfth session)."""
+    """The modes' order for the j-th timed task: a Williams design — the order 0, 1, n−1, 2, n−2, … of the n modes
+    shifted by one mode every two tasks, reversed every other task — so that over 2n tasks each mode runs first
+    equally often and right after each other mode equally often (twice). What a mode leaves running slows the next
+    for a while (OpenBLAS's idle threads spin ~0.1 s after a multi-row GEMM, taking a core from the next request's
+    pipelined plain tokens on a 2-core machine): rotation alone kept every mode behind the same one (on the trained
+    tiny set auto ran 0.81x n-gram lookup alone behind it and 0.96x behind plain decoding: BENCHMARKS.md, issue 20,
+    twelfth session), and rotation with reversal behind its two neighbours in the list only — the modes next to
+    DFlash-8 in `--quick`'s list paid for its wide verifies, the others did not (auto, plain in every round, 0.95x
+    plain in that sitting and 1.05x in one without DFlash-8)."""
     n = len(modes)
-    k = (j // 2) % n if n else 0
-    order = list(modes[k:]) + list(modes[:k])
+    if n == 0:
+        return []
+    base = [0]
+    for i in range(1, n):  # 0, 1, n-1, 2, n-2, ...: its steps +1, -2, +3, ... (mod n)
+        base.append((i + 1) // 2 if i % 2 else n - i // 2)
+    k = (j // 2) % n
+    order = [modes[(b + k) % n] for b in base]
     return order[::-1] if j % 2 else order
 
 

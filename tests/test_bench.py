@@ -77,8 +77,9 @@ def test_a_time_budget_adds_repeats_while_they_fit():
     d = BenchSettings.from_profile("default", budget_s="30")
     assert (d.budget_s, d.max_repeats) == (30.0, 12)  # 4 x its 3 repeats
     assert BenchSettings.from_profile("quick", budget_s=0).budget_s is None
-    with pytest.raises(ValueError, match="budget"):
-        BenchSettings.from_profile("quick", budget_s=-5)
+    for bad in (-5, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="budget"):
+            BenchSettings.from_profile("quick", budget_s=bad)
 
 
 def test_a_budgeted_sitting_runs_the_repeats_that_fit(tiny_set, tmp_path, monkeypatch):

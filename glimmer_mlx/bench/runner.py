@@ -3,12 +3,13 @@
 Protocol. All models load once. One warm-up generation per mode and temperature. Then, for each repeat, for each
 (category, prompt, temperature), every mode runs once in an order that changes from task to task so that each
 mode runs first, and right after each other mode, equally often (`task_order`, a Williams design; interleaving: load
-from other processes, thermal drift and what the mode before left running hit every mode alike). The stop token is ignored, so every run generates exactly
-`max_tokens` and all modes do the same work. Per run: time to first token (prefill + first token), generation speed
-(N − 1 tokens over the time from the first token to the last), τ (tokens committed per verify round), MLX peak
-memory. Per mode: tok/s per repeat (total tokens over total time, over all prompts), its median and spread, and the
-speedup vs plain decoding (`ar`) *in the same repeat*, median over repeats. Greedy outputs of our speculative modes
-are checked against `ar` token by token (lossless). Timings are only comparable inside one results.json.
+from other processes, thermal drift and what the mode before left running hit every mode alike). The stop token is
+ignored, so every run generates exactly `max_tokens` and all modes do the same work. Per run: time to first token
+(prefill + first token), generation speed (N − 1 tokens over the time from the first token to the last), τ (tokens
+committed per verify round), MLX peak memory. Per mode: tok/s per repeat (total tokens over total time, over all
+prompts), its median and spread, and the speedup vs plain decoding (`ar`) *in the same repeat*, median over repeats.
+Greedy outputs of our speculative modes are checked against `ar` token by token (lossless). Timings are only
+comparable inside one results.json.
 
 Every mode of ours decodes as `glimmer generate` would: the drafters come from `strategy.load_drafters`, each mode is
 a `strategy.DecodeSpec` (`settings.decode_spec`), and `Drafters.select` gives the drafter and block size per run.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 
@@ -174,8 +175,8 @@ class BenchSettings:
             raise ValueError("max_tokens must be >= 2 (speed is measured from the first to the last token)")
         if self.repeats < 1 or self.prompts_per_category < 1:
             raise ValueError("repeats and prompts per category must be >= 1")
-        if self.budget_s is not None and not self.budget_s > 0:
-            raise ValueError(f"--budget must be a number of seconds >= 0, got {self.budget_s}")
+        if self.budget_s is not None and not (self.budget_s > 0 and math.isfinite(self.budget_s)):
+            raise ValueError(f"--budget must be a finite number of seconds >= 0, got {self.budget_s}")
         if self.budget_s is not None and (self.max_repeats is None or self.max_repeats < self.repeats):
             raise ValueError(f"max_repeats must be >= repeats ({self.repeats}) with a time budget, got "
                              f"{self.max_repeats}")

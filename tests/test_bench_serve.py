@@ -13,9 +13,9 @@ import pytest
 from typer.testing import CliRunner
 
 from glimmer_mlx.bench.serve import (CHART_SIZE, RequestRecord, ServeBenchError, ServeBenchSettings, ServerProcess,
-                                     free_port, parse_sse, percentile, prompt_for, render_serve_table, request_body,
-                                     balanced_levels, run_level, stream_request, summarize, table_rows, write_json,
-                                     write_serve_chart)
+                                     add_steps, balanced_levels, batch_steps, free_port, parse_sse, percentile,
+                                     prompt_for, render_serve_table, request_body, run_level, stream_request,
+                                     summarize, table_rows, write_json, write_serve_chart)
 from glimmer_mlx.cli import app
 
 
@@ -235,6 +235,9 @@ def test_load_generator_against_in_process_server(monkeypatch, tmp_path):
         try:
             box["ar"] = run_level("127.0.0.1", server.port, 2, 2, load_prompts(), max_tokens=8, mode="ar")
             box["dflash"] = run_level("127.0.0.1", server.port, 1, 1, load_prompts(), max_tokens=8, mode="dflash")
+            box["before auto"] = batch_steps("127.0.0.1", server.port, 30)  # no auto request yet: no chooser
+            box["auto"] = run_level("127.0.0.1", server.port, 1, 1, load_prompts(), max_tokens=8, mode="auto")
+            box["after auto"] = batch_steps("127.0.0.1", server.port, 30)
         except BaseException as e:  # noqa: BLE001
             box["error"] = e
         finally:
@@ -262,6 +265,25 @@ def test_load_generator_against_in_process_server(monkeypatch, tmp_path):
     assert lv["aggregate_tps"] > 0 and lv["ttft_ms"]["p50"] <= lv["ttft_ms"]["p95"]
     assert lv["latency_ms"]["p50"] <= lv["latency_ms"]["p95"]
     assert box["dflash"]["ok"] == 1  # the mode field reaches the server (a dflash request runs on the same server)
+    # /health's batch_auto: none before an auto request; the auto request's steps after it (each of the batch's steps
+    # plain or speculative: at least one, at most one per token of its 8 — a cached prompt's first token is sampled
+    # by a batch step too)
+    assert box["before auto"] is None and box["auto"]["ok"] == 1
+    steps = {}
+    add_steps(steps, box["before auto"], box["after auto"])
+    tokens = box["auto"]["completion_tokens"]
+    assert 1 <= steps["plain"] + steps["spec"] <= tokens and isinstance(steps["explored"], dict), steps
+
+
+def test_batch_step_deltas_hand_computed():
+    """`add_steps`: the steps between two /health readings, summed over a mode's runs; a reading before the chooser
+    existed counts from 0, an unreadable one after counts nothing."""
+    into = {}
+    add_steps(into, None, {"auto_steps": {"plain": 5, "spec": 2}, "explored_steps": {"dflash": 1}})
+    add_steps(into, {"auto_steps": {"plain": 9, "spec": 2}, "explored_steps": {"dflash": 1}},
+              {"auto_steps": {"plain": 12, "spec": 6}, "explored_steps": {"dflash": 3, "mtp": 1}})
+    add_steps(into, {"auto_steps": {"plain": 12, "spec": 6}}, None)
+    assert into == {"plain": 8, "spec": 6, "explored": {"dflash": 3, "mtp": 1}}
 
 
 # -- the server subprocess wrapper ------------------------------------------------------------------------------------
@@ -312,6 +334,13 @@ def test_json_png_and_table_writers(tmp_path):
         con.print(part)
     text = con.export_text()
     assert "skipped auto" in text and "mlx-lm 0.32.2" in text and "dflash" in text
+    assert "speculative batch steps" not in text  # no auto results: no line
+    auto = {n: {**d, "batch_steps": {"plain": 10, "spec": k, "explored": {}}}
+            for (n, d), k in zip(res["results"]["ar"].items(), (3, 1, 0))}
+    con = Console(record=True, width=200)
+    for part in render_serve_table(dict(res, results={**res["results"], "auto": auto})):
+        con.print(part)
+    assert "auto's speculative batch steps (of all its steps): N=1 3/13, N=2 1/11, N=4 0/10" in con.export_text()
     one = dict(res, results={"ar": {"1": res["results"]["ar"]["1"]}})  # one point: no line, still a chart
     with Image.open(write_serve_chart(one, tmp_path / "one.png")) as im:
         assert im.size == CHART_SIZE

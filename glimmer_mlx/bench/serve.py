@@ -516,6 +516,39 @@ def select_prompts(categories: list[str] | None) -> dict[str, list[str]]:
 WARMUP_PROMPT = "Say hello in one short sentence."  # not in the prompt sets: the timed prompts start uncached
 
 
+def batch_steps(host: str, port: int, timeout: float) -> dict | None:
+    """Our server's batch chooser's step counts (GET /health's `batch_auto`: plain and speculative steps, steps that
+    explored each option), None where it has none yet or /health does not answer."""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("GET", "/health")
+        resp = conn.getresponse()
+        body = resp.read()
+        if resp.status != 200:
+            return None
+        got = json.loads(body).get("batch_auto")
+    except (OSError, http.client.HTTPException, ValueError):
+        return None
+    finally:
+        conn.close()
+    return got if isinstance(got, dict) else None
+
+
+def add_steps(into: dict, before: dict | None, after: dict | None) -> None:
+    """Add to `into` ({"plain": n, "spec": n, "explored": {option: n}}) the steps between two `batch_steps`
+    readings (none before the chooser existed: from 0; an unreadable one after: nothing counted)."""
+    if after is None:
+        return
+    before = before or {}
+    b_steps, a_steps = before.get("auto_steps", {}), after.get("auto_steps", {})
+    for k in ("plain", "spec"):
+        into[k] = into.get(k, 0) + int(a_steps.get(k, 0)) - int(b_steps.get(k, 0))
+    b_ex, explored = before.get("explored_steps", {}), into.setdefault("explored", {})
+    for name, v in after.get("explored_steps", {}).items():
+        if int(v) - int(b_ex.get(name, 0)):
+            explored[name] = explored.get(name, 0) + int(v) - int(b_ex.get(name, 0))
+
+
 def _warmup(host: str, port: int, settings: ServeBenchSettings, mode: str | None) -> RequestRecord:
     rec = RequestRecord(index=-1)
     return stream_request(host, port, request_body(WARMUP_PROMPT, max_tokens=min(settings.max_tokens, 8),
@@ -582,15 +615,21 @@ def _run_serve_bench(settings: ServeBenchSettings, *, model, draft_model, mtp_mo
     targets: dict[str, dict] = {}
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
 
+    steps: dict[tuple, dict] = {}  # (mode, N) -> our batch chooser's steps during its requests (`batch_steps`)
+
     def requests(mode_label: str, port: int, n: int, mode: str | None, seed: int | None, rounds: int,
                  first_round: int = 0) -> list[RequestRecord]:
         def on_request(rec):
             done[0] += 1
             step(f"{mode_label}, {n} client(s): request {rec.index + 1}/{per_level[n]}", done[0], total)
 
-        return run_requests(host, port, n, rounds, prompts, max_tokens=settings.max_tokens,
-                            temperature=settings.temperature, seed=seed, mode=mode,
-                            timeout=settings.request_timeout, on_request=on_request, first_round=first_round)
+        before = batch_steps(host, port, settings.request_timeout) if mode is not None else None
+        out = run_requests(host, port, n, rounds, prompts, max_tokens=settings.max_tokens,
+                           temperature=settings.temperature, seed=seed, mode=mode,
+                           timeout=settings.request_timeout, on_request=on_request, first_round=first_round)
+        if mode is not None:
+            add_steps(steps.setdefault((mode, n), {}), before, batch_steps(host, port, settings.request_timeout))
+        return out
 
     def skip_all(label: str, why: str) -> None:
         skipped[label] = why
@@ -627,7 +666,7 @@ def _run_serve_bench(settings: ServeBenchSettings, *, model, draft_model, mtp_mo
                                               lambda m, n, rounds, first: requests(m, srv.port, n, m, settings.seed,
                                                                                    rounds, first)).items():
                 for m, summary in by_mode.items():
-                    results.setdefault(m, {})[str(n)] = summary
+                    results.setdefault(m, {})[str(n)] = {**summary, "batch_steps": steps.get((m, n))}
         finally:
             srv.stop()
     if lm:
@@ -775,6 +814,10 @@ def render_serve_table(res: dict) -> list:
     if lm and lm.get("loaded"):
         notes.append(f"mlx-lm {lm.get('version')} server, flags {lm.get('flags')} (decode concurrency "
                      f"{lm['defaults'].get('decode-concurrency')}); {lm.get('note')}")
+    spec = [f"N={n} {st.get('spec', 0)}/{st.get('spec', 0) + st.get('plain', 0)}"
+            for n, st in ((n, d.get("batch_steps")) for n, d in res["results"].get("auto", {}).items()) if st]
+    if spec:
+        notes.append("auto's speculative batch steps (of all its steps): " + ", ".join(spec))
     errs = [(mode, n, d["error_messages"]) for mode, lv in res["results"].items() for n, d in lv.items()
             if d["error_messages"]]
     for mode, n, msgs in errs[:4]:

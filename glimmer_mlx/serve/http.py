@@ -278,7 +278,8 @@ class APIHandler(BaseHTTPRequestHandler):
                                  "modes": app.session.available_modes(), "queued": app.worker.queued(),
                                  "running": app.worker.active(), "max_batch": app.worker.max_batch,
                                  "prompt_cache": app.worker.prompts.stats_dict(),
-                                 "max_context": app.session.max_context, **app.health_extra})
+                                 "max_context": app.session.max_context, "batch_auto": app.worker.auto_counts(),
+                                 **app.health_extra})
         elif path == "/v1/models":
             self.send_json(200, {"object": "list", "data": [self.model_card()]})
         elif path == f"/v1/models/{app.model_name}":

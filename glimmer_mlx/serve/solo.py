@@ -45,6 +45,10 @@ class SoloWorker:
     def active(self) -> int:
         return int(self.current is not None)
 
+    def auto_counts(self) -> None:
+        """No batch, no batch chooser (/health's `batch_auto`)."""
+        return None
+
     def submit(self, request: Request) -> Job:
         """Queue a generation; a 503 when shutting down or when `max_queue` jobs are waiting."""
         with self._admit:

@@ -116,6 +116,11 @@ class Worker:
         """Jobs in the batch (decoding, or being prefilled)."""
         return len(self.running)
 
+    def auto_counts(self) -> dict | None:
+        """The batch chooser's step counts (`BatchAuto.counts`), None before an `auto` request built it."""
+        auto = self.batch.auto
+        return None if auto is None else auto.counts()
+
     def submit(self, request: Request) -> Job:
         """Queue a generation; a 503 when shutting down or when `max_queue` jobs are waiting."""
         with self._admit:

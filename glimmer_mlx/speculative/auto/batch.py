@@ -414,6 +414,11 @@ class BatchAuto:
     def update(self, name: str, regime: str, k: int, accepted: int) -> None:
         self.acceptance(name, regime).update(k, accepted)
 
+    def counts(self) -> dict:
+        """The batch's steps so far, plain and speculative, and those that explored each option (copies: safe to
+        read from another thread while the batch steps)."""
+        return {"auto_steps": dict(self.steps), "explored_steps": dict(self.explored)}
+
     def stats(self) -> dict:
         return {"auto_steps": dict(self.steps), "explored_steps": dict(self.explored),
                 "ledger_saved_s": round(self.saved, 6), "ledger_elapsed_s": round(self.elapsed, 6),

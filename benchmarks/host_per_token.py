@@ -8,27 +8,24 @@ streaming. The rest is what a mode adds to a plain token on the host, measured w
 Modes: ar; auto (every drafter); dfauto (auto over the DFlash drafter alone: `dflash-auto`).
 
     python benchmarks/host_per_token.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 10 32 ar,auto,dfauto
+    AB_SET=DIR python benchmarks/host_per_token.py ...                   the trained tiny set (`ab_setup.py`)
 """
 import sys
 import time
 
 import mlx.core as mx
+from ab_setup import args, session_and_prompts
 
-from glimmer_mlx.bench.runner import encode_prompts, task_order
-from glimmer_mlx.bench.settings import load_prompts
+from glimmer_mlx.bench.runner import task_order
 from glimmer_mlx.generate import stream_generate
 from glimmer_mlx.runtime.plain import PlainDecoder
-from glimmer_mlx.session import load_session
 from glimmer_mlx.strategy import DecodeSpec
 
-T, reps = float(sys.argv[1]), int(sys.argv[2])
-n = int(sys.argv[3]) if len(sys.argv) > 3 else 32
+T, reps, n = args()
 modes = (sys.argv[4] if len(sys.argv) > 4 else "ar,auto,dfauto").split(",")
-s = load_session(None)
+s, ids, _ = session_and_prompts()
 m = s.model
 m.eos_token_ids = set()  # every run decodes n tokens
-prompts = load_prompts()
-enc, _ = encode_prompts({c: p[:1] for c, p in prompts.items()}, s.tokenizer, m.args.vocab_size)
 specs = {"ar": None, "auto": DecodeSpec("auto"), "dfauto": DecodeSpec("dflash", "auto")}
 
 in_queue = [0.0]
@@ -44,12 +41,12 @@ def timed_queue(self, token=None):
 PlainDecoder.queue = timed_queue
 res = {mo: [0.0, 0.0, 0] for mo in modes}  # seconds first to last token, of them in queue, tokens
 for r in range(reps):
-    for ci, c in enumerate(enc):
-        for mo in task_order(modes, r * len(enc) + ci):
+    for ci, c in enumerate(ids):
+        for mo in task_order(modes, r * len(ids) + ci):
             drafter, block = (None, None) if specs[mo] is None else s.drafters.select(specs[mo])
             mx.clear_cache()
             stamps, tokens = [], 0
-            for ch in stream_generate(m, enc[c][0], max_tokens=n, temperature=T, seed=1000 * r + ci,
+            for ch in stream_generate(m, ids[c], max_tokens=n, temperature=T, seed=1000 * r + ci,
                                       drafter=drafter, block_size=block):
                 if not stamps:
                     in_queue[0] = 0.0

@@ -519,18 +519,11 @@ WARMUP_PROMPT = "Say hello in one short sentence."  # not in the prompt sets: th
 def batch_steps(host: str, port: int, timeout: float) -> dict | None:
     """Our server's batch chooser's step counts (GET /health's `batch_auto`: plain and speculative steps, steps that
     explored each option), None where it has none yet or /health does not answer."""
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
-        conn.request("GET", "/health")
-        resp = conn.getresponse()
-        body = resp.read()
-        if resp.status != 200:
-            return None
-        got = json.loads(body).get("batch_auto")
+        status, body = http_get(host, port, "/health", timeout=timeout)
+        got = json.loads(body).get("batch_auto") if status == 200 else None
     except (OSError, http.client.HTTPException, ValueError):
         return None
-    finally:
-        conn.close()
     return got if isinstance(got, dict) else None
 
 

@@ -420,7 +420,7 @@ class BatchAuto:
         return {"auto_steps": dict(self.steps), "explored_steps": dict(self.explored)}
 
     def stats(self) -> dict:
-        return {"auto_steps": dict(self.steps), "explored_steps": dict(self.explored),
+        return {**self.counts(),
                 "ledger_saved_s": round(self.saved, 6), "ledger_elapsed_s": round(self.elapsed, 6),
                 "barred": self.barred,
                 "step_seconds": {int(n): round(s, 6) for n, s in sorted(self.measured.items())},

@@ -207,7 +207,8 @@ class PromptCache:
         """Store `cache` (taking ownership: the caller must not use it again) holding `keys`, one per position from
         its origin. Entries it covers (identical keys, or a prefix it can be rewound to) are replaced; then least
         recently used entries are evicted until the budget holds. Returns whether it was stored (not when empty,
-        larger than the whole budget, or covered by an existing entry, which is then marked most recently used)."""
+        larger than the whole budget, or covered by an existing entry — as long or longer, when it has no `extra` —
+        which is then marked most recently used)."""
         keys = tuple(keys)
         if not cache or not keys:
             return False
@@ -217,8 +218,12 @@ class PromptCache:
         if len(keys) != c0.offset - c0.origin:
             raise ValueError(f"{len(keys)} keys for a cache holding {c0.offset - c0.origin} positions")
         self.stats.inserts += 1
-        for k, e in reversed(self._entries.items()):  # an existing entry covering this one (a state is never dropped)
-            if extra is None and len(k) > len(keys) and k[: len(keys)] == keys and e.min_keep <= len(keys):
+        # an existing entry covering this one: as long or longer (it can be rewound to this one's length), and this
+        # one brings no extra. A state is never dropped: in a server serving several modes, a plain request whose
+        # conversation came out the same as an auto request's replaced that entry and its drafters' states, and the
+        # next auto request on it prefilled the whole conversation again for them or went without them
+        for k, e in reversed(self._entries.items()):
+            if extra is None and len(k) >= len(keys) and k[: len(keys)] == keys and e.min_keep <= len(keys):
                 self._entries.move_to_end(k)
                 return False
         _compact(cache)

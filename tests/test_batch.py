@@ -852,6 +852,39 @@ def test_the_server_sizes_an_auto_request_for_the_jobs_running_and_queued(sess, 
     assert len(worker.running) == 4 and sizes == [4, 4, 4, 4]
 
 
+def test_the_server_sizes_a_request_for_the_batch_that_just_finished(sess, ids, monkeypatch):
+    """Clients whose requests finished in the same step come back one by one: the first request back (nothing
+    running, nothing queued) is sized for the rows of that step while it ended less than `RECENT_S` ago — its
+    drafters and a prefill again for their state priced for the batch it will join — and for itself alone once it
+    is older. Catches: the first request back sized as if alone (at N = 4 in `glimmer bench serve` it prefilled its
+    cached prompt again for DFlash's state, which the batch of four then never drafted with)."""
+    from glimmer_mlx.serve import worker as W
+    from glimmer_mlx.serve.api import Request
+    from glimmer_mlx.speculative.auto.batch import BatchAuto
+
+    sizes, real = [], BatchAuto.options
+    monkeypatch.setattr(BatchAuto, "options", lambda self, regime, batch=1, budget=None: (
+        sizes.append(batch), real(self, regime, batch, budget))[1])
+    worker = W.Worker(sess, max_queue=8, max_batch=8)
+    for i in range(3):
+        worker.submit(Request(list(ids[i]), params(), 0, None, 4, DecodeSpec("ar", None)))
+    worker._take_jobs(wait=False)
+    worker._step()
+    assert worker.last_step[0] == 3  # each step records its rows
+    while worker.running:
+        worker._step()
+    worker.last_step = (3, W.time.monotonic())  # three rows finished together just now
+    worker.submit(Request(list(ids[3]), params(), 0, None, 4, DecodeSpec("auto", None)))
+    worker._take_jobs(wait=False)
+    assert sizes == [3]
+    while worker.running:
+        worker._step()
+    worker.last_step = (5, W.time.monotonic() - W.RECENT_S)  # a step of five rows, long enough ago
+    worker.submit(Request(list(ids[0]), params(), 0, None, 4, DecodeSpec("auto", None)))
+    worker._take_jobs(wait=False)
+    assert sizes == [3, 1]
+
+
 def unknown(ba, name, regime, alpha, tried=1.0):
     """`name`'s estimates (of `regime`, in every phase) as if it had tried `tried` first drafts, accepting a share
     `alpha`: a wide spread."""
@@ -895,6 +928,41 @@ def test_an_auto_request_on_a_prompt_cached_without_drafter_states_prefills_agai
     assert bool(carried) is pays
     extra = job.row.stats.extra
     assert (extra["cached_tokens"] == 0) is pays and (extra["cache"].startswith("fresh: prefilled again")) is pays
+    assert job.row.history[len(prompt):] == solo(sess, prompt, "ar", params(), 0, 12)[0]
+
+
+def test_a_plain_answer_equal_to_an_auto_one_keeps_the_auto_entry_s_drafter_states(sess, ids, monkeypatch):
+    """A server serving several modes: an auto request's conversation is cached with its model drafters' states; a
+    plain request on the same prompt comes out the same (greedy) and is not stored over it; the next auto request
+    continues the cached conversation with those states — neither prefilling it again for them (`refill_pays` is
+    not even asked) nor going without them. Catches: the plain entry replacing the auto one (the serve benchmark
+    replays each prompt in every mode: auto requests at N = 4 prefilled again ~35 % of their cached prompts)."""
+    from glimmer_mlx.serve.api import Request
+    from glimmer_mlx.serve.worker import Worker
+    from glimmer_mlx.speculative.auto.batch import BatchAuto
+
+    monkeypatch.setattr(BatchAuto, "carries", lambda self, *a, **k: True)  # every model drafter joins
+    asked = []
+    monkeypatch.setattr(BatchAuto, "refill_pays", lambda self, *a: (asked.append(a), True)[1])
+    worker = Worker(sess, max_queue=8, max_batch=8)
+    prompt = list(ids[3])
+
+    def serve(mode):
+        worker.submit(Request(prompt, params(), 0, None, 12, DecodeSpec(mode, None)))
+        worker._take_jobs(wait=False)
+        job = worker.running[-1]
+        while worker.running:
+            worker._step()
+        return job
+
+    first = serve("auto")
+    assert {kind for kind, d in first.row.options.items() if d.taps}  # it carried a model drafter
+    plain = serve("ar")
+    assert plain.row.history == first.row.history and plain.row.stats.extra["cached_tokens"] > 0
+    job = serve("auto")
+    assert not asked  # the entry it found has the states: nothing to decide
+    assert {kind for kind, d in job.row.options.items() if d.taps}
+    assert job.row.stats.extra["cached_tokens"] == len(prompt) - 1
     assert job.row.history[len(prompt):] == solo(sess, prompt, "ar", params(), 0, 12)[0]
 
 

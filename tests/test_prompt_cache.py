@@ -295,6 +295,9 @@ def test_prefix_entry_is_replaced():
     # a prefix of a stored entry is not stored again: the stored one serves it
     assert not pc.insert(A[:20], make(20, 4))
     assert len(pc) == 1
+    # nor are identical keys without an extra: the stored entry's extra (its drafters' states) is kept
+    assert not pc.insert(A, make(len(A), 5))
+    assert len(pc) == 1 and pc.fetch(A + [7]).extra == "newer" and pc.stats.replaced == 2
 
 
 def test_prefix_entry_kept_when_the_new_one_cannot_rewind_to_it():

@@ -28,6 +28,11 @@ DEFAULT_PROMPT_CACHE_BYTES = 4 << 30  # the prompt cache's memory budget (`glimm
 # cycling through more conversations than there are entries would miss every time (an LRU under a cyclic load):
 # 16 entries for 16 rows made every request of 8 clients over 20 conversations prefill its whole prompt
 ENTRIES_PER_ROW = 4
+# seconds after a step in which a new request is still sized for that step's rows (`Worker._batch_request`): clients
+# whose requests finished together come back a moment later, one by one; the first used to be sized for a batch of
+# one (at N = 4 in `glimmer bench serve`: it prefilled a cached prompt again for DFlash's state, and carried DFlash,
+# which the batch of four it joined a few ms later never drafted with)
+RECENT_S = 0.5
 POLL = 0.1  # seconds between checks that a waiting client is still connected
 
 
@@ -105,6 +110,7 @@ class Worker:
         self.prompts = PromptCache(prompt_cache_bytes, max(DEFAULT_MAX_ENTRIES, ENTRIES_PER_ROW * max_batch),
                                    copy_extra=lambda states: {k: d.copy_state() for k, d in states.items()})
         self.running: list[Job] = []  # jobs in the batch (decoding or being prefilled)
+        self.last_step: tuple[int, float] = (0, 0.0)  # (rows, time.monotonic() at its end) of the latest step
         self._admit = threading.Lock()  # a job is either refused or queued before `stop` drains the queue
         self._eos = stop_ids(session.model, session.tokenizer)
 
@@ -167,6 +173,13 @@ class Worker:
                 continue
             self.running.append(job)
 
+    def expected_rows(self) -> int:
+        """The rows a request taken now will decode with: the jobs running and queued, itself included, or as many as
+        the latest step had if it ended less than `RECENT_S` ago (its clients' next requests are on their way)."""
+        now = len(self.running) + self.jobs.qsize() + 1
+        rows, at = self.last_step
+        return max(now, rows) if time.monotonic() - at < RECENT_S else now
+
     def _batch_request(self, job: Job) -> BatchRequest:
         """The job as a batch row: checked (`Session.prepare`), its own drafter state, and the longest prefix of its
         prompt the prompt cache holds. A model drafter (DFlash, MTP) continues on a cached prefix only with the state
@@ -181,7 +194,7 @@ class Worker:
             self.batch.auto = s.drafters.batch_auto()
 
         regime = "greedy" if p.sampler.params.greedy else "sampling"
-        batch = min(self.max_batch, len(self.running) + self.jobs.qsize() + 1)  # the jobs running and queued
+        batch = min(self.max_batch, self.expected_rows())
 
         def fresh() -> dict:
             if auto:  # sized for the batch it will decode in
@@ -252,6 +265,7 @@ class Worker:
         except Exception as e:  # a failed step leaves the batch's caches mid-step: every row in it fails
             self._fail_all(APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error"))
             return
+        self.last_step = (len(self.running), time.monotonic())
         for row, chunk in events:
             row.req.tag.events.put(("chunk", chunk))
         for job in list(self.running):

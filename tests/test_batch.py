@@ -1106,6 +1106,33 @@ def test_the_batch_does_not_explore_for_a_short_request_or_a_used_option(ba):
     assert ba.explore(step, step.plain_rate, [("dflash", 4)]) is None
 
 
+def test_the_batch_s_answer_not_to_explore_holds_while_only_n_gram_offers_move(ba, monkeypatch):
+    """`BatchAuto._explored`: a step's answer not to explore is held for `EXPLORE_EVERY` steps while only the rows'
+    n-gram offers change (their sizes move nearly every step; keyed on them, a lone auto request was scored afresh
+    in nearly every step), and asked again at once when a row's model drafters, the plan's options or an estimate
+    change. Catches: a memo keyed on the n-gram offers (asked every step), or one that ignores the model drafters."""
+    from glimmer_mlx.speculative.auto.batch import EXPLORE_EVERY, BatchAuto
+
+    ba.curve = {n: 0.01 * (1 + 0.4 * (n - 1)) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # each position +40 %
+    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    pin(ba, "mtp", "greedy", 0.0)
+    pin(ba, "dflash", "greedy", 0.05)  # known well and weak: never worth exploring
+    ba.decoded = 0
+    asked, real = [], BatchAuto.explore
+    monkeypatch.setattr(BatchAuto, "explore", lambda self, *a, **k: (asked.append(1), real(self, *a, **k))[1])
+    ngram = next(n for n, o in ba.chooser.options.items() if o.shadowed)
+    for i in range(EXPLORE_EVERY):  # the n-gram offer moves every step: asked once
+        assert ba.choose([("greedy", 256, {"dflash": 8, ngram: i % 3})], 0, 1, 0.0, 8)[0] == 0
+    assert len(asked) == 1
+    ba.choose([("greedy", 256, {"dflash": 8, ngram: 1})], 0, 1, 0.0, 8)  # held for EXPLORE_EVERY steps only
+    assert len(asked) == 2
+    ba.choose([("greedy", 256, {"dflash": 4, ngram: 1})], 0, 1, 0.0, 8)  # a model drafter's offer changed
+    assert len(asked) == 3
+    ba.acceptance("dflash", "greedy").update(4, 0)  # an estimate changed
+    ba.choose([("greedy", 256, {"dflash": 4, ngram: 2})], 0, 1, 0.0, 8)
+    assert len(asked) == 4
+
+
 class CountingModel:
     """The target with its forwards counted."""
 

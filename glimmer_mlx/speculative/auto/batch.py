@@ -335,17 +335,22 @@ class BatchAuto:
         return best_k, plain if best_plan is None else step.expand(best_plan)
 
     def _explored(self, step: "StepChoice", incumbent: float, plan: list | None) -> tuple | None:
-        """`explore`, asked again only when what it depends on changed beyond the steps' costs — the rows' offers
-        and budgets, the fixed rows, what the plan drafts with, an estimate — or after `EXPLORE_EVERY` steps
-        (scoring every scenario of every model drafter each step cost a batch of 8 rows ~1 ms a step here; its
-        answer moves with the step costs' EMA only slowly). A step that explores is asked afresh next time."""
+        """`explore`, asked again only when what it depends on changed beyond the steps' costs and the rows' n-gram
+        offers — the rows' model drafters and budgets, the fixed rows, what the plan drafts with, an estimate — or
+        after `EXPLORE_EVERY` steps (scoring every scenario of every model drafter each step cost a batch of 8 rows
+        ~1 ms a step here; its answer moves with the step costs' EMA only slowly). A step that explores is asked
+        afresh next time. The n-gram offers (their sizes move nearly every step: keyed on them, a lone auto request
+        asked it afresh in 665 of 650 steps, ~45 % of its choice's time) reach its answer through the incumbent's
+        plan, which is in the key."""
         used = frozenset(c[0] for c in plan or () if c[0] is not None)
-        names = sorted({n for _, _, avail in step.groups for n in avail
-                        if n not in used and not self.chooser.options[n].shadowed})
+        options = self.chooser.options
+        names = sorted({n for _, _, avail in step.groups for n in avail if n not in used and not options[n].shadowed})
         if not names:
             return None
         seen = tuple((n, r, self.acceptance(n, r).tried[0]) for n in names for r in {g[0] for g in step.groups})
-        key = (step.key, used, seen)
+        models = [(regime, budget, tuple((n, c) for n, c in avail.items() if not options[n].shadowed))
+                  for regime, budget, avail in step.groups]
+        key = (tuple(models[g] for g in step.of), step.B, step.fixed_width, step.fixed_tokens, step.k_top, used, seen)
         memo = self._explore_memo
         if memo is not None and memo[0] == key and memo[1] > 0:
             self._explore_memo = (key, memo[1] - 1, memo[2])
@@ -455,7 +460,6 @@ class StepChoice:
                 self.counts.append(0)
             self.counts[g] += 1
             self.of.append(g)
-        self.key = (tuple(index), tuple(self.of), fixed_rows, fixed_width, fixed_tokens, k_top)
         self.plain_rate = (len(rows) + fixed_tokens) / self.step_cost(fixed_width)
 
     def expand(self, plan: list) -> list:

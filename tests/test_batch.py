@@ -966,6 +966,41 @@ def test_a_plain_answer_equal_to_an_auto_one_keeps_the_auto_entry_s_drafter_stat
     assert job.row.history[len(prompt):] == solo(sess, prompt, "ar", params(), 0, 12)[0]
 
 
+def test_a_one_token_auto_request_leaves_its_drafters_states_for_the_next_turn(sess, ids, monkeypatch):
+    """A request with one token to generate (a client warming the prompt cache) ends at its prefill's token and
+    follows no step: it takes every model drafter, and its cache entry keeps their states, so the next auto request
+    on that prompt continues it with them — not prefilling it again for them (`refill_pays` is not even asked),
+    nor going without them. Catches: a one-token request sized by `carries` like a long one (its entry kept no
+    state; `glimmer bench serve`'s warm-up left every later auto request a refill)."""
+    from glimmer_mlx.serve.api import Request
+    from glimmer_mlx.serve.worker import Worker
+    from glimmer_mlx.speculative.auto.batch import BatchAuto
+
+    monkeypatch.setattr(BatchAuto, "carries", lambda self, name, regime, batch, budget, generated=0: budget > 1)
+    asked = []
+    monkeypatch.setattr(BatchAuto, "refill_pays", lambda self, *a: (asked.append(a), True)[1])
+    worker = Worker(sess, max_queue=8, max_batch=8)
+    prompt = list(ids[2])
+
+    def serve(budget):
+        worker.submit(Request(prompt, params(), 0, None, budget, DecodeSpec("auto", None)))
+        worker._take_jobs(wait=False)
+        job = worker.running[-1] if worker.running else None
+        while worker.running:
+            worker._step()
+        return job
+
+    serve(1)
+    entry = worker.prompts.entries()[-1]
+    models = {k for k, d in sess.drafters.auto().drafters.items() if d.taps}
+    assert models and isinstance(entry.extra, dict) and {k for k, _ in entry.extra} == models
+    job = serve(12)
+    assert not asked
+    assert {k for k, d in job.row.options.items() if d.taps} == models
+    assert job.row.stats.extra["cached_tokens"] == len(prompt) - 1
+    assert job.row.history[len(prompt):] == solo(sess, prompt, "ar", params(), 0, 12)[0]
+
+
 def test_a_new_auto_row_carries_the_drafters_the_batch_s_choice_could_take(ba):
     """`BatchAuto.options`/`carries`: a model drafter joins a new auto row if it beats plain at the batch's size by
     its mean estimate, or if exploring it would pay over the row's budget (a wide spread, a long request); not one

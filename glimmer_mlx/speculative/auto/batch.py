@@ -101,10 +101,14 @@ class BatchAuto:
         (it costs nothing to keep in step), a model drafter only if the batch's choice could take it for this row
         (`carries`, in a batch of `batch` rows, `budget` tokens to generate: None, `FUTURE_TOKENS`): every drafter
         of a row follows each of its steps (the taps of every committed position, its own bookkeeping), so one the
-        choice would never take would only slow the row down."""
+        choice would never take would only slow the row down. A row with one token to generate takes every model
+        drafter: it ends at its prefill's token, follows no step, and its prompt-cache entry keeps their states for
+        the conversation's next turn (without them, a request that only warmed the cache — `glimmer bench serve`'s
+        warm-up sends one per prompt — left entries that every later auto request on them had to prefill again for
+        its drafters, or go without them)."""
         budget = FUTURE_TOKENS if budget is None else budget
         return {kind: d.fork() for kind, d in self.auto.drafters.items()
-                if kind == "ngram" or self.carries(kind, regime, batch, budget)}
+                if kind == "ngram" or budget <= 1 or self.carries(kind, regime, batch, budget)}
 
     def carries(self, name: str, regime: str, batch: int, budget: int, generated: int = 0) -> bool:
         """Whether a row of `regime` that has generated `generated` tokens and may generate `budget` more, in a

@@ -1001,6 +1001,39 @@ def test_a_one_token_auto_request_leaves_its_drafters_states_for_the_next_turn(s
     assert job.row.history[len(prompt):] == solo(sess, prompt, "ar", params(), 0, 12)[0]
 
 
+def test_an_entry_with_some_drafters_states_is_prefilled_again_only_for_the_others(sess, ids, monkeypatch):
+    """A cached conversation holds DFlash's state but not MTP's (its request did not carry MTP): the next auto
+    request carrying both is asked whether prefilling again pays for MTP only, and where it does not, continues the
+    entry with DFlash's state and leaves MTP out. Catches: `refill_pays` asked about DFlash too (the entry was
+    prefilled again for a state it held: in `glimmer bench serve` most auto requests at N = 1 and 2 were)."""
+    from glimmer_mlx.serve.api import Request
+    from glimmer_mlx.serve.worker import Worker
+    from glimmer_mlx.speculative.auto.batch import BatchAuto
+
+    carried = {"dflash"}
+    monkeypatch.setattr(BatchAuto, "carries", lambda self, name, *a, **k: name in carried)
+    asked = []
+    monkeypatch.setattr(BatchAuto, "refill_pays", lambda self, name, *a: (asked.append(name), name == "dflash")[1])
+    worker = Worker(sess, max_queue=8, max_batch=8)
+    prompt = list(ids[1])
+
+    def serve():
+        worker.submit(Request(prompt, params(), 0, None, 12, DecodeSpec("auto", None)))
+        worker._take_jobs(wait=False)
+        job = worker.running[-1]
+        while worker.running:
+            worker._step()
+        return job
+
+    serve()
+    carried.add("mtp")
+    job = serve()
+    assert asked == ["mtp"]
+    assert {k for k, d in job.row.options.items() if d.taps} == {"dflash"}
+    assert job.row.stats.extra["cached_tokens"] == len(prompt) - 1
+    assert job.row.history[len(prompt):] == solo(sess, prompt, "ar", params(), 0, 12)[0]
+
+
 def test_a_new_auto_row_carries_the_drafters_the_batch_s_choice_could_take(ba):
     """`BatchAuto.options`/`carries`: a model drafter joins a new auto row if it beats plain at the batch's size by
     its mean estimate, or if exploring it would pay over the row's budget (a wide spread, a long request); not one

@@ -205,11 +205,13 @@ class Worker:
         wanted = {state_key(d) for d in drafters.values() if d.taps}  # the states a prefix must come with
         hit = self.prompts.fetch(p.keys, usable=lambda ex: isinstance(ex, dict) and wanted <= set(ex)) \
             if wanted else self.prompts.fetch(p.keys)
-        if not hit and wanted and auto:  # auto can leave its model drafters out instead, unless prefilling the
-            # cached prefix again for their states pays (`BatchAuto.refill_pays`)
+        if not hit and wanted and auto:  # auto can leave the model drafters the entry has no state for out instead,
+            # unless prefilling the cached prefix again for their states pays (`BatchAuto.refill_pays`; asked about
+            # every model drafter, an entry holding DFlash's state but not MTP's was prefilled again for DFlash's)
             hit = self.prompts.fetch(p.keys)
+            kept = set(hit.extra) if hit and isinstance(hit.extra, dict) else set()
             if hit and any(self.batch.auto.refill_pays(kind, regime, batch, p.budget, hit.reused)
-                           for kind, d in drafters.items() if d.taps):
+                           for kind, d in drafters.items() if d.taps and state_key(d) not in kept):
                 hit, reason = None, "fresh: prefilled again for the states of its model drafters"
         if hit:
             drafters, cache, reuse, reason = self._continue(hit, drafters, auto)

@@ -1034,6 +1034,39 @@ def test_an_entry_with_some_drafters_states_is_prefilled_again_only_for_the_othe
     assert job.row.history[len(prompt):] == solo(sess, prompt, "ar", params(), 0, 12)[0]
 
 
+@pytest.mark.parametrize("ordered", [True, False], ids=["warm_order", "plain_first"])
+def test_the_serve_bench_s_warm_up_leaves_auto_the_states_it_would_have_alone(sess, ids, monkeypatch, ordered):
+    """`glimmer bench serve` warms every prompt once per mode (one token each) on one server: in `warm_order` (ar
+    last) the auto request that follows continues its prompt's entry with its model drafters' states, as on a
+    server running auto alone; warmed plainly first, the entry has none and auto goes without them. Catches: the
+    bench warming ar first (auto's cells measured a server no auto user runs)."""
+    from glimmer_mlx.bench.serve import warm_order
+    from glimmer_mlx.serve.api import Request
+    from glimmer_mlx.serve.worker import Worker
+    from glimmer_mlx.speculative.auto.batch import BatchAuto
+
+    monkeypatch.setattr(BatchAuto, "carries", lambda self, *a, **k: True)
+    monkeypatch.setattr(BatchAuto, "refill_pays", lambda self, *a: False)
+    worker = Worker(sess, max_queue=8, max_batch=8)
+    prompt = list(ids[0])
+
+    def serve(mode, budget):
+        worker.submit(Request(prompt, params(), 0, None, budget, DecodeSpec(mode, None)))
+        worker._take_jobs(wait=False)
+        job = worker.running[-1] if worker.running else None
+        while worker.running:
+            worker._step()
+        return job
+
+    modes = ["ar", "auto"]
+    for mode in (warm_order(modes) if ordered else modes):
+        serve(mode, 1)
+    job = serve("auto", 12)
+    models = {k for k, d in sess.drafters.auto().drafters.items() if d.taps}
+    assert ({k for k, d in job.row.options.items() if d.taps} == models) is ordered
+    assert job.row.history[len(prompt):] == solo(sess, prompt, "ar", params(), 0, 12)[0]
+
+
 def test_a_new_auto_row_carries_the_drafters_the_batch_s_choice_could_take(ba):
     """`BatchAuto.options`/`carries`: a model drafter joins a new auto row if it beats plain at the batch's size by
     its mean estimate, or if exploring it would pay over the row's budget (a wide spread, a long request); not one

@@ -894,6 +894,18 @@ def unknown(ba, name, regime, alpha, tried=1.0):
         a.shrink = 2.0
 
 
+def serve_one(worker, prompt: list[int], mode: str, budget: int = 12):
+    """Submit one greedy request to a `Worker`, step it to the end; its job (None: it finished at its prefill)."""
+    from glimmer_mlx.serve.api import Request
+
+    worker.submit(Request(prompt, params(), 0, None, budget, DecodeSpec(mode, None)))
+    worker._take_jobs(wait=False)
+    job = worker.running[-1] if worker.running else None
+    while worker.running:
+        worker._step()
+    return job
+
+
 @pytest.mark.parametrize("pays", [True, False], ids=["refill", "reuse"])
 def test_an_auto_request_on_a_prompt_cached_without_drafter_states_prefills_again_where_that_pays(sess, ids,
                                                                                                 monkeypatch, pays):
@@ -903,7 +915,6 @@ def test_an_auto_request_on_a_prompt_cached_without_drafter_states_prefills_agai
     ways. Catches: a cached prompt locking auto out of its model drafters for good (the serve benchmark replays
     prompts: every auto request hit a plain request's entry and never drafted with DFlash), a refill that keeps the
     stale cache (positions fed twice: output differs)."""
-    from glimmer_mlx.serve.api import Request
     from glimmer_mlx.serve.worker import Worker
     from glimmer_mlx.speculative.auto.batch import BatchAuto
 
@@ -913,16 +924,8 @@ def test_an_auto_request_on_a_prompt_cached_without_drafter_states_prefills_agai
     worker = Worker(sess, max_queue=8, max_batch=8)
     prompt = list(ids[3])
 
-    def serve(mode):
-        worker.submit(Request(prompt, params(), 0, None, 12, DecodeSpec(mode, None)))
-        worker._take_jobs(wait=False)
-        job = worker.running[-1]
-        while worker.running:
-            worker._step()
-        return job
-
-    serve("ar")
-    job = serve("auto")
+    serve_one(worker, prompt, "ar")
+    job = serve_one(worker, prompt, "auto")
     carried = {kind for kind, d in job.row.options.items() if d.taps}
     assert asked and asked[0][-1] == len(prompt) - 1  # asked once the plain entry was found: its positions
     assert bool(carried) is pays
@@ -937,7 +940,6 @@ def test_a_plain_answer_equal_to_an_auto_one_keeps_the_auto_entry_s_drafter_stat
     continues the cached conversation with those states — neither prefilling it again for them (`refill_pays` is
     not even asked) nor going without them. Catches: the plain entry replacing the auto one (the serve benchmark
     replays each prompt in every mode: auto requests at N = 4 prefilled again ~35 % of their cached prompts)."""
-    from glimmer_mlx.serve.api import Request
     from glimmer_mlx.serve.worker import Worker
     from glimmer_mlx.speculative.auto.batch import BatchAuto
 
@@ -947,19 +949,11 @@ def test_a_plain_answer_equal_to_an_auto_one_keeps_the_auto_entry_s_drafter_stat
     worker = Worker(sess, max_queue=8, max_batch=8)
     prompt = list(ids[3])
 
-    def serve(mode):
-        worker.submit(Request(prompt, params(), 0, None, 12, DecodeSpec(mode, None)))
-        worker._take_jobs(wait=False)
-        job = worker.running[-1]
-        while worker.running:
-            worker._step()
-        return job
-
-    first = serve("auto")
+    first = serve_one(worker, prompt, "auto")
     assert {kind for kind, d in first.row.options.items() if d.taps}  # it carried a model drafter
-    plain = serve("ar")
+    plain = serve_one(worker, prompt, "ar")
     assert plain.row.history == first.row.history and plain.row.stats.extra["cached_tokens"] > 0
-    job = serve("auto")
+    job = serve_one(worker, prompt, "auto")
     assert not asked  # the entry it found has the states: nothing to decide
     assert {kind for kind, d in job.row.options.items() if d.taps}
     assert job.row.stats.extra["cached_tokens"] == len(prompt) - 1
@@ -972,7 +966,6 @@ def test_a_one_token_auto_request_leaves_its_drafters_states_for_the_next_turn(s
     on that prompt continues it with them — not prefilling it again for them (`refill_pays` is not even asked),
     nor going without them. Catches: a one-token request sized by `carries` like a long one (its entry kept no
     state; `glimmer bench serve`'s warm-up left every later auto request a refill)."""
-    from glimmer_mlx.serve.api import Request
     from glimmer_mlx.serve.worker import Worker
     from glimmer_mlx.speculative.auto.batch import BatchAuto
 
@@ -982,19 +975,11 @@ def test_a_one_token_auto_request_leaves_its_drafters_states_for_the_next_turn(s
     worker = Worker(sess, max_queue=8, max_batch=8)
     prompt = list(ids[2])
 
-    def serve(budget):
-        worker.submit(Request(prompt, params(), 0, None, budget, DecodeSpec("auto", None)))
-        worker._take_jobs(wait=False)
-        job = worker.running[-1] if worker.running else None
-        while worker.running:
-            worker._step()
-        return job
-
-    serve(1)
+    serve_one(worker, prompt, "auto", 1)
     entry = worker.prompts.entries()[-1]
     models = {k for k, d in sess.drafters.auto().drafters.items() if d.taps}
     assert models and isinstance(entry.extra, dict) and {k for k, _ in entry.extra} == models
-    job = serve(12)
+    job = serve_one(worker, prompt, "auto", 12)
     assert not asked
     assert {k for k, d in job.row.options.items() if d.taps} == models
     assert job.row.stats.extra["cached_tokens"] == len(prompt) - 1
@@ -1006,7 +991,6 @@ def test_an_entry_with_some_drafters_states_is_prefilled_again_only_for_the_othe
     request carrying both is asked whether prefilling again pays for MTP only, and where it does not, continues the
     entry with DFlash's state and leaves MTP out. Catches: `refill_pays` asked about DFlash too (the entry was
     prefilled again for a state it held: in `glimmer bench serve` most auto requests at N = 1 and 2 were)."""
-    from glimmer_mlx.serve.api import Request
     from glimmer_mlx.serve.worker import Worker
     from glimmer_mlx.speculative.auto.batch import BatchAuto
 
@@ -1017,17 +1001,9 @@ def test_an_entry_with_some_drafters_states_is_prefilled_again_only_for_the_othe
     worker = Worker(sess, max_queue=8, max_batch=8)
     prompt = list(ids[1])
 
-    def serve():
-        worker.submit(Request(prompt, params(), 0, None, 12, DecodeSpec("auto", None)))
-        worker._take_jobs(wait=False)
-        job = worker.running[-1]
-        while worker.running:
-            worker._step()
-        return job
-
-    serve()
+    serve_one(worker, prompt, "auto")
     carried.add("mtp")
-    job = serve()
+    job = serve_one(worker, prompt, "auto")
     assert asked == ["mtp"]
     assert {k for k, d in job.row.options.items() if d.taps} == {"dflash"}
     assert job.row.stats.extra["cached_tokens"] == len(prompt) - 1
@@ -1041,7 +1017,6 @@ def test_the_serve_bench_s_warm_up_leaves_auto_the_states_it_would_have_alone(se
     server running auto alone; warmed plainly first, the entry has none and auto goes without them. Catches: the
     bench warming ar first (auto's cells measured a server no auto user runs)."""
     from glimmer_mlx.bench.serve import warm_order
-    from glimmer_mlx.serve.api import Request
     from glimmer_mlx.serve.worker import Worker
     from glimmer_mlx.speculative.auto.batch import BatchAuto
 
@@ -1050,21 +1025,35 @@ def test_the_serve_bench_s_warm_up_leaves_auto_the_states_it_would_have_alone(se
     worker = Worker(sess, max_queue=8, max_batch=8)
     prompt = list(ids[0])
 
-    def serve(mode, budget):
-        worker.submit(Request(prompt, params(), 0, None, budget, DecodeSpec(mode, None)))
-        worker._take_jobs(wait=False)
-        job = worker.running[-1] if worker.running else None
-        while worker.running:
-            worker._step()
-        return job
-
     modes = ["ar", "auto"]
     for mode in (warm_order(modes) if ordered else modes):
-        serve(mode, 1)
-    job = serve("auto", 12)
+        serve_one(worker, prompt, mode, 1)
+    job = serve_one(worker, prompt, "auto")
     models = {k for k, d in sess.drafters.auto().drafters.items() if d.taps}
     assert ({k for k, d in job.row.options.items() if d.taps} == models) is ordered
     assert job.row.history[len(prompt):] == solo(sess, prompt, "ar", params(), 0, 12)[0]
+
+
+def test_a_cached_conversation_s_drafter_states_count_in_the_prompt_cache_s_bytes(sess, ids):
+    """A prompt-cache entry that keeps model drafters' states is priced with their bytes (the budget bounds what the
+    server really holds): after a one-token auto request, its entry's bytes are the target cache's plus each
+    state's, and DFlash's state then is its pending context — the prompt's positions × its taps × the hidden size.
+    Catches: states stored for free (on Glimmer's shapes DFlash's pending taps outweigh the target's K/V)."""
+    from glimmer_mlx.serve.worker import Worker
+
+    worker = Worker(sess, max_queue=8, max_batch=8)
+    prompt = list(ids[2])
+    serve_one(worker, prompt, "auto", 1)
+    entry = worker.prompts.entries()[-1]
+    states = entry.extra
+    assert isinstance(states, dict) and states
+    target = sum(c.nbytes for c in entry.cache)
+    assert entry.nbytes == target + sum(d.state_nbytes() for d in states.values())
+    assert worker.prompts.nbytes == sum(e.nbytes for e in worker.prompts.entries())
+    dflash = next(d for (kind, _), d in states.items() if kind == "dflash")
+    hidden = sess.model.args.hidden_size
+    assert dflash.state_nbytes() == len(prompt) * len(dflash.taps) * hidden * 4  # fp32 taps, nothing drafted yet
+    assert all(d.state_nbytes() > 0 for d in states.values())
 
 
 def test_a_new_auto_row_carries_the_drafters_the_batch_s_choice_could_take(ba):
@@ -1209,8 +1198,8 @@ def test_the_batch_does_not_explore_for_a_short_request_or_a_used_option(ba):
 
 def test_the_batch_s_answer_not_to_explore_holds_while_only_n_gram_offers_move(ba, monkeypatch):
     """`BatchAuto._explored`: a step's answer not to explore is held for `EXPLORE_EVERY` steps while only the rows'
-    n-gram offers change (their sizes move nearly every step; keyed on them, a lone auto request was scored afresh
-    in nearly every step), and asked again at once when a row's model drafters, the plan's options or an estimate
+    n-gram offers change (their sizes move nearly every step; keyed on them, a lone auto request was asked afresh
+    in 81 of 90 choices), and asked again at once when a row's model drafters, the plan's options or an estimate
     change. Catches: a memo keyed on the n-gram offers (asked every step), or one that ignores the model drafters."""
     from glimmer_mlx.speculative.auto.batch import EXPLORE_EVERY, BatchAuto
 

@@ -280,7 +280,10 @@ class Worker:
             n = row.final_cache[0].offset
             keys = (list(job.keys) + row.history[len(row.req.ids):])[:n]
             states = {state_key(d): d for d in row.drafters if d.taps}  # what continues it with these drafters
-            self.prompts.insert(keys, row.final_cache, extra=states or None)
+            # their bytes count in the cache's budget: on Glimmer's shapes DFlash's pending taps alone (5 × 6656 values
+            # a position) outweigh the target's K/V (52 layers × 2 × 2 kv heads × 128)
+            self.prompts.insert(keys, row.final_cache, extra=states or None,
+                                extra_nbytes=sum(d.state_nbytes() for d in states.values()))
             row.final_cache = None
         s = self.session
         s.totals["turns"] += 1

@@ -121,6 +121,11 @@ class DFlashDrafter:
         d.tree_pending = None
         return d  # ctx (an array, never written in place) is shared
 
+    def state_nbytes(self) -> int:
+        """Bytes of its state (context K/V and pending context rows): what a prompt-cache entry keeping it holds
+        beyond the target's cache."""
+        return sum(c.nbytes for c in self.cache or ()) + (0 if self.ctx is None else self.ctx.nbytes)
+
     # -- the drafter protocol (speculative.protocol.Drafter) -----------------------------------------------------
     def start(self, taps: list[mx.array], ids: list[int]) -> None:
         """After the prefill: `taps` cover every prompt position; `ids` = prompt + the first generated token."""

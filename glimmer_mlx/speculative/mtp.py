@@ -80,6 +80,14 @@ class MTPDrafter:
             d.saved, d.tokens = list(self.saved), list(self.tokens)
         return d  # main (an array, never written in place) is shared
 
+    def state_nbytes(self) -> int:
+        """Bytes of its state (per-depth K/V, saved outputs, target rows not consumed yet): what a prompt-cache
+        entry keeping it holds beyond the target's cache."""
+        if self.caches is None:
+            return 0
+        return (sum(c.nbytes for c in self.caches) + sum(s.nbytes for s in self.saved if s is not None)
+                + (0 if self.main is None else self.main.nbytes))
+
     @property
     def backlog(self) -> int:
         """Committed positions depth 0 has not run on yet (what its next round catches up on)."""

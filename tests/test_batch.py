@@ -1081,6 +1081,22 @@ def test_a_new_auto_row_carries_the_drafters_the_batch_s_choice_could_take(ba):
     assert "dflash" not in ba.options("greedy", 1, 256)
 
 
+def test_a_drafter_that_pays_only_at_widths_beyond_a_row_s_budget_is_not_carried(ba):
+    """`BatchAuto.could_pay`/`carries` price a row's drafts at most at its budget − 1 (what `choose` lets it draft):
+    a drafter whose rounds cost a fixed half step pays at 8 drafts but not at 1, so a row with 2 tokens to generate
+    does not carry it and one with 64 does. Catches: the widest block priced for every row (a 2-token request
+    carried DFlash, computing its taps every step, for drafts it could never make)."""
+    ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # flat: verification is free
+    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    ba.draft_cost = lambda name, k: 0.005  # a round costs half a step, whatever k
+    pin(ba, "mtp", "greedy", 0.0)
+    pin(ba, "dflash", "greedy", 0.5)  # 1 draft: 1.5 tokens in 1.5 steps; 8: ~2 tokens in 1.5 steps
+    assert ba.could_pay("dflash", "greedy", 1) and ba.could_pay("dflash", "greedy", 1, 9)
+    assert not ba.could_pay("dflash", "greedy", 1, 2)
+    assert "dflash" in ba.options("greedy", 1, 64)
+    assert "dflash" not in ba.options("greedy", 1, 2)
+
+
 def test_a_refill_for_a_drafter_s_state_pays_only_what_the_drafter_is_worth(ba):
     """`BatchAuto.refill_pays`: prefilling a cached prompt again for a model drafter's state pays where the drafter
     saves more over the row's budget than that prefill costs — by its mean, or by what exploring it is worth — not

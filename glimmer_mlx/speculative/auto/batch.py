@@ -116,7 +116,7 @@ class BatchAuto:
         could take it — it pays by its mean estimate (`could_pay`), or exploring it would (`explore`, in a batch of
         such rows all carrying it only, against plain steps)."""
         for key in self.keys(regime, generated, budget):
-            if self.could_pay(name, key, batch):
+            if self.could_pay(name, key, batch, budget):
                 return True
             rows = [(key, budget, {name: self.chooser.options[name].max_k})] * batch
             step = StepChoice(self, rows, 0, 1, 0.0, self.chooser.options[name].max_k)
@@ -124,14 +124,16 @@ class BatchAuto:
                 return True
         return False
 
-    def could_pay(self, name: str, regime: str, batch: int) -> bool:
+    def could_pay(self, name: str, regime: str, batch: int, budget: int | None = None) -> bool:
         """Whether `name` beats plain decoding by the margin `choose` wants to start speculating (`ENTER_GAIN`) at
         some width, by its mean estimate, in a batch of `batch` rows all drafting with it (the most favourable
-        case: every row pays the widest block anyway): at 1.00–1.05x plain the batch's choice never takes it."""
+        case: every row pays the widest block anyway): at 1.00–1.05x plain the batch's choice never takes it. A row
+        with `budget` tokens to generate drafts at most budget − 1 a round (as `choose` lets it)."""
         plain = (1.0 + ENTER_GAIN) / self.step_cost(batch, rows=batch)
         alphas = self.acceptance(name, regime).alphas()
+        top = self.chooser.options[name].max_k if budget is None else min(self.chooser.options[name].max_k, budget - 1)
         e, p = 1.0, 1.0
-        for k in range(1, self.chooser.options[name].max_k + 1):
+        for k in range(1, top + 1):
             p *= alphas[k - 1]
             e += p
             if e / (self.step_cost(batch * (k + 1), rows=batch) + batch * self.draft_cost(name, k)) > plain:

@@ -538,8 +538,9 @@ def add_steps(into: dict, before: dict | None, after: dict | None) -> None:
         into[k] = into.get(k, 0) + int(a_steps.get(k, 0)) - int(b_steps.get(k, 0))
     b_ex, explored = before.get("explored_steps", {}), into.setdefault("explored", {})
     for name, v in after.get("explored_steps", {}).items():
-        if int(v) - int(b_ex.get(name, 0)):
-            explored[name] = explored.get(name, 0) + int(v) - int(b_ex.get(name, 0))
+        d = int(v) - int(b_ex.get(name, 0))
+        if d:
+            explored[name] = explored.get(name, 0) + d
 
 
 def _warmup(host: str, port: int, settings: ServeBenchSettings, mode: str | None) -> RequestRecord:

@@ -106,6 +106,7 @@ def ids_of(p):
     return tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
 
 
+AUTO_SUMMARY = {}  # "T0" | "T1" -> the summary of that temperature's auto after its last run (its cost model)
 AUTO = {}  # temperature -> its auto (what it learns carries over that temperature's prompts, as in a session)
 
 
@@ -124,15 +125,17 @@ def decoder(name, rows, nodes, depth, sampler):
     return TreeDecoder(m, d, sampler, nodes, depth)
 
 
-def run(cfg, ids, temp, seed=0):
+def run(cfg, ids, temp, seed=0, max_tokens=MAXT):
     name, rows, nodes, depth = cfg
     st = GenerationStats()
     dec = decoder(name, rows, nodes, depth, Sampler(SamplingParams(temperature=temp), seed))
     t = time.perf_counter()
-    r = collect(stream(dec, ids, max_tokens=MAXT, eos=eos, stats=st), st, False)
+    r = collect(stream(dec, ids, max_tokens=max_tokens, eos=eos, stats=st), st, False)
     dt = time.perf_counter() - t
     rounds = st.extra.get("rounds", len(r.tokens))
     chosen = st.extra.get("auto", {}).get("chosen")
+    if chosen:
+        AUTO_SUMMARY[f"T{temp:g}"] = st.extra["auto"]  # cumulative: the last run's is that temperature's whole
     return dict(tokens=len(r.tokens), rounds=rounds, seconds=dt, gen_tps=st.generation_tokens / st.generation_time
                 if st.generation_time else 0.0, mean_tree_rows=st.extra.get("mean_tree_rows"),
                 tree_rounds=st.extra.get("tree_rounds", 0), auto_chosen=chosen), r.tokens
@@ -172,7 +175,10 @@ results = {"machine": dict(platform=platform.platform(), processor=platform.proc
                             tree_calibrated_sampling=d.tree_calibrated_sampling),
            "configs": [dict(name=c[0], rows=c[1], nodes=c[2], depth=c[3]) for c in CONFIGS], "runs": []}
 first_ids = ids_of(prompts[cats[0]][0])
-run(CONFIGS[min(1, len(CONFIGS) - 1)], first_ids, 0.0)  # warm-up
+for temp in TEMPS:  # warm-up: every config at every temperature (a back-end that compiles kernels on first use,
+    for cfg in CONFIGS:  # as MLX's CUDA one does, would otherwise charge that to the first config to use them)
+        run(cfg, first_ids, temp, max_tokens=16)
+AUTO.clear()  # the measured autos start fresh
 if ONLY is None:
     results["verify_cost_curve"] = verify_curve(first_ids)
 for temp in TEMPS:
@@ -211,6 +217,7 @@ for r in results["runs"]:
             bucket = auto_choices[f"T{r['temp']:g}"]
             bucket[key.split(":")[0]] = bucket.get(key.split(":")[0], 0) + c
 results["auto_choices"] = auto_choices
+results["auto_summary"] = AUTO_SUMMARY
 os.makedirs(os.path.dirname(OUT), exist_ok=True)
 with open(OUT, "w") as f:
     json.dump(results, f, indent=1)

@@ -1010,6 +1010,36 @@ def test_an_entry_with_some_drafters_states_is_prefilled_again_only_for_the_othe
     assert job.row.history[len(prompt):] == solo(sess, prompt, "ar", params(), 0, 12)[0]
 
 
+def test_a_row_keeps_its_drafters_states_to_the_end_of_its_budget(sess, ids, monkeypatch):
+    """The batch's prune (every `PRUNE_EVERY` steps; here every step) asks whether a row's model drafters could still
+    pay as if its whole budget were ahead: a drafter worth carrying only with more than 8 tokens to go stays to the
+    end of a 24-token request, its state lands in the prompt cache, and the conversation's next request continues
+    with it — not prefilling it again (`refill_pays` is not even asked), nor going without it. Catches: the prune
+    asking with the tokens left (every auto request dropped its drafters in its last tokens; its entry kept no
+    state for the next turn)."""
+    import glimmer_mlx.speculative.batch as batch_mod
+    from glimmer_mlx.serve.worker import Worker
+    from glimmer_mlx.speculative.auto.batch import BatchAuto
+
+    monkeypatch.setattr(batch_mod, "PRUNE_EVERY", 1)
+    monkeypatch.setattr(BatchAuto, "carries", lambda self, name, regime, batch, budget, generated=0: budget > 8)
+    asked = []
+    monkeypatch.setattr(BatchAuto, "refill_pays", lambda self, *a: (asked.append(a), True)[1])
+    worker = Worker(sess, max_queue=8, max_batch=8)
+    prompt = list(ids[4])
+    models = {k for k, d in sess.drafters.auto().drafters.items() if d.taps}
+
+    first = serve_one(worker, prompt, "auto", 24)
+    assert models and {k for k, d in first.row.options.items() if d.taps} == models
+    assert first.row.out.n == 24 and first.row.steps > 1  # it stepped: the prune asked
+    entry = worker.prompts.entries()[-1]
+    assert isinstance(entry.extra, dict) and {k for k, _ in entry.extra} == models
+    job = serve_one(worker, prompt, "auto", 12)
+    assert not asked
+    assert {k for k, d in job.row.options.items() if d.taps} == models
+    assert job.row.history[len(prompt):] == solo(sess, prompt, "ar", params(), 0, 12)[0]
+
+
 @pytest.mark.parametrize("ordered", [True, False], ids=["warm_order", "plain_first"])
 def test_the_serve_bench_s_warm_up_leaves_auto_the_states_it_would_have_alone(sess, ids, monkeypatch, ordered):
     """`glimmer bench serve` warms every prompt once per mode (one token each) on one server: in `warm_order` (ar

@@ -443,11 +443,15 @@ class BatchGenerator:
         if self.steps % PRUNE_EVERY == 0:
             # a model drafter the batch's choice could no longer take for the row (`BatchAuto.carries`: it does not
             # pay at this batch size by its mean estimate, and exploring it no longer would — its estimate narrowed,
-            # or the row's budget ran down) is no longer carried
+            # the batch grew, the row went past the phases where it pays) is no longer carried. The row is asked
+            # about as if its whole budget were still ahead: a drafter is never dropped because the request nears
+            # its end — its state outlives the request (the prompt cache keeps it for the conversation's next turn,
+            # which without it prefills the conversation again or goes without the drafter), and following the few
+            # steps left costs the row little
             for b in autos:
                 r = rows[b]
                 for kind in [k for k, d in r.options.items() if d.taps]:
-                    if not self.auto.carries(kind, r.regime, len(rows), r.out.budget, r.out.n):
+                    if not self.auto.carries(kind, r.regime, len(rows), r.out.max_tokens, r.out.n):
                         del r.options[kind]
             autos = [b for b in autos if rows[b].options]
             if not autos:

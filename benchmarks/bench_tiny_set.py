@@ -5,6 +5,8 @@
 Target: the token-map tiny Muse Glimmer of the DFlash tests (6 layers, width 64, vocab 48; its greedy dynamics
 fall into short cycles). DFlash: a 2-layer block-8 drafter trained 300 AdamW steps on the target's greedy
 continuations (tests/dflash_training.py). MTP: one layer trained 200 steps on the same data (tests/mtp_training.py).
+Each drafter's folder gets the eval.json `glimmer train` writes (τ after training, greedy and T = 1, on 8 held-out
+prompts of the training data's kind: another seed's random openings, 64 tokens), which `auto` takes as its prior.
 No tokenizer: `glimmer bench` maps the prompt sets' bytes into the vocabulary (byte fallback), which keeps their
 repetitions but not their meaning.
 """
@@ -19,9 +21,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test helpers it trains with
 
 import glimmer_mlx  # noqa: E402
+import numpy as np  # noqa: E402
 from dflash_training import greedy_sequences, token_map_target, train_drafter  # noqa: E402
+from glimmer_mlx.files import write_atomic  # noqa: E402
 from glimmer_mlx.speculative import load_drafter  # noqa: E402
-from glimmer_mlx.train.recipes import save_assistant, save_mtp  # noqa: E402
+from glimmer_mlx.train.recipes import acceptance, save_assistant, save_mtp  # noqa: E402
 from hf_fixtures import build_hf_drafter  # noqa: E402
 from mtp_training import add_random_mtp, train_mtp  # noqa: E402
 
@@ -41,6 +45,13 @@ def build(out: Path) -> None:
     train_mtp(model, mtp, seqs, steps=200)
     save_assistant(dflash.assistant, out / "dflash")
     save_mtp(mtp.head, model, out / "mtp")
+    rng = np.random.RandomState(1)  # the training data's openings came from seed 0
+    held_out = [[int(t) for t in rng.randint(10, model.args.vocab_size, size=8)] for _ in range(8)]
+    for folder, drafter, width in ((out / "dflash", dflash, dflash.block_size), (out / "mtp", mtp, 1)):
+        ev = {"width": width, "prompts": len(held_out), "max_tokens": 64,
+              "after": acceptance(model, drafter, held_out, width, 64)}
+        write_atomic(folder / "eval.json", json.dumps(ev, indent=2))
+        print(f"{folder.name}: held-out tau {ev['after']}")
     target = out / "target"  # the target without MTP weights (they live in out/mtp)
     target.mkdir(exist_ok=True)
     for f in work.iterdir():

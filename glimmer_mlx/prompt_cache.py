@@ -31,7 +31,7 @@ Not thread-safe: use it from the model thread only (the thread that runs the for
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +39,8 @@ import mlx.core as mx
 
 from .cache import CacheRewindError, KVCache
 
-__all__ = ["DEFAULT_MAX_ENTRIES", "Entry", "Hit", "PromptCache", "PromptCacheStats", "copy_cache", "min_keep", "prefix_length"]
+__all__ = ["DEFAULT_MAX_ENTRIES", "Entry", "Hit", "PromptCache", "PromptCacheStats", "copy_cache", "lacks", "min_keep",
+           "prefix_length"]
 
 DEFAULT_MAX_ENTRIES = 16
 _CHUNK = 256  # common-prefix search compares tuples chunk by chunk (in C) before scanning the last chunk
@@ -136,6 +137,14 @@ class Entry:
     min_keep: int  # the cache can be rewound to any length in [min_keep, len(keys)]
 
 
+def lacks(extra: Any, other: Any) -> bool | None:
+    """Whether `extra` lacks something `other` holds, where both are mappings (a server's drafter states by kind):
+    a key of `other` missing from `extra`. None where that cannot be told (either is not a mapping)."""
+    if isinstance(extra, Mapping) and isinstance(other, Mapping):
+        return not other.keys() <= extra.keys()
+    return None
+
+
 @dataclass
 class Hit:
     """What a fetch found: `cache` (a copy the caller owns, rewound to `reused` positions; None on a miss),
@@ -222,8 +231,12 @@ class PromptCache:
         # one brings no extra. A state is never dropped: in a server serving several modes, a plain request whose
         # conversation came out the same as an auto request's replaced that entry and its drafters' states, and the
         # next auto request on it prefilled the whole conversation again for them or went without them
+        # Likewise an entry with identical keys whose extra holds every state this one's does (mappings, as a
+        # server's drafter states by kind: by their keys): a row that stopped carrying a drafter must not replace
+        # the conversation's entry that still has its state
         for k, e in reversed(self._entries.items()):
-            if extra is None and len(k) >= len(keys) and k[: len(keys)] == keys and e.min_keep <= len(keys):
+            if (extra is None and len(k) >= len(keys) and k[: len(keys)] == keys and e.min_keep <= len(keys)) \
+                    or (k == keys and lacks(e.extra, extra) is False):
                 self._entries.move_to_end(k)
                 return False
         _compact(cache)
@@ -232,8 +245,10 @@ class PromptCache:
             self.stats.rejected += 1
             return False
         keep = min_keep(cache)
-        for k in [k for k, e in self._entries.items() if len(k) <= len(keys) and keys[: len(k)] == k
-                  and keep <= len(k) and (e.extra is None or extra is not None or k == keys)]:
+        # a shorter entry this one extends is replaced, unless it holds states this one lacks (a fetch that needs
+        # them still finds them there, and prefills only the rest)
+        for k in [k for k, e in self._entries.items() if len(k) <= len(keys) and keys[: len(k)] == k and keep <= len(k)
+                  and (k == keys or e.extra is None or (extra is not None and not lacks(extra, e.extra)))]:
             self._drop(k)
             self.stats.replaced += 1
         self._entries[keys] = Entry(keys, cache, extra, nbytes, keep)

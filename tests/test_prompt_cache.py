@@ -300,6 +300,32 @@ def test_prefix_entry_is_replaced():
     assert len(pc) == 1 and pc.fetch(A + [7]).extra == "newer" and pc.stats.replaced == 2
 
 
+def test_an_entry_with_fewer_states_does_not_replace_one_with_more():
+    """Extras that are mappings (a server's drafter states by kind): a conversation continued by a row that stopped
+    carrying a drafter (its entry holds MTP's state only) keeps the shorter entry that holds DFlash's too — a fetch
+    that needs DFlash's state finds it there and prefills only the rest — and the same conversation again with fewer
+    states is not stored over the fuller entry; one with every state the shorter entry held replaces it as before.
+    Catches: any mapping extra replacing the prefix entries it extends (the fuller states were lost, and the next
+    request needing them prefilled the whole conversation again or went without the drafter)."""
+    pc = PromptCache(max_bytes=1 << 30)
+    A = list(range(40))
+    both, mtp_only = {"dflash": 1, "mtp": 2}, {"mtp": 3}
+    needs_dflash = lambda ex: isinstance(ex, dict) and "dflash" in ex  # noqa: E731
+    assert pc.insert(A[:12], make(12, 1), extra=both)
+    assert pc.insert(A, make(len(A), 2), extra=mtp_only)
+    assert len(pc) == 2 and pc.stats.replaced == 0
+    hit = pc.fetch(A + [7], usable=needs_dflash)
+    assert (hit.reused, hit.extra) == (12, both)
+    assert pc.fetch(A + [7]).extra == mtp_only  # the longest entry still serves whoever needs no DFlash
+    # identical keys with fewer states: not stored, the fuller entry kept (and made most recently used)
+    assert pc.insert(A[:12] + [90], make(13, 3), extra=both)
+    assert not pc.insert(A[:12] + [90], make(13, 4), extra={"dflash": 5})
+    assert pc.fetch(A[:12] + [90, 7]).extra == both
+    # every state the shorter entries held, and more positions: they are replaced (A[:12] and A[:12] + [90])
+    assert pc.insert(A[:12] + [90, 91], make(14, 5), extra={"dflash": 6, "mtp": 7, "other": 8})
+    assert sorted(len(e.keys) for e in pc.entries()) == [14, 40] and pc.stats.replaced == 2
+
+
 def test_prefix_entry_kept_when_the_new_one_cannot_rewind_to_it():
     pc = PromptCache(max_bytes=1 << 30)
     P = list(range(10))

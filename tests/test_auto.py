@@ -14,6 +14,7 @@ import glimmer_mlx
 from glimmer_mlx.speculative.auto import (AcceptanceStats, AutoChooser, AutoDrafter, DraftCost, load_or_calibrate,
                                           make_auto)
 from glimmer_mlx.speculative.auto.chooser import ENTER_GAIN, FUTURE_TOKENS, MIN_GAIN
+from glimmer_mlx.speculative.auto.multiplex import FLAT, TREE_ROWS_FLAT, tree_rows
 from glimmer_mlx.cache import keep_path as engine_keep_path
 from glimmer_mlx.speculative.engine import AutoDecoder
 from chi_square import chi2, chi2_critical
@@ -1135,7 +1136,8 @@ def test_auto_decoder_is_used_and_learns(tiny, tmp_path):
     assert r.tokens == plain
     s = r.stats.extra["auto"]
     assert s["plain_token_ms_now"] is None or s["plain_token_ms_now"] > 0
-    assert sum(s["chosen"].values()) >= 1 and set(s["verify_cost_ms"]) == {1, 2, 3, 4, 5}
+    # the curve covers every round's rows: the widest tree a flat curve would give (the chains' 5 and beyond)
+    assert sum(s["chosen"].values()) >= 1 and set(s["verify_cost_ms"]) == set(range(1, max(TREE_ROWS_FLAT) + 1))
     # sampling runs through the same decoder (acceptance is kept apart from greedy's)
     before = s["chosen"]
     a = glimmer_mlx.generate(model, prompt, max_tokens=24, temperature=1.0, seed=3, drafter=auto)
@@ -1873,11 +1875,34 @@ def test_a_tree_rounds_verify_time_teaches_its_own_factor_not_the_chains():
 
 
 def test_auto_offers_dflash_trees_sized_from_the_curve(tiny, tmp_path):
+    """The tree option's rows follow the cost curve: as wide as it stays flat past the chain's rows (32 or 16), else
+    `TREE_ROWS` or the curve's widest if narrower (calibrated: auto's widest round — the tiny block-4 drafter beside
+    4-draft n-gram lookup and MTP: 5 rows); the calibration covers the rows a tree could take. Catches: trees capped at the chain's block where a wider verify
+    costs the same (on an H200 auto's 9-row trees left the 32-row ones that paid 1.16x the chain out), or widened
+    where the curve rises."""
     model, _, dpath = tiny
-    auto = _auto(model, dpath, tmp_path)
-    tree = auto.chooser.options["dflash+tree"]
-    assert tree.rows == max(auto.chooser.costs) and tree.max_k < tree.rows - 1  # the tiny block-4 drafter: 5 rows
+    d, m = glimmer_mlx.load_drafter(dpath, model), glimmer_mlx.load_drafter(model.path, model)
+    for costs, rows in ((flat(32), 32), (flat(20), 16), ({**linear(32), **flat(16)}, 16), (linear(32), 16),
+                        (linear(5), 5), (flat(5), 5)):
+        auto = make_auto(model, dflash=d, mtp=m, ngram=4, verify_costs=costs)
+        tree = auto.chooser.options["dflash+tree"]
+        assert tree.rows == rows and tree.max_k < tree.rows - 1, (max(costs), rows)
+    auto = _auto(model, dpath, tmp_path)  # calibrated here: up to the widest tree
+    assert max(auto.chooser.costs) == max(TREE_ROWS_FLAT)
+    assert auto.chooser.options["dflash+tree"].rows in (5,) + TREE_ROWS_FLAT
     assert "dflash+tree" not in _auto(model, dpath, tmp_path, trees=False).chooser.options
+
+
+def test_tree_rows_follow_the_flat_stretch_of_the_curve():
+    """`tree_rows`: the widest of TREE_ROWS_FLAT whose verify costs at most FLAT x the chain's, else TREE_ROWS or
+    the widest round if narrower; a curve that does not reach a size never gives it."""
+    c = 10 * MS
+    assert tree_rows(flat(32), 8, 9) == 32
+    assert tree_rows({**flat(16), 32: c * FLAT * 1.01}, 8, 9) == 16
+    assert tree_rows({**flat(9), 16: c * FLAT, 32: 3 * c}, 8, 9) == 16
+    assert tree_rows(linear(32), 8, 9) == 9 and tree_rows(linear(32), 16, 16) == 16
+    assert tree_rows(flat(9), 8, 9) == 9 and tree_rows(flat(16), 16, 16) == 16  # nothing wider calibrated
+    assert tree_rows(flat(40), 32, 32) == 16  # no size wider than the chain: TREE_ROWS
 
 
 def test_auto_tree_rounds_greedy_identical_to_plain(tiny, tmp_path):

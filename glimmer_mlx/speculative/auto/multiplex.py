@@ -38,6 +38,24 @@ NGRAM_RUN_ALPHA = {"greedy": 0.5, "sampling": 0.05}
 # drafts) → tree τ 2.0 at depth 6 (α 0.50): (1 − 0.50) / (1 − 0.33) ≈ 0.75
 TREE_ROWS = 16
 TREE_RESCUE = 0.75
+# ... and where the cost curve stays flat past the chain's rows (an accelerator: on an NVIDIA H200 under MLX's CUDA
+# back-end a verify of 2 to 32 rows costs the same, and 32-row trees of the trained tiny set's block-8 drafter ran
+# 1.05-1.16x its chain — BENCHMARKS.md, "Chains vs trees on an NVIDIA H200"), a tree as wide as it stays flat: the
+# widest of these whose calibrated verify costs at most FLAT x the widest chain's
+TREE_ROWS_FLAT = (32, 16)
+FLAT = 1.2
+
+
+def tree_rows(costs: dict[int, float], chain_rows: int, widest: int) -> int:
+    """Verify rows of a DFlash tree on this cost curve ({rows: seconds}), beside its chain of `chain_rows` rows: the
+    widest of `TREE_ROWS_FLAT` the curve covers whose verify costs at most `FLAT` x the chain's (a flat curve: the
+    extra nodes come nearly free); else `TREE_ROWS`, or `widest` if narrower (the widest round any of auto's
+    drafters verifies: a block-8 drafter's tree beside n-gram lookup's 8 drafts is 9 rows)."""
+    chain = costs[min(chain_rows, max(costs))]
+    for rows in TREE_ROWS_FLAT:
+        if rows > chain_rows and rows in costs and costs[rows] <= FLAT * chain:
+            return rows
+    return min(TREE_ROWS, widest)
 
 
 def ngram_prior(size: int) -> dict:
@@ -86,8 +104,11 @@ class AutoDrafter:
         self._tap_idx = {n: [self.taps.index(int(t)) for t in d.taps] for n, d in self.drafters.items()}
         self.max_drafts = max(d.max_drafts for d in self.drafters.values())
         self.calibration = {"cached": None, "source": "given"}
+        self._widest = self.max_drafts + 1 if verify_costs is None else max(verify_costs)  # a round's most rows
         if verify_costs is None:
-            verify_costs, self.calibration = load_or_calibrate(target, self.taps, self.max_drafts + 1,
+            d = self.drafters.get("dflash")  # a tree-capable drafter: the curve as wide as its trees could go
+            rows = max(TREE_ROWS_FLAT) if trees and d is not None and hasattr(d, "propose_tree") else 0
+            verify_costs, self.calibration = load_or_calibrate(target, self.taps, max(self.max_drafts + 1, rows),
                                                                directory=calibration_dir, recalibrate=recalibrate,
                                                                log=log)
         wide = self.calibration.get("wide_forward_s")
@@ -154,16 +175,15 @@ class AutoDrafter:
         return now / cal if now and cal and now > 0 and cal > 0 else 1.0
 
     def _add_trees(self) -> None:
-        """A token-tree option beside the DFlash drafter's chain ("dflash+tree"): each round `TREE_ROWS` verify rows
-        (the calibrated curve's widest, if narrower), the chain and the next likeliest nodes at most `depth` deep
-        (`propose_tree`); its acceptance is the accepted path's, learned like a chain's. It starts from the chain's
-        measured τ with each depth's rejections cut by `TREE_RESCUE` — what the embedded set's trees measured
-        (BENCHMARKS.md, "Token trees") — and pays only where a verify of `TREE_ROWS` rows costs about what the chain's
-        does (flat cost curves: Apple GPUs, OpenBLAS on a CPU)."""
+        """A token-tree option beside the DFlash drafter's chain ("dflash+tree"): each round `tree_rows` verify rows,
+        the chain and the next likeliest nodes at most `depth` deep (`propose_tree`); its acceptance is the accepted
+        path's, learned like a chain's. It starts from the chain's measured τ with each depth's rejections cut by
+        `TREE_RESCUE` — what the embedded set's trees measured (BENCHMARKS.md, "Token trees") — and pays only where
+        a verify of its rows costs about what the chain's does (flat cost curves: Apple GPUs, OpenBLAS on a CPU)."""
         d = self.drafters.get("dflash")
         if d is None or not hasattr(d, "propose_tree"):
             return
-        rows = min(TREE_ROWS, max(self.chooser.costs))
+        rows = tree_rows(self.chooser.costs, d.max_drafts + 1, self._widest)
         depth = max(2, min(d.max_drafts, (rows - 1) // 2))
         if depth + 1 >= rows:
             return

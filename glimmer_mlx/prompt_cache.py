@@ -258,11 +258,8 @@ class PromptCache:
             self.stats.evictions += 1
         return True
 
-    def fetch(self, keys: Sequence[Hashable], usable: Callable[[Any], bool] | None = None) -> Hit:
-        """The entry sharing the longest prefix with `keys` that it can be rewound to (at most len(keys) - 1
-        positions: one is left to prefill for the logits), as a copy rewound to that prefix, and marks the entry
-        most recently used. usable: only entries whose `extra` it accepts (e.g. those holding a drafter's state).
-        A miss (nothing usable in common) is `Hit(None, 0, None, 0)`, falsy."""
+    def _best(self, keys: Sequence[Hashable], usable: Callable[[Any], bool] | None) -> tuple[Entry | None, int, bool]:
+        """(the entry `fetch` would take, the positions it would reuse, whether a longer one could not be rewound)."""
         keys = tuple(keys)
         cap = len(keys) - 1
         best, best_k, blocked = None, 0, False
@@ -274,6 +271,20 @@ class PromptCache:
                 blocked = True
                 continue
             best, best_k = e, n
+        return best, best_k, blocked
+
+    def reusable(self, keys: Sequence[Hashable], usable: Callable[[Any], bool] | None = None) -> tuple[int, Any]:
+        """(positions, extra) of what `fetch` would hand out now — nothing copied, nothing counted, no entry marked
+        used: (0, None) for a miss."""
+        best, n, _ = self._best(keys, usable)
+        return (n, best.extra) if best is not None else (0, None)
+
+    def fetch(self, keys: Sequence[Hashable], usable: Callable[[Any], bool] | None = None) -> Hit:
+        """The entry sharing the longest prefix with `keys` that it can be rewound to (at most len(keys) - 1
+        positions: one is left to prefill for the logits), as a copy rewound to that prefix, and marks the entry
+        most recently used. usable: only entries whose `extra` it accepts (e.g. those holding a drafter's state).
+        A miss (nothing usable in common) is `Hit(None, 0, None, 0)`, falsy."""
+        best, best_k, blocked = self._best(keys, usable)
         if best is not None:
             try:
                 copy = copy_cache(best.cache, best.cache[0].origin + best_k)

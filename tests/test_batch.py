@@ -1040,6 +1040,43 @@ def test_a_row_keeps_its_drafters_states_to_the_end_of_its_budget(sess, ids, mon
     assert job.row.history[len(prompt):] == solo(sess, prompt, "ar", params(), 0, 12)[0]
 
 
+@pytest.mark.parametrize("pays", [True, False], ids=["fuller", "longer"])
+def test_a_conversation_continued_without_a_drafter_keeps_its_fuller_entry(sess, ids, monkeypatch, pays):
+    """Turn 1 of a conversation ran with DFlash and MTP, turn 2 with MTP only (its row did not carry DFlash): the
+    prompt cache keeps turn 1's entry beside turn 2's, and turn 3, wanting both, is asked whether prefilling what
+    turn 2's entry holds beyond turn 1's pays for DFlash's state (`refill_pays`, those positions only): if it does,
+    it continues turn 1's entry with both drafters; if not, turn 2's without DFlash. Greedy output equals plain
+    decoding's both ways. Catches: turn 2's entry replacing turn 1's (DFlash's state lost: the whole conversation
+    prefilled again for it), or the shorter entry taken unasked, or priced as the whole conversation."""
+    from glimmer_mlx.serve.worker import Worker
+    from glimmer_mlx.speculative.auto.batch import BatchAuto
+
+    carried = {"dflash", "mtp"}
+    monkeypatch.setattr(BatchAuto, "carries", lambda self, name, *a, **k: name in carried)
+    asked = []
+    monkeypatch.setattr(BatchAuto, "refill_pays",
+                        lambda self, name, regime, batch, budget, positions: (asked.append((name, positions)), pays)[1])
+    worker = Worker(sess, max_queue=8, max_batch=8)
+    turn1 = serve_one(worker, list(ids[0]), "auto")
+    carried.discard("dflash")
+    turn2 = serve_one(worker, turn1.row.history + list(ids[1][:4]), "auto")
+    assert {k for k, d in turn2.row.options.items() if d.taps} == {"mtp"}
+    lengths = sorted(len(e.keys) for e in worker.prompts.entries())
+    assert lengths == [len(turn1.row.history) - 1, len(turn2.row.history) - 1]  # turn 1's entry kept (each
+    # conversation's cache ends before its last token, which the next turn feeds)
+    carried.add("dflash")
+    prompt = turn2.row.history + list(ids[2][:4])
+    job = serve_one(worker, prompt, "auto")
+    assert asked == [("dflash", len(turn2.row.history) - len(turn1.row.history))]
+    models = {k for k, d in job.row.options.items() if d.taps}
+    cached = job.row.stats.extra["cached_tokens"]
+    if pays:
+        assert models == {"dflash", "mtp"} and 0 < cached <= len(turn1.row.history)
+    else:
+        assert models == {"mtp"} and len(turn1.row.history) < cached <= len(turn2.row.history)
+    assert job.row.history[len(prompt):] == solo(sess, prompt, "ar", params(), 0, 12)[0]
+
+
 @pytest.mark.parametrize("ordered", [True, False], ids=["warm_order", "plain_first"])
 def test_the_serve_bench_s_warm_up_leaves_auto_the_states_it_would_have_alone(sess, ids, monkeypatch, ordered):
     """`glimmer bench serve` warms every prompt once per mode (one token each) on one server: in `warm_order` (ar

@@ -314,6 +314,9 @@ def test_an_entry_with_fewer_states_does_not_replace_one_with_more():
     assert pc.insert(A[:12], make(12, 1), extra=both)
     assert pc.insert(A, make(len(A), 2), extra=mtp_only)
     assert len(pc) == 2 and pc.stats.replaced == 0
+    # `reusable` tells what a fetch would reuse, copying and counting nothing
+    assert pc.reusable(A + [7]) == (40, mtp_only) and pc.reusable(A + [7], usable=needs_dflash) == (12, both)
+    assert pc.reusable([999, 1]) == (0, None) and pc.stats.hits == pc.stats.misses == 0
     hit = pc.fetch(A + [7], usable=needs_dflash)
     assert (hit.reused, hit.extra) == (12, both)
     assert pc.fetch(A + [7]).extra == mtp_only  # the longest entry still serves whoever needs no DFlash

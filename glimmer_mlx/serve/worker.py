@@ -203,16 +203,25 @@ class Worker:
 
         drafters, cache, reuse, reason = fresh(), None, 0, "fresh: no cached prefix"
         wanted = {state_key(d) for d in drafters.values() if d.taps}  # the states a prefix must come with
-        hit = self.prompts.fetch(p.keys, usable=lambda ex: isinstance(ex, dict) and wanted <= set(ex)) \
-            if wanted else self.prompts.fetch(p.keys)
-        if not hit and wanted and auto:  # auto can leave the model drafters the entry has no state for out instead,
-            # unless prefilling the cached prefix again for their states pays (`BatchAuto.refill_pays`; asked about
-            # every model drafter, an entry holding DFlash's state but not MTP's was prefilled again for DFlash's)
-            hit = self.prompts.fetch(p.keys)
-            kept = set(hit.extra) if hit and isinstance(hit.extra, dict) else set()
-            if hit and any(self.batch.auto.refill_pays(kind, regime, batch, p.budget, hit.reused)
-                           for kind, d in drafters.items() if d.taps and state_key(d) not in kept):
-                hit, reason = None, "fresh: prefilled again for the states of its model drafters"
+        has_wanted = lambda ex: isinstance(ex, dict) and wanted <= set(ex)  # noqa: E731
+        usable, look = (has_wanted if wanted else None), True
+        if wanted and auto:
+            # auto can leave out the model drafters that the longest cached prefix has no state for, unless
+            # prefilling what that prefix has beyond the longest one holding every state (none: all of it) pays for
+            # their states (`BatchAuto.refill_pays`, asked only about the drafters it lacks: asked about every model
+            # drafter, an entry holding DFlash's state but not MTP's was prefilled again for DFlash's)
+            longest, extra = self.prompts.reusable(p.keys)
+            full, _ = self.prompts.reusable(p.keys, usable=has_wanted)
+            kept = set(extra) if isinstance(extra, dict) else set()
+            if longest > full:
+                if any(self.batch.auto.refill_pays(kind, regime, batch, p.budget, longest - full)
+                       for kind, d in drafters.items() if d.taps and state_key(d) not in kept):
+                    look = full > 0  # continue the prefix holding every state; none: prefill it all
+                    if not look:
+                        reason = "fresh: prefilled again for the states of its model drafters"
+                else:
+                    usable = None  # the longest prefix, without the drafters it has no state for
+        hit = self.prompts.fetch(p.keys, usable=usable) if look else None
         if hit:
             drafters, cache, reuse, reason = self._continue(hit, drafters, auto)
             if cache is None:

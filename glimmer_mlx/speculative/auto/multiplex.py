@@ -104,11 +104,13 @@ class AutoDrafter:
         self._tap_idx = {n: [self.taps.index(int(t)) for t in d.taps] for n, d in self.drafters.items()}
         self.max_drafts = max(d.max_drafts for d in self.drafters.values())
         self.calibration = {"cached": None, "source": "given"}
-        self._widest = self.max_drafts + 1 if verify_costs is None else max(verify_costs)  # a round's most rows
-        if verify_costs is None:
-            d = self.drafters.get("dflash")  # a tree-capable drafter: the curve as wide as its trees could go
-            rows = max(TREE_ROWS_FLAT) if trees and d is not None and hasattr(d, "propose_tree") else 0
-            verify_costs, self.calibration = load_or_calibrate(target, self.taps, max(self.max_drafts + 1, rows),
+        tree_drafter = self.drafters.get("dflash") if trees else None  # the drafter a tree option drafts with
+        if not hasattr(tree_drafter, "propose_tree"):
+            tree_drafter = None
+        widest = self.max_drafts + 1 if verify_costs is None else max(verify_costs)  # a round's most rows
+        if verify_costs is None:  # with a tree-capable drafter, as wide as its trees could go
+            rows = max(TREE_ROWS_FLAT) if tree_drafter is not None else 0
+            verify_costs, self.calibration = load_or_calibrate(target, self.taps, max(widest, rows),
                                                                directory=calibration_dir, recalibrate=recalibrate,
                                                                log=log)
         wide = self.calibration.get("wide_forward_s")
@@ -138,8 +140,8 @@ class AutoDrafter:
                 self._kind_of[n] = n
         self._trees: dict[str, int] = {}  # token-tree option -> its draft nodes per round
         self._tree_of: dict[str, str] = {}  # drafter kind -> its tree option
-        if trees:
-            self._add_trees()
+        if tree_drafter is not None:
+            self._add_trees(tree_drafter, widest)
         self._ngram_options = frozenset(o for o, n in self._kind_of.items() if n == "ngram")
         self._model = [n for n in self.drafters if n != "ngram"]  # the drafters that read the target's taps
         self._model_options = frozenset(self._kind_of) - self._ngram_options  # theirs (`_warm` asks about no other)
@@ -174,16 +176,14 @@ class AutoDrafter:
         now, cal = self.calibration.get("checked_plain_token_s"), self.calibration.get("plain_token_s")
         return now / cal if now and cal and now > 0 and cal > 0 else 1.0
 
-    def _add_trees(self) -> None:
+    def _add_trees(self, d, widest: int) -> None:
         """A token-tree option beside the DFlash drafter's chain ("dflash+tree"): each round `tree_rows` verify rows,
         the chain and the next likeliest nodes at most `depth` deep (`propose_tree`); its acceptance is the accepted
         path's, learned like a chain's. It starts from the chain's measured τ with each depth's rejections cut by
         `TREE_RESCUE` — what the embedded set's trees measured (BENCHMARKS.md, "Token trees") — and pays only where
-        a verify of its rows costs about what the chain's does (flat cost curves: Apple GPUs, OpenBLAS on a CPU)."""
-        d = self.drafters.get("dflash")
-        if d is None or not hasattr(d, "propose_tree"):
-            return
-        rows = tree_rows(self.chooser.costs, d.max_drafts + 1, self._widest)
+        a verify of its rows costs about what the chain's does (flat cost curves: Apple GPUs, OpenBLAS on a CPU).
+        d: the DFlash drafter (tree-capable); widest: the most rows a round of any of auto's drafters verifies."""
+        rows = tree_rows(self.chooser.costs, d.max_drafts + 1, widest)
         depth = max(2, min(d.max_drafts, (rows - 1) // 2))
         if depth + 1 >= rows:
             return

@@ -5,6 +5,7 @@ Every test names, in a comment, the broken implementation it catches (each was t
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import mlx.core as mx
@@ -571,6 +572,8 @@ def test_the_batch_ledger_turns_speculation_off_once_it_lost_its_budget(ba):
     rows = [("greedy", 100, {"dflash": 15})] * 2
     assert ba.choose(rows, 0, 1, 0.0, 15)[0] > 0
     gen = SimpleNamespace(auto=ba, _landed=0.0, _prefilling=0.0, _after_spec=None, _wake=None)
+    for shape in ((2, 9), (2, 1)):  # steps of these shapes ran before (the first of each is not priced: `first_of`)
+        ba.first_of(*shape)
     # a speculative step of 2 rows x 9 positions committing 6 tokens in 40 ms: 6 x 5 ms - 40 ms = -10 ms
     st = SimpleNamespace(drafting=0.0, chained=False, t0=0.0)
     ba.elapse(0.2)  # decoded before: a 1 ms budget, under the floor's LEDGER_FLOOR plain steps of 10 ms
@@ -761,22 +764,23 @@ def test_a_fixed_mode_rows_drafting_is_not_priced_as_the_step(sess, ids, ba):
     plus `draft_cost`). Catches: only auto rows' drafting taken out."""
     import time as time_mod
 
-    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
-    req = request(sess, ids[0], "dflash", params(), 0, 6)
-    real = req.drafter.propose
-
-    def slow(*a, **k):
-        time_mod.sleep(0.25)
-        return real(*a, **k)
-
-    req.drafter.propose = slow
-    gen = BatchGenerator(sess.model, auto=ba)
-    gen.add(req)
     walls = []
-    while len(gen):
-        t = time_mod.perf_counter()
-        gen.step()
-        walls.append(time_mod.perf_counter() - t)
+    for _ in range(2):  # the first run's steps are each the first of their shape, which is not priced (`first_of`)
+        ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+        req = request(sess, ids[0], "dflash", params(), 0, 6)
+        real = req.drafter.propose
+
+        def slow(*a, real=real, **k):
+            time_mod.sleep(0.25)
+            return real(*a, **k)
+
+        req.drafter.propose = slow
+        gen = BatchGenerator(sess.model, auto=ba)
+        gen.add(req)
+        while len(gen):
+            t = time_mod.perf_counter()
+            gen.step()
+            walls.append(time_mod.perf_counter() - t)
     spec = {L: t for L, t in ba.by_rows.get(1, {}).items() if L > 1}
     assert spec and max(walls) > 0.25  # it drafted, slowly
     assert max(spec.values()) < 0.2, spec
@@ -1466,6 +1470,8 @@ def test_the_slow_plain_steps_after_a_speculative_step_are_its_cost(sess):
         auto.measured[2] = auto.by_rows[2][1] = seconds
 
     gen = BatchGenerator(sess.model, prefill_step=16, auto=auto)
+    for shape in ((2, 5), (2, 1)):  # steps of these shapes ran before (the first of each is not priced: `first_of`)
+        auto.first_of(*shape)
     clock = [100.0]
     f = 1 - 1 / LEDGER_ROUNDS  # the ledger fades a step at a time
 
@@ -1513,6 +1519,89 @@ def test_the_slow_plain_steps_after_a_speculative_step_are_its_cost(sess):
         assert auto.measured[2] == pytest.approx(0.8 * 0.010 + 0.2 * 0.030)
     finally:
         auto.chooser.settle_max = SETTLE_MAX
+
+
+def test_the_first_step_of_each_shape_is_neither_priced_nor_charged(sess, ba):
+    """MLX builds kernels on a shape's first use (its CUDA back-end compiles them): on an NVIDIA H200 the batch's
+    first 1 x 16 verify took 4.3 s where one costs ~10 ms; priced and charged, it barred speculation for the rest of
+    the process. The first step of each (rows, positions) shape leaves the estimates and the ledger alone, as does
+    the unpipelined plain step after such a speculative step; the shape's next step is priced. A later stall moves
+    an estimate by at most a factor 1 + 0.2 x 2 (`chooser.robust_ema`). A generator's first step is timed from its
+    launch (the prefills before it are not inside it). Catches: the first step priced (4.3 s in the estimate, the
+    ledger barred), a plain EMA (a stall moving the estimate by 20 % of itself), a first step's time taken as its
+    launch-to-landing time less the prefills before it (negative: never measured)."""
+    from glimmer_mlx.speculative.batch import Launched
+
+    ba.measured, ba.ratio, ba.by_rows, ba.saved, ba.elapsed = {2: 0.010}, 1.0, {2: {1: 0.010}}, 0.0, 0.0
+    ba.first_of(2, 1)  # plain steps of 2 rows ran before
+    gen = BatchGenerator(sess.model, auto=ba)
+    clock = [100.0]
+
+    def step(L, seconds, chained=True, committed=None):
+        st = Launched(rows=[], widths=[], logits=None, tapped=None, want=(), tokens={}, t0=clock[0], chained=chained)
+        gen._landed = clock[0]
+        clock[0] += seconds
+        gen._observe(st, 2, L, clock[0], committed)
+
+    step(5, 4.3, committed=6)  # the first 2 x 5 step: a kernel build
+    step(1, 0.030, chained=False)  # the plain step it kept from being queued
+    assert 10 not in ba.measured and 5 not in ba.by_rows[2] and ba.measured[2] == 0.010
+    assert ba.saved == 0.0 and not ba.barred
+    step(5, 0.020, committed=6)  # the shape's next step: priced, and credited (6 tokens x 5 ms - 20 ms)
+    assert ba.measured[10] == pytest.approx(0.020) and ba.by_rows[2][5] == pytest.approx(0.020)
+    assert ba.saved == pytest.approx(0.010, rel=0.01)
+    step(1, 0.010, chained=False)
+    for _ in range(3):
+        step(1, 0.010)
+    step(5, 5.0, committed=6)  # a stall later: the estimate moves by at most 1.4x
+    assert ba.measured[10] == pytest.approx(0.8 * 0.020 + 0.2 * 3 * 0.020)
+    # a generator's first step (nothing landed before): its launch to its landing, 12 ms, after 0.5 s of prefills
+    ba.first_of(3, 1)
+    gen = BatchGenerator(sess.model, auto=ba)
+    gen._prefilling = 0.5
+    st = Launched(rows=[], widths=[], logits=None, tapped=None, want=(), tokens={}, t0=200.0)
+    gen._observe(st, 3, 1, 200.012, None)
+    assert ba.measured[3] == pytest.approx(0.012)
+
+
+class ShapeStalls(CountingModel):
+    """The target, its first batched forward of each input shape taking `stall` seconds more (what MLX's CUDA
+    back-end does while it compiles a shape's kernels), and every batched plain step `plain` seconds more (a target
+    whose steps cost more than its drafting: speculation pays whatever this machine's noise)."""
+
+    def __init__(self, model, stall, plain):
+        super().__init__(model)
+        self.stall, self.plain, self.seen, self.stalls = stall, plain, set(), 0
+
+    def __call__(self, x, cache=None, **kw):
+        if cache is not None and getattr(cache[0], "batched", False):
+            if tuple(x.shape) not in self.seen:
+                self.seen.add(tuple(x.shape))
+                self.stalls += 1
+                time.sleep(self.stall)
+            time.sleep(self.plain)
+        return super().__call__(x, cache, **kw)
+
+
+def test_a_kernel_build_on_a_shapes_first_step_does_not_stop_speculation(sess, ids, ba):
+    """End to end: a lone auto request whose drafter pays (a flat cost curve, DFlash's estimates at 0.8, every
+    batched forward 30 ms more than this CPU's few ms), on a target whose first batched forward of each shape stalls
+    0.5 s more (as a CUDA kernel build does on an H200): it goes on drafting after its first speculative step, and
+    its tokens are plain decoding's. Before, that step was charged to the ledger (16 plain steps, past its floor)
+    and every later step was plain."""
+    ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+    ba.measured, ba.ratio, ba.by_rows, ba.saved, ba.elapsed = {}, None, {}, 0.0, 0.0
+    pin(ba, "dflash", "greedy", 0.8)
+    model = ShapeStalls(sess.model, 0.5, 0.03)
+    gen = BatchGenerator(model, auto=ba)
+    row = gen.add(request(sess, ids[0], "auto", params(), 0, 32))
+    out = []
+    while len(gen):
+        for r, ch in gen.step():
+            out += ch.tokens
+    assert model.stalls >= 2 and not ba.barred
+    assert row.rounds - row.plain_rounds >= 3, (row.rounds, row.plain_rounds, ba.saved)
+    assert out == solo(sess, ids[0], "ar", params(), 0, 32)[0]
 
 
 def test_an_auto_row_left_without_options_steps_plainly(sess, ids):

@@ -572,9 +572,14 @@ class BatchGenerator:
         cost (`BatchAuto.charge`), not a plain step's, and so are the slow pipelined plain steps after it, its wake,
         if it ends within `settle_max` steps (`BatchAuto.settled`; one that does not is the machine's). committed:
         the tokens the step committed when an auto row drafted in it (the ledger's: `BatchAuto.credit`)."""
-        dt = (now - self._landed if self._landed is not None else now - st.t0) - self._prefilling
+        # (a generator's first step: from its launch, after the prefills that came before it)
+        dt = now - self._landed - self._prefilling if self._landed is not None else now - st.t0
         plain_step = self.auto.step_cost(B, rows=B)  # before this step's time moves it
         self.auto.elapse(dt)
+        if self.auto.first_of(B, L):  # MLX built kernels for it: not what such a step costs (`BatchAuto.first_of`)
+            if L > 1:  # nor is the unpipelined plain step after it a plain step's price (n = 0: charged to none)
+                self._after_spec, self._wake = (0, False, B), None
+            return
         wake, self._wake = self._wake, None
         extra = self.auto.settled(dt, plain_step) if wake is not None and L == 1 else None
         if wake is not None and extra is None:

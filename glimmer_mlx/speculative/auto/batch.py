@@ -12,7 +12,9 @@ per second:
   (without the rows' drafting): every step's time updates an EMA per shape (B, L) — and per n, what a shape with no
   plain step measured yet is priced by; an n not measured yet is the solo calibration's forward cost C(n) (the
   cost curve `auto` measured for this machine and model, up to its widest verify, then toward the calibration's
-  forward over 128 positions) times the measured/calibrated ratio of the steps seen.
+  forward over 128 positions) times the measured/calibrated ratio of the steps seen. The first step of each shape
+  a process runs is not measured (MLX builds its kernels then: `BatchAuto.first_of`), and no sample moves an
+  estimate by more than a factor 1.4 (`chooser.robust_ema`).
   At a small batch verification is nearly free and drafting pays; as B·L grows the step becomes compute-bound, T
   grows with n, and plain steps win — then `auto` chooses them.
 - draft_r(k): the option's measured seconds per round (`DraftCost`, calibrated units × the measured scale).
@@ -37,16 +39,11 @@ from __future__ import annotations
 import bisect
 
 from .chooser import (ENTER_GAIN, FUTURE_TOKENS, LEDGER_FLOOR, LEDGER_ROUND_CAP, LEDGER_ROUNDS, LOSS_BUDGET,
-                      MIN_GAIN, SCENARIOS, AcceptanceStats, wake_excess)
+                      MIN_GAIN, SCENARIOS, AcceptanceStats, robust_ema, wake_excess)
 from .multiplex import AutoDrafter
 
-EMA = 0.2  # weight of a new step time in its n's estimate
+EMA = 0.2  # weight of a new step time in its n's estimate (each sample at most 3x the estimate: `chooser.robust_ema`)
 EXPLORE_EVERY = 8  # steps an answer of `BatchAuto.explore` holds while nothing it depends on but the step costs moved
-
-
-def ema(old: float | None, x: float) -> float:
-    """`x` folded into the estimate `old` with weight `EMA` (None: no estimate yet, `x` itself)."""
-    return x if old is None else (1 - EMA) * old + EMA * x
 
 
 class BatchAuto:
@@ -78,6 +75,7 @@ class BatchAuto:
         self.exploring: str | None = None  # the option the latest `choose` explores, if any
         self.prefill_s: float | None = None  # seconds per position of a prefill chunk, EMA (`prefill_cost`)
         self._explore_memo: tuple | None = None  # (what `explore` was asked on, steps it still holds, its answer)
+        self._shapes: set[tuple[int, int]] = set()  # (rows, positions per row) of the steps seen (`first_of`)
 
     def key(self, regime: str, generated: int) -> str:
         """The acceptance estimates a row of `regime` that has generated `generated` tokens drafts by: the regime's in
@@ -171,7 +169,7 @@ class BatchAuto:
     def observe_prefill(self, positions: int, seconds: float) -> None:
         """A prefill chunk of `positions` positions took `seconds` (its row's drafters' start included)."""
         if positions > 0 and seconds > 0:
-            self.prefill_s = ema(self.prefill_s, seconds / positions)
+            self.prefill_s = robust_ema(self.prefill_s, seconds / positions, EMA)
 
     @property
     def taps(self) -> tuple:
@@ -234,15 +232,30 @@ class BatchAuto:
         return max(m[below] + max(slope, 0.0) * (n - below), proportional)
 
     def observe(self, n: int, seconds: float, spec: bool, rows: int | None = None) -> None:
-        """A step over n positions (of `rows` rows, if told) took `seconds` (its drafting excluded)."""
+        """A step over n positions (of `rows` rows, if told) took `seconds` (its drafting excluded). Each estimate moves
+        by at most a factor 1 + EMA·2 a sample (`chooser.robust_ema`: a stall of the machine, another process taking
+        it for a moment, is not what such a step costs; a lasting change comes through within a few steps)."""
         if seconds <= 0:
             return
-        self.measured[n] = ema(self.measured.get(n), seconds)
+        self.measured[n] = robust_ema(self.measured.get(n), seconds, EMA)
         if rows:
             shaped = self.by_rows.setdefault(rows, {})
-            shaped[n // rows] = ema(shaped.get(n // rows), seconds)
-        self.ratio = ema(self.ratio, seconds / self.calibrated(n))
+            shaped[n // rows] = robust_ema(shaped.get(n // rows), seconds, EMA)
+        self.ratio = robust_ema(self.ratio, seconds / self.calibrated(n), EMA)
         self.steps["spec" if spec else "plain"] += 1
+
+    def first_of(self, rows: int, L: int) -> bool:
+        """Whether a step of `rows` rows feeding `L` positions each is the first of that shape this process runs (and
+        note it). MLX builds kernels on a shape's first use — its CUDA back-end compiles them, Metal builds pipeline
+        states, our own kernels one per template — and such a step measures that build, not the step: on an NVIDIA
+        H200 the batch's first 1 × 16 verify took 4.3 s where one costs ~10 ms (its first plain steps 3-10x the later
+        ones). Priced and charged to the ledger, that one step barred speculation for the rest of the process (445 ms
+        in the red, the 1 × 16 verify priced at 4.3 s) where DFlash rows alone ran 1.40x plain: a lone auto request
+        decoded plainly at 0.91x. `BatchGenerator._observe` neither prices nor charges it."""
+        if (rows, L) in self._shapes:
+            return False
+        self._shapes.add((rows, L))
+        return True
 
     def elapse(self, seconds: float) -> None:
         """A step took `seconds`: the decoding time the ledger's budget grows with."""
@@ -303,8 +316,7 @@ class BatchAuto:
         shape = self.chooser.options[name].cost(k)
         if shape <= 0 or seconds <= 0:
             return
-        f = seconds / shape
-        self.draft_factor[name] = ema(self.draft_factor.get(name), f)
+        self.draft_factor[name] = robust_ema(self.draft_factor.get(name), seconds / shape, EMA)
 
     def acceptance(self, name: str, regime: str) -> AcceptanceStats:
         return self.chooser.options[name].acceptance(regime)

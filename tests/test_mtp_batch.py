@@ -81,3 +81,29 @@ def test_a_just_joined_row_does_not_keep_the_others_from_batching(mtp_rows, monk
     monkeypatch.setattr(batch_mod, "mtp_propose_batch", lambda ds, *a: (calls.append(len(ds)), real(ds, *a))[1])
     out = batch_mod.batch_drafts(rows, {0: (fresh, 1), 1: (ready[0][0], 1), 2: (ready[1][0], 1)})
     assert calls == [2] and set(out) == {1, 2}
+
+
+def test_hidden_rows_handed_over_step_by_step_are_joined_once_when_read(mtp_rows, monkeypatch):
+    """A batch row carrying MTP layers along plain steps hands them one hidden row a step (`accept`); the rows are
+    joined when read (`main`: one concatenation), equal to the rows concatenated one by one, and a copy of the state
+    does not see what the original takes after it. Catches: a concatenation per step (a chain evaluated in O(n²)
+    copies when the drafter next drafts) or pieces shared between a state and its copy."""
+    import glimmer_mlx.speculative.mtp as mtp_mod
+
+    model, base = mtp_rows
+    d = _started(model, base, list(range(10, 19)))
+    rng = np.random.default_rng(4)
+    rows = [mx.array(rng.normal(size=(1, 1, model.args.hidden_size)).astype(np.float32)) for _ in range(25)]
+    want = mx.concatenate([d.main] + rows, axis=1)
+    calls = []
+    real = mx.concatenate
+    monkeypatch.setattr(mtp_mod.mx, "concatenate", lambda xs, **kw: (calls.append(len(xs)), real(xs, **kw))[1])
+    for i, r in enumerate(rows):
+        d.accept([r], [100 + i])
+        if i == 9:
+            kept = d.copy_state()
+    assert calls == []
+    got = d.main
+    assert len(calls) == 1
+    np.testing.assert_array_equal(np.array(got), np.array(want))
+    np.testing.assert_array_equal(np.array(kept.main), np.array(want[:, : want.shape[1] - 15]))  # 10 rows taken

@@ -219,10 +219,13 @@ class Row:
                 out[kind] = min(k_max, d.max_drafts)
         return out
 
-    def accept(self, logits: mx.array, taps: dict | None, token: int | None = None) -> list[int]:
-        """logits [len(feed), V] of this row; taps: {target layer: its rows [1, len(feed), D]}; token: a plain
-        round's token when already picked (greedy rows batched). Returns the new committed tokens (the cache keeps
-        the anchor and the accepted drafts: len(new) rows)."""
+    def accept(self, logits: mx.array, taps: tuple[int, dict] | None, token: int | None = None) -> list[int]:
+        """logits [len(feed), V] of this row; taps: (this row's index in the step, {target layer: the step's output of
+        that layer [B, L, D]}), cut here once to the row's committed positions for all its drafters (a cut per layer
+        and drafter after one per layer were ~14 MLX ops a row and step with DFlash and MTP carried along plain steps:
+        on an H200, where the host sets a small model's pace, those steps took 11 % longer than ar rows');
+        token: a plain round's token when already picked (greedy rows batched). Returns the new committed tokens
+        (the cache keeps the anchor and the accepted drafts: len(new) rows)."""
         p = self.sampler.params
         first = self.first_pending  # its first token: the prefill's sample, not a round
         if self.drafts is None:  # a plain round (PlainDecoder's sampler call)
@@ -238,8 +241,14 @@ class Row:
                                          self.q, self.drafts, self.sampler)
             new = self.drafts[:n] + [nxt]
         self.history.extend(new)
-        for d in self.drafters:
-            d.accept([taps[t][:, : len(new)] for t in d.taps], new)
+        drafters = self.drafters
+        if drafters:
+            cut = {}
+            if taps is not None:
+                j, layers = taps
+                cut = {t: a[j : j + 1, : len(new)] for t, a in layers.items()}
+            for d in drafters:
+                d.accept([cut[t] for t in d.taps], new)
         if first:
             self.started()
         elif self.drafters:
@@ -531,6 +540,7 @@ class BatchGenerator:
         index = {id(r): b for b, r in enumerate(self.rows)}
         B, L = len(st.rows), max(st.widths)
         events, finished, committed, drafted = [], [], 0, False
+        layers = dict(zip(st.want, st.tapped)) if st.want else None  # each row cuts its own (`Row.accept`)
         for j, r in enumerate(st.rows):
             b = index.get(id(r))
             if b is None or r.finished:  # left the batch after this step was queued
@@ -538,8 +548,7 @@ class BatchGenerator:
             n_fed = st.widths[j]
             r.batch_sizes += B
             r.steps += 1
-            taps = {layer: st.tapped[i][j : j + 1, :n_fed] for i, layer in enumerate(st.want)} if st.want else {}
-            new = r.accept(st.logits[j, :n_fed], taps, token=values.get(id(r)))
+            new = r.accept(st.logits[j, :n_fed], None if layers is None else (j, layers), token=values.get(id(r)))
             committed += len(new)
             if r.choice is not None:
                 drafted = True

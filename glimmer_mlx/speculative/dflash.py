@@ -99,6 +99,24 @@ class DFlashDrafter:
         self.tree_pending = None  # the last calibrated tree, its candidate lists, drawn ranks, greedy?: for `accept`
 
     @property
+    def ctx(self) -> mx.array | None:
+        """The target's taps of committed positions not yet in `cache` ([1, n, taps · D]), or None — joined when read:
+        `accept` only adds each round's taps to `_rows`, so a batch row that follows plain steps spends no MLX op a
+        step on them (on a host-bound accelerator each op of each row's bookkeeping is paid every step)."""
+        rows = self._rows
+        if len(rows) > 1 or (rows and isinstance(rows[0], tuple)):
+            head = [] if isinstance(rows[0], tuple) else [rows[0]]  # a joined array first, then per-tap pieces
+            rest = rows[len(head):]
+            pieces = [mx.concatenate([r[i] for r in rest], axis=1) if len(rest) > 1 else rest[0][i]
+                      for i in range(len(rest[0]))]
+            self._rows = (mx.concatenate(head + [mx.concatenate(pieces, axis=-1)], axis=1),)
+        return self._rows[0] if rows else None
+
+    @ctx.setter
+    def ctx(self, value: mx.array | None) -> None:
+        self._rows = () if value is None else (value,)
+
+    @property
     def max_drafts(self) -> int:
         return self.block_size - 1
 
@@ -119,7 +137,7 @@ class DFlashDrafter:
         d = copy.copy(self)
         d.cache = None if self.cache is None else copy_cache(self.cache)
         d.tree_pending = None
-        return d  # ctx (an array, never written in place) is shared
+        return d  # ctx (its pieces: a tuple of arrays, never written in place) is shared
 
     def state_nbytes(self) -> int:
         """Bytes of its state (context K/V and pending context rows): what a prompt-cache entry keeping it holds
@@ -223,8 +241,7 @@ class DFlashDrafter:
 
     def accept(self, taps: list[mx.array], new_tokens: list[int]) -> None:
         """The target's taps of the newly committed positions (anchor + accepted drafts) become the next context."""
-        rows = mx.concatenate(taps, axis=-1)
-        self.ctx = rows if self.ctx is None else mx.concatenate([self.ctx, rows], axis=1)
+        self._rows = self._rows + (tuple(taps),)  # joined when `ctx` is read
         if self.tree_pending is not None:  # the round verified a calibrated tree: count its ranks
             tree, lists, drawn, greedy = self.tree_pending
             self.tree_pending = None

@@ -48,7 +48,20 @@ class MTPDrafter:
         self.taps = (target.args.num_hidden_layers - 1,)  # the final-normed hidden state
         self.measured_tau: MeasuredTau | None = None  # from the folder's eval.json
         self.caches = None  # per-depth KV caches (None before `start`)
+        self.main = None
         self.source: str | None = None  # where the layers were loaded from (`load_mtp`)
+
+    @property
+    def main(self) -> mx.array | None:
+        """Target hidden rows not yet consumed by depth 0 (positions main_pos..), or None — joined when read: `accept`
+        only adds each round's rows to `_main` (a batch row that follows plain steps spends no MLX op a step on them)."""
+        if len(self._main) > 1:
+            self._main = (mx.concatenate(list(self._main), axis=1),)
+        return self._main[0] if self._main else None
+
+    @main.setter
+    def main(self, value: mx.array | None) -> None:
+        self._main = () if value is None else (value,)
 
     @property
     def max_drafts(self) -> int:
@@ -78,7 +91,7 @@ class MTPDrafter:
         if self.caches is not None:
             d.caches = [copy_cache([c])[0] for c in self.caches]  # depths hold different positions
             d.saved, d.tokens = list(self.saved), list(self.tokens)
-        return d  # main (an array, never written in place) is shared
+        return d  # main (its pieces: a tuple of arrays, never written in place) is shared
 
     def state_nbytes(self) -> int:
         """Bytes of its state (per-depth K/V, saved outputs, target rows not consumed yet): what a prompt-cache
@@ -102,7 +115,7 @@ class MTPDrafter:
         self.main_pos = 0
 
     def accept(self, taps: list[mx.array], new_tokens: list[int]) -> None:
-        self.main = mx.concatenate([self.main, taps[0]], axis=1) if self.main is not None else taps[0]
+        self._main = self._main + (taps[0],)  # joined when `main` is read
         self.tokens += new_tokens
 
     # -- prompt-cache reuse (session.Session): continue the state on a new prompt instead of restarting -------------
@@ -153,7 +166,7 @@ class MTPDrafter:
         if have + taps[0].shape[1] != len(ids) - 1:
             raise RuntimeError(f"MTP drafter out of sync: its hidden rows reach position {have}, {taps[0].shape[1]} "
                                f"new rows do not reach the prompt end ({len(ids) - 1})")
-        self.main = taps[0] if self.main is None else mx.concatenate([self.main, taps[0]], axis=1)
+        self._main = self._main + (taps[0],)
         self.tokens = list(ids)
 
     def parts(self) -> tuple:

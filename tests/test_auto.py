@@ -4,6 +4,7 @@ AutoDecoder on tiny models (every sub-drafter kept in sync, output identical to 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -2446,6 +2447,7 @@ def test_a_stretch_s_last_charge_goes_to_the_phase_it_ran_in(tiny):
         opt.acceptance("greedy#0").set_alphas([0.95])
     auto.wants_taps("greedy")
     ids = [5, 6, 7, 8, 5]  # "5" occurred before: n-gram lookup drafts 6 7 8 5
+    auto.built.add(("ngram@1", 4))  # a round like it ran before (the first is not timed: `AutoDrafter.accept`)
     auto.start([], ids)
     assert not auto.plan(4, "greedy", 100) and ch.phase == 0
     drafts, _ = auto.propose(5, len(ids) - 1, 4, Sampler(SamplingParams()), ids)
@@ -2455,3 +2457,57 @@ def test_a_stretch_s_last_charge_goes_to_the_phase_it_ran_in(tiny):
     ch.set_phase(16)  # the plain token after the stretch is the next phase's
     auto.restart(0.005)
     assert set(ch.saved) == {"ngram@1#0"}
+
+
+class FirstShapeStalls:
+    """The target, its first verify forward of each width of 2 to 17 positions (chain or tree) taking `stall` seconds
+    more: what MLX's CUDA back-end does while it builds a shape's kernels (an H200: the first 2-row verify 86 ms, the
+    first 16-row DFlash tree round 20 s, each ~3-9 ms after). A drafter's catch-up forward (`last`) does not stall."""
+
+    def __init__(self, model, stall):
+        self.model, self.stall, self.seen = model, stall, set()
+
+    def __call__(self, x, cache=None, **kw):
+        key = (x.shape[1], kw.get("tree") is not None)
+        if 2 <= x.shape[1] <= 17 and kw.get("last") is None and key not in self.seen:
+            self.seen.add(key)
+            time.sleep(self.stall)
+        return self.model(x, cache, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_the_first_round_of_an_option_at_a_width_is_not_timed(tiny, tmp_path, monkeypatch):
+    """Solo auto on a target whose first verify of each width stalls 0.25 s (a kernel build): each option's first
+    round at a width teaches its acceptance but not its costs, and is not charged to its ledger; the rounds after it
+    are timed. Catches: a first round's stall in an option's ledger (capped at `LEDGER_ROUND_CAP` plain tokens: past
+    its floor, the option barred for hundreds of rounds) or in its verify / draft cost estimates."""
+    from glimmer_mlx.speculative.auto import multiplex
+    from glimmer_mlx.speculative.auto.chooser import AutoChooser
+
+    model, _, dpath = tiny
+    P = 0.004
+    curve = {L: P for L in range(1, 18)}  # verification free: DFlash is explored
+    info = {"cached": True, "plain_token_s": P, "wide_forward_s": None}
+    monkeypatch.setattr(multiplex, "load_or_calibrate", lambda *a, **kw: (dict(curve), dict(info)))
+    monkeypatch.setattr(multiplex, "measure_draft_costs", lambda *a, **kw: {"dflash": (0.001, 0.0)})
+    auto = make_auto(model, dflash=glimmer_mlx.load_drafter(dpath, model), ngram=4, calibration_dir=tmp_path)
+    credits, updates = [], []
+    real_credit, real_update = AutoChooser.credit, AutoChooser.update
+    monkeypatch.setattr(AutoChooser, "credit", lambda self, name, tokens, seconds, entry=None: (
+        credits.append((name, tokens, seconds)), real_credit(self, name, tokens, seconds, entry))[1])
+    monkeypatch.setattr(AutoChooser, "update", lambda self, name, k, n, regime="greedy", d=None, v=None: (
+        updates.append((name, k, d, v)), real_update(self, name, k, n, regime, d, v))[1])
+    target = FirstShapeStalls(model, 0.25)
+    prompt = list(range(20, 40))
+    r = glimmer_mlx.generate(target, prompt, max_tokens=40, drafter=auto)
+    assert r.tokens == glimmer_mlx.generate(model, prompt, max_tokens=40).tokens
+    spec = [u for u in updates if u[0] is not None and u[1] > 0]
+    assert len(spec) >= 2 and target.seen  # it drafted, and verified at new widths
+    firsts = {}
+    for name, k, d, v in spec:
+        firsts.setdefault((name, k), (d, v))
+    assert all(d is None and v is None for d, v in firsts.values())  # untimed
+    assert all(v is None or v < 0.2 for _, _, _, v in spec)  # no stall in any verify time
+    assert all(seconds < 0.2 for _, tokens, seconds in credits if tokens > 0)  # nor in any round's ledger credit

@@ -168,6 +168,8 @@ class AutoDrafter:
         self._reprefill = 0  # where the target's prefill restarts after `rewind_context`
         self._verdict = None  # the plain verdict a plain stretch keeps (`_hold`)
         self._planned = None  # (state, offers, `pick`'s answer) of the latest speculative `plan`, for `propose`
+        # (option, drafts) of the speculative rounds this process ran: their shapes' kernels are built (`accept`)
+        self.built: set[tuple[str, int]] = set()
         self._reset([], None)
 
     def _speed_now(self) -> float:
@@ -528,13 +530,21 @@ class AutoDrafter:
         now = time.perf_counter()
         if self._pending is not None:
             name, k, regime, t_draft, lag, t1 = self._pending
+            # the first round of an option at a width in this process: MLX built kernels for its shapes then (under
+            # its CUDA back-end on an H200 the first 16-row DFlash tree round took 20 s, the first 2-row verify 86
+            # ms, where each costs ~3-9 ms after): what it accepts counts, its time is not such a round's — neither
+            # its option's costs nor its ledger (one such round, capped at `LEDGER_ROUND_CAP` plain tokens, barred
+            # the tree option in every H200 sitting where a warm-up ran it first)
+            built = bool(k) and (name, k) not in self.built
+            if built:
+                self.built.add((name, k))
             steady = not k or self.chooser.steady(name, lag)
-            if not steady:  # what it spent beyond a steady round is its own catch-up cost
+            if not steady and not built:  # what it spent beyond a steady round is its own catch-up cost
                 opt = self.chooser.options[name]
                 self.chooser.observe_catch_up(name, lag, t_draft - self.chooser.scale * opt.cost(k))
-            self.chooser.update(name if k else None, k, len(new_tokens) - 1, regime, t_draft if steady else None,
-                                now - t1)
-            self._round = t_draft + now - t1 if k else None
+            self.chooser.update(name if k else None, k, len(new_tokens) - 1, regime,
+                                t_draft if steady and not built else None, None if built else now - t1)
+            self._round = t_draft + now - t1 if k and not built else None
             if k:
                 self._option, self._entry = name, self.chooser.entry(name)
             self._pending = None

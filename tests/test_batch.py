@@ -1585,14 +1585,14 @@ class ShapeStalls(CountingModel):
 
 def test_a_kernel_build_on_a_shapes_first_step_does_not_stop_speculation(sess, ids, ba):
     """End to end: a lone auto request whose drafter pays (a flat cost curve, DFlash's estimates at 0.8, every
-    batched forward 30 ms more than this CPU's few ms), on a target whose first batched forward of each shape stalls
-    0.5 s more (as a CUDA kernel build does on an H200): it goes on drafting after its first speculative step, and
-    its tokens are plain decoding's. Before, that step was charged to the ledger (16 plain steps, past its floor)
-    and every later step was plain."""
-    ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+    batched forward 60 ms more than this CPU's few ms and its drafting), on a target whose first batched forward of
+    each shape stalls 0.6 s more (as a CUDA kernel build does on an H200): it goes on drafting after its first
+    speculative step, and its tokens are plain decoding's. Before, that step was charged to the ledger (~9 plain
+    steps, past its floor) and every later step was plain."""
+    ba.curve = {n: 0.07 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # what a step costs this target, about
     ba.measured, ba.ratio, ba.by_rows, ba.saved, ba.elapsed = {}, None, {}, 0.0, 0.0
     pin(ba, "dflash", "greedy", 0.8)
-    model = ShapeStalls(sess.model, 0.5, 0.03)
+    model = ShapeStalls(sess.model, 0.6, 0.06)
     gen = BatchGenerator(model, auto=ba)
     row = gen.add(request(sess, ids[0], "auto", params(), 0, 32))
     out = []
@@ -1600,7 +1600,7 @@ def test_a_kernel_build_on_a_shapes_first_step_does_not_stop_speculation(sess, i
         for r, ch in gen.step():
             out += ch.tokens
     assert model.stalls >= 2 and not ba.barred
-    assert row.rounds - row.plain_rounds >= 3, (row.rounds, row.plain_rounds, ba.saved)
+    assert row.rounds - row.plain_rounds >= 2, (row.rounds, row.plain_rounds, ba.saved)  # before: 1
     assert out == solo(sess, ids[0], "ar", params(), 0, 32)[0]
 
 

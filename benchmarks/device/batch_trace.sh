@@ -1,16 +1,11 @@
 #!/bin/bash
 # Issue 24 on a lent NVIDIA H200: what the batch's auto chooser decides step by step (benchmarks/batch_auto_trace.py)
 # at N = 1 and 4 rows, with ar and DFlash rows as the same-run baselines, then `glimmer bench serve` (ours: ar and
-# auto; mlx-lm's server). Set-up and packing as issue20_24.sh; results under $OUT (the serve folder as one archive).
+# auto; mlx-lm's server). Set-up: setup.sh; results under $OUT (the serve folder as one archive).
 #   device run: bash benchmarks/device/batch_trace.sh   (carry: .dev)
 cd "$(dirname "$0")/../.."
 T0=$(date +%s)
-mkdir -p /tmp/site
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .dev/mlx-*.whl .dev/mlx_lm-*.whl || exit 3
-tar -xJf .dev/rest.tar.xz -C /tmp/site && xz -dc .dev/libmlx.sm90.so.xz > /tmp/site/mlx/lib/libmlx.so || exit 4
-ln -sfn "$(python3 -c "import nvidia; print(list(nvidia.__path__)[0])")" /tmp/site/nvidia
-python3 benchmarks/device/planes.py unpack .dev/emb > /dev/null || exit 5
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 GLIMMER_MLX_CACHE_DIR=/tmp/gcache
+source benchmarks/device/setup.sh
 echo "setup $(( $(date +%s) - T0 )) s"
 for N in ${TRACE_NS:-1 4}; do
     timeout ${TRACE_S:-60} python3 benchmarks/batch_auto_trace.py $N ${TRACE_RUNS:-8} $OUT/trace$N.json 2>&1 | grep --line-buffered -v "^no --"

@@ -11,12 +11,7 @@
 cd "$(dirname "$0")/../.."
 T0=$(date +%s)
 stamp() { echo "== $1 $(( $(date +%s) - T0 )) s"; }
-mkdir -p /tmp/site
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .dev/mlx-*.whl .dev/mlx_lm-*.whl || exit 3
-tar -xJf .dev/rest.tar.xz -C /tmp/site && xz -dc .dev/libmlx.sm90.so.xz > /tmp/site/mlx/lib/libmlx.so || exit 4
-ln -sfn "$(python3 -c "import nvidia; print(list(nvidia.__path__)[0])")" /tmp/site/nvidia
-python3 benchmarks/device/planes.py unpack .dev/emb || exit 5
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 GLIMMER_MLX_CACHE_DIR=/tmp/gcache
+source benchmarks/device/setup.sh
 stamp setup
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), 'cuda', mx.cuda.is_available())" 2>&1 | tee $OUT/sanity.log

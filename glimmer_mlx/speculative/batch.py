@@ -222,8 +222,8 @@ class Row:
     def accept(self, logits: mx.array, taps: tuple[int, dict] | None, token: int | None = None) -> list[int]:
         """logits [len(feed), V] of this row; taps: (this row's index in the step, {target layer: the step's output of
         that layer [B, L, D]}), cut here once to the row's committed positions for all its drafters (a cut per layer
-        and drafter after one per layer were ~14 MLX ops a row and step with DFlash and MTP carried along plain steps:
-        on an H200, where the host sets a small model's pace, those steps took 11 % longer than ar rows');
+        and drafter after one per layer were ~14 MLX ops a row and step with DFlash and MTP carried along plain steps,
+        where the host's work sets a small model's pace on an accelerator);
         token: a plain round's token when already picked (greedy rows batched). Returns the new committed tokens
         (the cache keeps the anchor and the accepted drafts: len(new) rows)."""
         p = self.sampler.params

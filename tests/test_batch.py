@@ -572,6 +572,7 @@ def test_the_batch_ledger_turns_speculation_off_once_it_lost_its_budget(ba):
     rows = [("greedy", 100, {"dflash": 15})] * 2
     assert ba.choose(rows, 0, 1, 0.0, 15)[0] > 0
     gen = SimpleNamespace(auto=ba, _landed=0.0, _prefilling=0.0, _after_spec=None, _wake=None)
+    gen.step_seconds = lambda st, now: BatchGenerator.step_seconds(gen, st, now)
     for shape in ((2, 9), (2, 1)):  # steps of these shapes ran before (the first of each is not priced: `first_of`)
         ba.first_of(*shape)
     # a speculative step of 2 rows x 9 positions committing 6 tokens in 40 ms: 6 x 5 ms - 40 ms = -10 ms

@@ -251,7 +251,7 @@ class Row:
                 d.accept([cut[t] for t in d.taps], new)
         if first:
             self.started()
-        elif self.drafters:
+        elif drafters:
             self.rounds += 1
             self.hist[len(new)] += 1
         return new
@@ -574,6 +574,11 @@ class BatchGenerator:
             self._leave(finished, keep_cache)
         return events
 
+    def step_seconds(self, st: Launched, now: float) -> float:
+        """What step `st`, read back at `now`, cost in a run of steps: the time since the previous read-back less the
+        prefill chunks run in between (a generator's first step: from its launch, after the prefills before it)."""
+        return now - self._landed - self._prefilling if self._landed is not None else now - st.t0
+
     def _observe(self, st: Launched, B: int, L: int, now: float, committed: int | None) -> None:
         """Tell the batch chooser what this step cost: the time since the previous read-back (what a step costs in a
         run of steps, pipelined or not), minus prefill chunks run in between and its drafting (priced per option). A
@@ -581,8 +586,7 @@ class BatchGenerator:
         cost (`BatchAuto.charge`), not a plain step's, and so are the slow pipelined plain steps after it, its wake,
         if it ends within `settle_max` steps (`BatchAuto.settled`; one that does not is the machine's). committed:
         the tokens the step committed when an auto row drafted in it (the ledger's: `BatchAuto.credit`)."""
-        # (a generator's first step: from its launch, after the prefills that came before it)
-        dt = now - self._landed - self._prefilling if self._landed is not None else now - st.t0
+        dt = self.step_seconds(st, now)
         plain_step = self.auto.step_cost(B, rows=B)  # before this step's time moves it
         self.auto.elapse(dt)
         if self.auto.first_of(B, L):  # MLX built kernels for it: not what such a step costs (`BatchAuto.first_of`)

@@ -535,16 +535,16 @@ class AutoDrafter:
             # ms, where each costs ~3-9 ms after): what it accepts counts, its time is not such a round's — neither
             # its option's costs nor its ledger (one such round, capped at `LEDGER_ROUND_CAP` plain tokens, is past
             # the ledger's floor: enough to bar the option)
-            built = bool(k) and (name, k) not in self.built
-            if built:
+            building = bool(k) and (name, k) not in self.built
+            if building:
                 self.built.add((name, k))
             steady = not k or self.chooser.steady(name, lag)
-            if not steady and not built:  # what it spent beyond a steady round is its own catch-up cost
+            if not steady and not building:  # what it spent beyond a steady round is its own catch-up cost
                 opt = self.chooser.options[name]
                 self.chooser.observe_catch_up(name, lag, t_draft - self.chooser.scale * opt.cost(k))
             self.chooser.update(name if k else None, k, len(new_tokens) - 1, regime,
-                                t_draft if steady and not built else None, None if built else now - t1)
-            self._round = t_draft + now - t1 if k and not built else None
+                                t_draft if steady and not building else None, None if building else now - t1)
+            self._round = t_draft + now - t1 if k and not building else None
             if k:
                 self._option, self._entry = name, self.chooser.entry(name)
             self._pending = None

@@ -38,15 +38,15 @@ def traced_choose(self, rows, *a):
     return k, plan
 
 
-def traced_observe(self, st, B, L, now, committed):
+def traced_observe(self, st, B, L, now, committed, queued):
     dt = self.step_seconds(st, now)  # before `_observe`: what it measures
-    observe(self, st, B, L, now, committed)
+    observe(self, st, B, L, now, committed, queued)
     a = self.auto
     k, names, exploring, keys = cur.pop("choice", (0, [], None, []))
     block = a.chooser.options["dflash"].max_k + 1 if "dflash" in a.chooser.options else 16
     key = keys[0] if keys else "greedy"
     rec = {"run": cur["run"], "B": B, "L": L, "dt_ms": 1e3 * dt, "drafting_ms": 1e3 * st.drafting,
-           "chained": st.chained, "k": k, "options": names, "exploring": exploring, "key": key,
+           "chained": st.chained, "queued": queued, "k": k, "options": names, "exploring": exploring, "key": key,
            "committed": committed, "plain_ms": 1e3 * a.step_cost(B, rows=B),
            "verify_ms": 1e3 * a.step_cost(B * block, rows=B), "ratio": a.ratio,
            "dflash_draft_ms": 1e3 * a.draft_cost("dflash", block - 1) if "dflash" in a.chooser.options else None,

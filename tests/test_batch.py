@@ -555,61 +555,113 @@ def test_auto_never_speculates_without_drafts(ba):
     assert k == 0 and plan == [(None, 0)] * 2
 
 
-def test_the_batch_ledger_turns_speculation_off_once_it_lost_its_budget(ba):
-    """Speculative steps that measurably lose (their committed tokens at a plain step's time per row take less than
-    their wall time) beyond `LOSS_BUDGET` of the batch's decoding time make every step plain, whatever the estimates
-    say; plain steps earn the budget back. `BatchGenerator._observe` credits a speculative step and the unpipelined
-    plain step after it. Catches: a ledger never consulted, a speculative step credited at the wrong plain cost, the
-    plain step after it not charged. And `LEDGER_FLOOR`: early on a loss of a few plain steps bars nothing."""
-    from types import SimpleNamespace
-
-    from glimmer_mlx.speculative.auto.chooser import LEDGER_FLOOR, LEDGER_ROUNDS, LOSS_BUDGET
-    from glimmer_mlx.speculative.batch import BatchGenerator
+def test_the_batch_ledger_turns_speculation_off_once_it_lost_its_budget(sess, ba):
+    """Speculative stretches that measurably lose (their committed tokens at a plain step's time per row, and the
+    plain steps of their span at their price, take less than their wall time) beyond `LOSS_BUDGET` of the batch's
+    decoding time make every step plain, whatever the estimates say; plain steps earn the budget back. A stretch goes
+    to the ledger when its span ends (`span_after` plain steps after it). Catches: a ledger never consulted, a
+    speculative step credited at the wrong plain cost, the plain steps after it not charged, a stretch of fixed-mode
+    rows credited, a stall counted in full. And `LEDGER_FLOOR`: early on a loss of a few plain steps bars nothing."""
+    from glimmer_mlx.speculative.auto.chooser import LEDGER_FLOOR, LEDGER_ROUND_CAP, LEDGER_ROUNDS, LOSS_BUDGET
+    from glimmer_mlx.speculative.batch import Launched
 
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
-    ba.measured, ba.ratio, ba.by_rows = {2: 0.01}, None, {}
+    ba.measured, ba.ratio, ba.by_rows, ba.saved, ba.elapsed = {2: 0.01}, None, {}, 0.0, 0.0
+    ba.span_after = 2
     pin(ba, "dflash", "greedy", 0.8)
     rows = [("greedy", 100, {"dflash": 15})] * 2
     assert ba.choose(rows, 0, 1, 0.0, 15)[0] > 0
-    gen = SimpleNamespace(auto=ba, _landed=0.0, _prefilling=0.0, _after_spec=None, _wake=None)
-    gen.step_seconds = lambda st, now: BatchGenerator.step_seconds(gen, st, now)
+    gen = BatchGenerator(sess.model, auto=ba)
     for shape in ((2, 9), (2, 1)):  # steps of these shapes ran before (the first of each is not priced: `first_of`)
         ba.first_of(*shape)
-    # a speculative step of 2 rows x 9 positions committing 6 tokens in 40 ms: 6 x 5 ms - 40 ms = -10 ms
-    st = SimpleNamespace(drafting=0.0, chained=False, t0=0.0)
+    clock = [100.0]
+    f = 1 - 1 / LEDGER_ROUNDS  # the ledger fades a step at a time
+
+    def step(L, seconds, chained=True, queued=True, committed=None):
+        st = Launched(rows=[], widths=[], logits=None, tapped=None, want=(), tokens={}, t0=clock[0], chained=chained)
+        gen._landed = clock[0]
+        clock[0] += seconds
+        gen._observe(st, 2, L, clock[0], committed, queued)
+
+    def stretch(spec_seconds, after=(0.010, 0.010), committed=6):
+        step(9, spec_seconds, chained=False, queued=False, committed=committed)
+        step(1, after[0], chained=False)
+        for s in after[1:]:
+            step(1, s)
+
     ba.elapse(0.2)  # decoded before: a 1 ms budget, under the floor's LEDGER_FLOOR plain steps of 10 ms
-    BatchGenerator._observe(gen, st, 2, 9, 0.040, 6)
-    assert ba.saved == pytest.approx(-0.010, rel=1e-3)
-    assert not ba.barred and ba.choose(rows, 0, 1, 0.0, 15)[0] > 0  # one unlucky step of a young batch
-    # a speculative step committing 6 tokens in 60 ms more: -65 ms in all, past the floor's 40
-    gen._landed = 0.0
-    BatchGenerator._observe(gen, st, 2, 9, 0.085, 6)
-    assert ba.saved == pytest.approx(-0.065, rel=1e-2)
+    # a speculative step of 2 rows x 9 positions committing 6 tokens in 40 ms (6 x 5 ms - 40 ms = -10 ms), two plain
+    # steps at the price after it: -10 ms, on the books once the span ends
+    step(9, 0.040, chained=False, queued=False, committed=6)
+    assert ba.saved == 0.0
+    step(1, 0.010, chained=False)
+    step(1, 0.010)
+    assert ba.saved == pytest.approx(-0.010, rel=1e-2)
+    assert not ba.barred and ba.choose(rows, 0, 1, 0.0, 15)[0] > 0  # one unlucky stretch of a young batch
+    # 6 tokens in 85 ms and a plain step of 15 ms after it: -60 ms more, past the floor's 40
+    stretch(0.085, after=(0.015, 0.010))
+    assert ba.saved == pytest.approx(-0.010 * f ** 3 - 0.060, rel=1e-2)
     assert ba.barred and ba.choose(rows, 0, 1, 0.0, 15) == (0, [(None, 0)] * 2)
-    # the plain step after it, not pipelined: 15 ms where a plain step of 2 rows costs 10
-    gen._landed = 0.0
-    BatchGenerator._observe(gen, st, 2, 1, 0.015, None)
-    assert ba.saved == pytest.approx(-0.070, rel=1e-2)
     while ba.barred:  # plain steps of 10 ms earn it back
         ba.elapse(0.010)
     assert ba.saved + max(LOSS_BUDGET * ba.elapsed, LEDGER_FLOOR * 0.010) >= 0
     assert ba.choose(rows, 0, 1, 0.0, 15)[0] > 0
-    # a speculative step of fixed-mode rows only (no auto row drafted): not the ledger's, but the unpipelined plain
-    # step after it is still that step's cost (`charge`), not a plain step's
-    saved, plain2 = ba.saved, ba.measured[2]
-    gen._landed = 0.0
-    BatchGenerator._observe(gen, st, 2, 9, 0.040, None)
-    gen._landed = 0.0
-    BatchGenerator._observe(gen, st, 2, 1, 0.015, None)
-    assert ba.saved == pytest.approx(saved * (1 - 1 / LEDGER_ROUNDS) ** 2)
-    assert ba.measured[2] == plain2 and ba.measured[18] > 0.040
+    # a speculative step of fixed-mode rows only (no auto row drafted): not the ledger's, but the slow plain step
+    # after it is still that step's cost (`charge`), not a plain step's
+    saved, plain2, spec = ba.saved, ba.measured[2], ba.measured[18]
+    stretch(0.040, after=(0.015, 0.010), committed=None)
+    assert ba.saved == pytest.approx(saved * f ** 3)
+    assert ba.measured[2] == plain2 and ba.measured[18] == pytest.approx(0.8 * spec + 0.2 * 0.040 + 0.2 * 0.005)
     # a one-second stall in a speculative step is charged at most LEDGER_ROUND_CAP plain steps
-    from glimmer_mlx.speculative.auto.chooser import LEDGER_ROUND_CAP
-
     before = ba.saved
-    gen._landed = 0.0
-    BatchGenerator._observe(gen, st, 2, 9, 1.0, 6)
-    assert ba.saved - before == pytest.approx(-LEDGER_ROUND_CAP * ba.step_cost(2), rel=0.05)
+    stretch(1.0)
+    assert ba.saved - before * f ** 3 == pytest.approx(-LEDGER_ROUND_CAP * ba.step_cost(2), rel=0.05)
+
+
+def test_a_stretchs_span_is_measured_whole_and_its_plain_steps_price_nothing(sess, ba):
+    """Where queueing a step runs most of its forward (MLX's CPU back-end), the plain step read back before a
+    speculative stretch with nothing queued behind it costs a fraction of a step, and the first one after it two:
+    neither is a plain step's price. Each is measured with the stretch (`Span`): summed they cost what the plain steps
+    cost (here: 2 + 18 ms against 2 x 10), so the stretch is credited its own gain only. A chain that breaks without
+    a speculative step (the chooser, a token behind, would have drafted) prices neither of its two steps. Catches:
+    the cheap step pulling the plain step's price down, the long one charged to the stretch (a whole step's loss
+    per stretch where there is none), the broken chain's steps priced."""
+    from glimmer_mlx.speculative.batch import Launched
+
+    ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+    ba.measured, ba.ratio, ba.by_rows, ba.saved, ba.elapsed = {2: 0.010, 18: 0.030}, 1.0, {}, 0.0, 0.0
+    ba.span_after = 3
+    gen = BatchGenerator(sess.model, auto=ba)
+    for shape in ((2, 9), (2, 1)):
+        ba.first_of(*shape)
+    clock = [100.0]
+
+    def step(L, seconds, chained=True, queued=True, committed=None):
+        st = Launched(rows=[], widths=[], logits=None, tapped=None, want=(), tokens={}, t0=clock[0], chained=chained)
+        gen._landed = clock[0]
+        clock[0] += seconds
+        gen._observe(st, 2, L, clock[0], committed, queued)
+
+    step(1, 0.002, queued=False)  # read back with nothing queued behind it
+    step(9, 0.030, chained=False, queued=False, committed=8)  # 8 tokens: 40 ms of plain steps, in 30
+    step(1, 0.018, chained=False)  # queued behind nothing: its own forward and the next one's
+    step(1, 0.010)
+    assert ba.saved == 0.0  # the span goes on
+    step(1, 0.010)
+    assert ba.measured[2] == 0.010 and ba.measured[18] == pytest.approx(0.030)  # nothing charged: 2 + 18 = 2 x 10
+    assert ba.saved == pytest.approx(0.010, rel=1e-2)
+    step(1, 0.012)  # after the span: a plain step's price again
+    assert ba.measured[2] == pytest.approx(0.8 * 0.010 + 0.2 * 0.012)
+    # a broken chain with no speculative step: neither its short step nor its long one is a price
+    p2 = ba.measured[2]
+    step(1, 0.002, queued=False)
+    step(1, 0.018, chained=False)
+    assert ba.measured[2] == p2
+    step(1, 0.010)
+    assert ba.measured[2] == pytest.approx(0.8 * p2 + 0.2 * 0.010)
+    # steps never pipelined (a row with a repetition penalty): each its own price
+    step(1, 0.011, chained=False, queued=False)
+    assert ba.measured[2] == pytest.approx(0.8 * (0.8 * p2 + 0.2 * 0.010) + 0.2 * 0.011)
 
 
 def test_auto_cost_model_observe_and_interpolate(ba):
@@ -1461,84 +1513,76 @@ def test_a_prefill_computes_the_logits_of_its_last_position_only(sess, ids, mode
 
 
 def test_the_slow_plain_steps_after_a_speculative_step_are_its_cost(sess):
-    """The batch's timing (`BatchGenerator._observe`): after a speculative step, the unpipelined plain step and the
-    pipelined plain steps slower than a plain step by more than `SETTLE_SLACK` (its wake) are charged to the
-    speculative step's estimate and its ledger credit when the wake ends (a plain step at the price, the next
-    speculative step), and are never measured as plain steps; a wake still going after `settle_max` steps is the
-    machine's: its steps are measured as plain steps and nothing is charged. Catches: the wake's steps raising the
-    plain step's estimate (speculation priced against a plain step that much dearer), a lasting slowdown charged
-    to speculation (or never reaching the plain step's estimate), a stall counted in full."""
-    from glimmer_mlx.speculative.auto.chooser import LEDGER_ROUNDS, SETTLE_MAX, SETTLE_TOKEN_CAP
+    """The batch's timing (`BatchGenerator._observe`): after a speculative stretch, the plain steps of its span
+    (`span_after` of them: the unpipelined one and those it leaves slow) are never measured as plain steps; their
+    time beyond a plain step's price, summed, is the stretch's latest speculative step's cost (its estimate,
+    `BatchAuto.charge`) and each goes to the ledger, when the span ends. A stretch starting within the span joins it.
+    Each step's excess counts at most `SETTLE_TOKEN_CAP` plain steps. Catches: the wake's steps raising the plain
+    step's estimate (speculation priced against a plain step that much dearer), the wake not charged (or charged
+    before it is over, or a fast step after it ignored), a stall counted in full."""
+    from glimmer_mlx.speculative.auto.chooser import LEDGER_ROUND_CAP, LEDGER_ROUNDS, SETTLE_TOKEN_CAP
     from glimmer_mlx.speculative.batch import Launched
 
     auto = sess.drafters.batch_auto()
     auto.measured, auto.ratio, auto.saved, auto.elapsed = {2: 0.010, 10: 0.020}, 1.0, 0.0, 0.0
     auto.by_rows = {2: {1: 0.010, 5: 0.020}}  # the same steps by shape: 2 rows x 1 and x 5 positions
-
-    def plain_price(seconds):
-        auto.measured[2] = auto.by_rows[2][1] = seconds
-
-    gen = BatchGenerator(sess.model, prefill_step=16, auto=auto)
-    for shape in ((2, 5), (2, 1)):  # steps of these shapes ran before (the first of each is not priced: `first_of`)
-        auto.first_of(*shape)
-    clock = [100.0]
-    f = 1 - 1 / LEDGER_ROUNDS  # the ledger fades a step at a time
-
-    def step(L, seconds, chained=True, committed=None):
-        st = Launched(rows=[], widths=[], logits=None, tapped=None, want=(), tokens={}, t0=clock[0], chained=chained)
-        gen._landed = clock[0]
-        clock[0] += seconds
-        gen._observe(st, 2, L, clock[0], committed)
-
-    step(5, 0.020, committed=6)  # a speculative step over 2 x 5 positions
-    spec, saved = auto.measured[10], auto.saved
-    step(1, 0.015, chained=False)  # the plain step it kept from being queued: +5 ms
-    step(1, 0.019)  # its wake: +9 ms, +8 ms, held back
-    step(1, 0.018)
-    assert auto.measured[10] == pytest.approx(spec + 0.2 * 0.005) and auto.measured[2] == 0.010
-    step(1, 0.011)  # at the price (within the slack): the wake is over, and this step a plain step's measure
-    assert auto.measured[10] == pytest.approx(spec + 0.2 * (0.005 + 0.009 + 0.008))
-    assert auto.saved == pytest.approx((((f * saved - 0.005) * f) * f) * f - 0.009 - 0.008)
-    assert auto.measured[2] == pytest.approx(0.8 * 0.010 + 0.2 * 0.011)
-    p2 = auto.measured[2]
-    step(1, 0.019)  # no speculative step since: a slow step is a plain step's measure
-    assert auto.measured[2] == pytest.approx(0.8 * p2 + 0.2 * 0.019)
-
-    plain_price(0.010)
-    step(5, 0.020, committed=6)
-    step(1, 0.010, chained=False)
-    spec = auto.measured[10]
-    step(1, 1.0)  # a stall: SETTLE_TOKEN_CAP plain steps at most
-    step(5, 0.020, committed=6)  # the next speculative step ends the wake
-    assert auto.measured[10] == pytest.approx(0.8 * (spec + 0.2 * SETTLE_TOKEN_CAP * 0.010) + 0.2 * 0.020)
-
-    auto.chooser.settle_max = 3
+    span_after = auto.span_after
+    auto.span_after = 4
     try:
+        gen = BatchGenerator(sess.model, prefill_step=16, auto=auto)
+        for shape in ((2, 5), (2, 1)):  # steps of these shapes ran before (the first of each is not priced)
+            auto.first_of(*shape)
+        clock = [100.0]
+        f = 1 - 1 / LEDGER_ROUNDS  # the ledger fades a step at a time
+
+        def step(L, seconds, chained=True, queued=True, committed=None):
+            st = Launched(rows=[], widths=[], logits=None, tapped=None, want=(), tokens={}, t0=clock[0],
+                          chained=chained)
+            gen._landed = clock[0]
+            clock[0] += seconds
+            gen._observe(st, 2, L, clock[0], committed, queued)
+
+        step(5, 0.020, chained=False, queued=False, committed=6)  # 6 tokens, 30 ms of plain steps: +10 ms
+        spec = auto.measured[10]
+        step(1, 0.015, chained=False)  # the plain step it kept from being queued: +5 ms
+        step(1, 0.019)  # its wake: +9 ms, +8 ms
+        step(1, 0.018)
+        assert auto.measured[10] == spec and auto.measured[2] == 0.010 and auto.saved == 0.0  # held to the end
+        step(1, 0.008)  # the span's last step, 2 ms under the price: it counts too
+        assert auto.measured[10] == pytest.approx(spec + 0.2 * (0.005 + 0.009 + 0.008 - 0.002))
+        assert auto.saved == pytest.approx(0.010 - 0.005 - 0.009 - 0.008 + 0.002)
+        assert auto.measured[2] == 0.010 and auto.by_rows[2][1] == 0.010
+        step(1, 0.019)  # after the span: a slow step is a plain step's measure
+        assert auto.measured[2] == pytest.approx(0.8 * 0.010 + 0.2 * 0.019)
+
+        auto.measured[2] = auto.by_rows[2][1] = 0.010
+        saved = auto.saved
+        step(5, 0.020, chained=False, queued=False, committed=6)
         step(1, 0.010, chained=False)
         spec = auto.measured[10]
-        for _ in range(4):  # slower for good: no wake ends within 3 steps — the machine's, measured as plain steps
-            step(1, 0.030)
-        assert auto.measured[10] == spec
-        assert auto.measured[2] == pytest.approx(0.030 + 0.8 ** 4 * (0.010 - 0.030))
-        auto.chooser.settle_max = 0  # the unpipelined plain step only
-        plain_price(0.010)
-        step(5, 0.020, committed=6)
-        step(1, 0.010, chained=False)
-        step(1, 0.030)
-        assert auto.measured[2] == pytest.approx(0.8 * 0.010 + 0.2 * 0.030)
+        step(1, 1.0)  # a stall: SETTLE_TOKEN_CAP plain steps at most
+        step(5, 0.020, chained=False, queued=False, committed=6)  # the next stretch joins the span
+        spec2 = auto.measured[10]
+        assert spec2 == pytest.approx(0.8 * spec + 0.2 * 0.020)
+        for _ in range(4):
+            step(1, 0.010, chained=_ > 0)
+        assert auto.measured[10] == pytest.approx(spec2 + 0.2 * SETTLE_TOKEN_CAP * 0.010)
+        assert auto.measured[2] == 0.010
+        # the stall's credit: at most the ledger's round cap
+        assert auto.saved == pytest.approx(saved * f ** 8 + 2 * 0.010 - LEDGER_ROUND_CAP * 0.010)
     finally:
-        auto.chooser.settle_max = SETTLE_MAX
+        auto.span_after = span_after
 
 
 def test_the_first_step_of_each_shape_is_neither_priced_nor_charged(sess, ba):
     """MLX builds kernels on a shape's first use (its CUDA back-end compiles them): on an NVIDIA H200 the batch's
     first 1 x 16 verify took 4.3 s where one costs ~10 ms; priced and charged, it barred speculation for the rest of
-    the process. The first step of each (rows, positions) shape leaves the estimates and the ledger alone, as does
-    the unpipelined plain step after such a speculative step; the shape's next step is priced. A later stall moves
-    an estimate by at most a factor 1 + 0.2 x 2 (`chooser.robust_ema`). A generator's first step is timed from its
-    launch (the prefills before it are not inside it). Catches: the first step priced (4.3 s in the estimate, the
-    ledger barred), a plain EMA (a stall moving the estimate by 20 % of itself), a first step's time taken as its
-    launch-to-landing time less the prefills before it (negative: never measured)."""
+    the process. The first step of each (rows, positions) shape leaves the estimates alone, and the span of a stretch
+    with such a step (`Span`) goes neither to the ledger nor to an estimate; the shape's next step is priced. A later
+    stall moves an estimate by at most a factor 1 + 0.2 x 2 (`chooser.robust_ema`). A generator's first step is timed
+    from its launch (the prefills before it are not inside it). Catches: the first step priced (4.3 s in the
+    estimate, the ledger barred), a plain EMA (a stall moving the estimate by 20 % of itself), a first step's time
+    taken as its launch-to-landing time less the prefills before it (negative: never measured)."""
     from glimmer_mlx.speculative.batch import Launched
 
     ba.measured, ba.ratio, ba.by_rows, ba.saved, ba.elapsed = {2: 0.010}, 1.0, {2: {1: 0.010}}, 0.0, 0.0
@@ -1546,30 +1590,34 @@ def test_the_first_step_of_each_shape_is_neither_priced_nor_charged(sess, ba):
     gen = BatchGenerator(sess.model, auto=ba)
     clock = [100.0]
 
-    def step(L, seconds, chained=True, committed=None):
+    def step(L, seconds, chained=True, queued=True, committed=None):
         st = Launched(rows=[], widths=[], logits=None, tapped=None, want=(), tokens={}, t0=clock[0], chained=chained)
         gen._landed = clock[0]
         clock[0] += seconds
-        gen._observe(st, 2, L, clock[0], committed)
+        gen._observe(st, 2, L, clock[0], committed, queued)
 
-    step(5, 4.3, committed=6)  # the first 2 x 5 step: a kernel build
+    def plain_steps(n):
+        step(1, 0.010, chained=False)
+        for _ in range(n - 1):
+            step(1, 0.010)
+
+    step(5, 4.3, chained=False, queued=False, committed=6)  # the first 2 x 5 step: a kernel build
     step(1, 0.030, chained=False)  # the plain step it kept from being queued
+    plain_steps(ba.span_after - 1)  # the rest of its span
     assert 10 not in ba.measured and 5 not in ba.by_rows[2] and ba.measured[2] == 0.010
     assert ba.saved == 0.0 and not ba.barred
-    step(5, 0.020, committed=6)  # the shape's next step: priced, and credited (6 tokens x 5 ms - 20 ms)
+    step(5, 0.020, chained=False, queued=False, committed=6)  # the shape's next step: priced, and credited
     assert ba.measured[10] == pytest.approx(0.020) and ba.by_rows[2][5] == pytest.approx(0.020)
-    assert ba.saved == pytest.approx(0.010, rel=0.01)
-    step(1, 0.010, chained=False)
-    for _ in range(3):
-        step(1, 0.010)
-    step(5, 5.0, committed=6)  # a stall later: the estimate moves by at most 1.4x
+    plain_steps(ba.span_after)
+    assert ba.saved == pytest.approx(0.010, rel=0.01)  # 6 tokens x 5 ms - 20 ms
+    step(5, 5.0, chained=False, queued=False, committed=6)  # a stall later: the estimate moves by at most 1.4x
     assert ba.measured[10] == pytest.approx(0.8 * 0.020 + 0.2 * 3 * 0.020)
     # a generator's first step (nothing landed before): its launch to its landing, 12 ms, after 0.5 s of prefills
     ba.first_of(3, 1)
     gen = BatchGenerator(sess.model, auto=ba)
     gen._prefilling = 0.5
     st = Launched(rows=[], widths=[], logits=None, tapped=None, want=(), tokens={}, t0=200.0)
-    gen._observe(st, 3, 1, 200.012, None)
+    gen._observe(st, 3, 1, 200.012, None, False)
     assert ba.measured[3] == pytest.approx(0.012)
 
 

@@ -44,6 +44,7 @@ from .verify import target_distribution, verify_greedy, verify_sampling
 
 DEFAULT_MAX_BATCH = 16
 PRUNE_EVERY = 16  # steps between two checks that an auto row's model drafters could still pay
+SPAN_MAX = 64  # steps a measured stretch (`Span`) runs to at most before it goes to the chooser's books
 
 
 @dataclass
@@ -59,6 +60,25 @@ class Launched:
     t0: float
     chained: bool = False  # queued on the tokens of the step before it (pipelined)
     drafting: float = 0.0  # seconds its rows' drafters spent proposing
+
+
+@dataclass
+class Span:
+    """What a speculative stretch of the batch measurably cost (`BatchGenerator._observe`): the plain step read back
+    just before it when that step's time was cut short, its speculative steps, and the plain steps after it until
+    `BatchAuto.span_after` of them ran (a stretch starting sooner joins the span). Step by step the times of a
+    pipelined loop mix: where queueing a step runs most of its forward (MLX's CPU back-end), the plain step read back
+    with nothing queued behind it costs a fraction of a step, and the first plain step after the stretch two (its
+    own forward and the next one's); a stretch can leave the machine slower for some steps (BLAS threads spinning on,
+    caches its drafter took). Summed over the span they are what the stretch cost, whatever the back-end.
+    steps: (seconds, the plain step's price for its rows, what it committed in plain steps of its rows — None: a
+    speculative step no auto row drafted in —, whether it was a plain step)."""
+    n: int = 0  # positions of its latest speculative step (its estimate gets the plain steps' excess)
+    rows: int = 0  # ... and that step's rows
+    steps: list = field(default_factory=list)
+    after: int = 0  # plain steps since its latest speculative step
+    credited: bool = False  # an auto row drafted in it: the ledger's
+    priced: bool = True  # no step in it was the first of its shape (a kernel build: neither charged nor credited)
 
 
 @dataclass
@@ -289,12 +309,8 @@ class BatchGenerator:
         self.pending: Launched | None = None  # a queued step not read back yet (plain rows, pipelined)
         self._landed: float | None = None  # when the latest step was read back
         self._prefilling = 0.0  # seconds of prefill chunks since then
-        # the latest step when it was speculative: (its positions, whether an auto row drafted in it (the ledger's),
-        # its rows)
-        self._after_spec: tuple[int, bool, int] | None = None
-        # a speculative step's wake so far (`_observe`): (its n, credited, [(B, seconds, plain step, excess)], its rows)
-        # or None
-        self._wake: tuple[int, bool, list, int] | None = None
+        self._span: Span | None = None  # the speculative stretch being measured (`_observe`)
+        self._cut: tuple[float, float] | None = None  # the latest step when it was a plain step read back short
 
     def __len__(self) -> int:
         return len(self.rows) + len(self.waiting)
@@ -395,7 +411,7 @@ class BatchGenerator:
         events: list[tuple[Row, GenerationChunk]] = []
         if self.pending is not None:
             nxt = self._launch(self.pending) if self.rows and self._chainable(self.pending) else None
-            events += self._land(self.pending, keep_cache)
+            events += self._land(self.pending, keep_cache, queued=nxt is not None)
             self.pending = nxt
         while self.waiting and len(self.rows) < self.max_batch:  # one prefill forward a step; joins without one
             row = self.waiting[0]
@@ -427,7 +443,7 @@ class BatchGenerator:
                 if self._chainable(launched):
                     self.pending = launched  # read back in the next step, after the one after it is queued
                 else:
-                    events += self._land(launched, keep_cache)
+                    events += self._land(launched, keep_cache, queued=False)
         return events
 
     def _chainable(self, st: Launched) -> bool:
@@ -533,8 +549,9 @@ class BatchGenerator:
         self.step_rows[len(rows)] += 1
         return Launched(rows, widths, logits, tapped, want, tokens, t0, chained=after is not None, drafting=drafting)
 
-    def _land(self, st: Launched, keep_cache: bool) -> list[tuple[Row, GenerationChunk]]:
-        """Read a launched step back: each row accepts, commits and streams its tokens; finished rows leave."""
+    def _land(self, st: Launched, keep_cache: bool, queued: bool) -> list[tuple[Row, GenerationChunk]]:
+        """Read a launched step back: each row accepts, commits and streams its tokens; finished rows leave. queued:
+        the next step was queued behind it before it was read back."""
         ids = list(st.tokens)
         values = dict(zip(ids, mx.concatenate([st.tokens[i] for i in ids]).tolist())) if ids else {}
         index = {id(r): b for b, r in enumerate(self.rows)}
@@ -566,12 +583,14 @@ class BatchGenerator:
         now = time.perf_counter()
         if self.auto is not None:
             self.auto.decoded += committed
-            self._observe(st, B, L, now, committed if drafted else None)
+            self._observe(st, B, L, now, committed if drafted else None, queued)
         self._landed, self._prefilling = now, 0.0
         if finished:
             for b in finished:
                 self._finish(self.rows[b])
             self._leave(finished, keep_cache)
+            if not self.rows and self.auto is not None:  # the batch ran dry: a stretch is measured as far as it went
+                self._close_span()
         return events
 
     def step_seconds(self, st: Launched, now: float) -> float:
@@ -579,47 +598,58 @@ class BatchGenerator:
         prefill chunks run in between (a generator's first step: from its launch, after the prefills before it)."""
         return now - self._landed - self._prefilling if self._landed is not None else now - st.t0
 
-    def _observe(self, st: Launched, B: int, L: int, now: float, committed: int | None) -> None:
-        """Tell the batch chooser what this step cost: the time since the previous read-back (what a step costs in a
-        run of steps, pipelined or not), minus prefill chunks run in between and its drafting (priced per option). A
-        plain step that could not be pipelined because a speculative one came before it is that speculative step's
-        cost (`BatchAuto.charge`), not a plain step's, and so are the slow pipelined plain steps after it, its wake,
-        if it ends within `settle_max` steps (`BatchAuto.settled`; one that does not is the machine's). committed:
-        the tokens the step committed when an auto row drafted in it (the ledger's: `BatchAuto.credit`)."""
+    def _observe(self, st: Launched, B: int, L: int, now: float, committed: int | None, queued: bool) -> None:
+        """Tell the batch chooser what this step cost: the time since the previous read-back, minus prefill chunks run
+        in between (`step_seconds`) and, for its price, its drafting (priced per option). committed: the tokens the
+        step committed when an auto row drafted in it (the ledger's: `BatchAuto.credit`); queued: the next step was
+        queued behind it before it was read back.
+
+        A plain step's time prices plain steps only where the pipeline ran through it (queued behind the step before
+        it and the next queued behind it) or ran through none of it: one read back with nothing queued behind it
+        (`_cut`) is short of a step where queueing a step runs most of its forward, and the first one queued behind
+        nothing long. A speculative stretch is measured as a whole (`Span`): the cut step before it, its steps and the
+        plain steps after it; when it ends its plain steps' time beyond their price is its estimate's
+        (`BatchAuto.charge`) and every step of it goes to the ledger (`BatchAuto.credit`)."""
         dt = self.step_seconds(st, now)
         plain_step = self.auto.step_cost(B, rows=B)  # before this step's time moves it
         self.auto.elapse(dt)
-        if self.auto.first_of(B, L):  # MLX built kernels for it: not what such a step costs (`BatchAuto.first_of`)
-            if L > 1:  # nor is the unpipelined plain step after it a plain step's price (n = 0: charged to none)
-                self._after_spec, self._wake = (0, False, B), None
-            return
-        wake, self._wake = self._wake, None
-        extra = self.auto.settled(dt, plain_step) if wake is not None and L == 1 else None
-        if wake is not None and extra is None:
-            # the wake ended (a step at a plain step's price, or the next speculative step): it was the step's doing
-            self.auto.charge_wake(wake[0], wake[2], wake[1], rows=wake[3])
-            wake = None
+        built = self.auto.first_of(B, L)  # MLX built kernels for it: not what such a step costs (`BatchAuto.first_of`)
+        cut, self._cut = self._cut, None
+        span = self._span
         if L > 1:
-            self.auto.observe(B * L, dt - st.drafting, spec=True, rows=B)
-            self._after_spec = (B * L, committed is not None, B)
-            if committed is not None:
-                self.auto.credit(committed * plain_step / B - dt, plain_step)
-        elif self._after_spec is not None and not st.chained:
-            n, credited, rows = self._after_spec
-            self.auto.charge(n, dt - plain_step, rows)
-            if credited:
-                self.auto.credit(plain_step - dt, plain_step)
-            self._after_spec = None
-            self._wake = (n, credited, [], rows) if self.auto.settle_max else None
-        elif wake is not None and len(wake[2]) + 1 < self.auto.settle_max:
-            wake[2].append((B, dt, plain_step, extra))
-            self._wake = wake
-        else:
-            if wake is not None:  # a wake that does not end is the machine's: its steps measure plain steps
-                for b, s, _, _ in wake[2]:
-                    self.auto.observe(b, s, spec=False, rows=b)
+            if not built:
+                self.auto.observe(B * L, dt - st.drafting, spec=True, rows=B)
+            if span is None:
+                span = self._span = Span()
+                if cut is not None:
+                    span.steps.append((*cut, 1.0, True))
+            span.n, span.rows, span.after = B * L, B, 0
+            span.steps.append((dt, plain_step, None if committed is None else committed / B, False))
+            span.credited |= committed is not None
+            span.priced &= not built
+            if len(span.steps) >= SPAN_MAX:  # steps that draft every time (a fixed-mode row's): measured in parts
+                self._close_span()
+            return
+        if span is not None:
+            span.steps.append((dt, plain_step, 1.0, True))
+            span.priced &= not built
+            span.after += 1
+            if span.after >= max(1, self.auto.span_after):
+                self._close_span()
+            return
+        if built:
+            return
+        if st.chained and not queued:  # short of a step: whose it is, the next step says (a stretch's, or none's)
+            self._cut = (dt, plain_step)
+        elif st.chained == queued:  # the pipeline ran through it, or through none of it
             self.auto.observe(B, dt, spec=False, rows=B)
-            self._after_spec = None
+        # (queued behind nothing, the next queued behind it: its time has the next step's queueing in it)
+
+    def _close_span(self) -> None:
+        """The measured stretch is over (`Span`): to the chooser's books (`BatchAuto.book`)."""
+        span, self._span = self._span, None
+        if span is not None and span.priced:
+            self.auto.book(span.steps, span.n, span.rows, span.credited)
 
     def _finish(self, row: Row) -> None:
         row.stats.generation_tokens = row.out.n

@@ -28,10 +28,12 @@ request decoded plainly at 0.98x where DFlash rows ran 1.30x. Outputs are lossle
 row is verified by `verify`); the choice only changes speed.
 
 As the solo chooser does (`chooser.AutoChooser.credit`), the batch keeps a ledger of what its speculative steps
-measurably saved over plain steps of as many rows (the step's committed tokens × a plain step's time per row − its
-wall time, the unpipelined plain step after it included): while it is below −`LOSS_BUDGET` × the batch's decoding
-time (and below −`LEDGER_FLOOR` plain steps: early in a server's life 0.5 % of its decoding time is less than one
-unlucky step), every step is plain, until plain steps have earned the budget back.
+measurably saved over plain steps of as many rows, stretch by stretch (`speculative.batch.Span`: the plain step
+read back just before it, its steps and the plain steps after it until `SPAN_AFTER` of them ran; a speculative
+step counts its committed tokens × a plain step's time per row − its wall time, a plain step its price − its
+time): while it is below −`LOSS_BUDGET` × the batch's decoding time (and below −`LEDGER_FLOOR` plain steps: early
+in a server's life 0.5 % of its decoding time is less than one unlucky step), every step is plain, until plain
+steps have earned the budget back.
 """
 
 from __future__ import annotations
@@ -39,11 +41,17 @@ from __future__ import annotations
 import bisect
 
 from .chooser import (ENTER_GAIN, FUTURE_TOKENS, LEDGER_FLOOR, LEDGER_ROUND_CAP, LEDGER_ROUNDS, LOSS_BUDGET,
-                      MIN_GAIN, SCENARIOS, AcceptanceStats, robust_ema, wake_excess)
+                      MIN_GAIN, SCENARIOS, SETTLE_TOKEN_CAP, AcceptanceStats, robust_ema)
 from .multiplex import AutoDrafter
 
 EMA = 0.2  # weight of a new step time in its n's estimate (each sample at most 3x the estimate: `chooser.robust_ema`)
 EXPLORE_EVERY = 8  # steps an answer of `BatchAuto.explore` holds while nothing it depends on but the step costs moved
+# plain steps after a speculative stretch that are still its cost (`speculative.batch.Span`): the first one after it
+# (where queueing a step runs most of its forward, it carries the next one's as well) and those a stretch leaves slow
+# (on this repository's 2-core CPU with OpenBLAS, plain steps after a DFlash stretch ran ~1.25x for ~6 steps). Every
+# step of the window adds its own noise to the stretch's ledger credit: a longer one charges longer wakes and is
+# noisier (24 one-row runs of the embedded model: the stretches' spans lost 321 / 392 / 407 ms over 4 / 8 / 32 steps)
+SPAN_AFTER = 8
 
 
 class BatchAuto:
@@ -76,6 +84,7 @@ class BatchAuto:
         self.prefill_s: float | None = None  # seconds per position of a prefill chunk, EMA (`prefill_cost`)
         self._explore_memo: tuple | None = None  # (what `explore` was asked on, steps it still holds, its answer)
         self._shapes: set[tuple[int, int]] = set()  # (rows, positions per row) of the steps seen (`first_of`)
+        self.span_after = SPAN_AFTER  # plain steps after a speculative stretch that are still its cost
 
     def key(self, regime: str, generated: int) -> str:
         """The acceptance estimates a row of `regime` that has generated `generated` tokens drafts by: the regime's in
@@ -264,9 +273,10 @@ class BatchAuto:
         self.saved *= fade
 
     def credit(self, seconds: float, plain_step: float) -> None:
-        """Speculation saved `seconds` over plain steps (negative: lost): a speculative step's committed tokens at a
-        plain step's time per row less its wall time, or the plain step after it less a pipelined one; a loss of at
-        most `LEDGER_ROUND_CAP` plain steps (`plain_step` seconds each: a stall must not bar speculation for long)."""
+        """Speculation saved `seconds` over plain steps (negative: lost) in one step of a stretch's span (`book`): a
+        speculative step's committed tokens at a plain step's time per row less its wall time, a plain step's price
+        less its time; a loss of at most `LEDGER_ROUND_CAP` plain steps (`plain_step` seconds each: a stall must not
+        bar speculation for long)."""
         self.saved += max(seconds, -LEDGER_ROUND_CAP * plain_step)
         self.plain_step = plain_step
 
@@ -276,36 +286,28 @@ class BatchAuto:
         steps (every step is plain until not)."""
         return self.saved + max(LOSS_BUDGET * self.elapsed, LEDGER_FLOOR * self.plain_step) < 0.0
 
+    def book(self, steps: list, n: int, rows: int, credited: bool) -> None:
+        """A speculative stretch's span measured (`speculative.batch.Span`: steps as (seconds, plain step's price,
+        committed in plain steps of its rows or None, plain)): its plain steps' time beyond their price (each at most
+        `SETTLE_TOKEN_CAP` prices: a stall is not the stretch's) is the cost of its latest speculative step, over n
+        positions of `rows` rows (`charge`); where an auto row drafted in it (`credited`), each step goes to the
+        ledger (`credit`)."""
+        excess = sum(min(s - p, SETTLE_TOKEN_CAP * p) for s, p, _, plain in steps if plain)
+        if n and excess > 0:
+            self.charge(n, excess, rows)
+        if credited:
+            for s, p, worth, _ in steps:
+                if worth is not None:
+                    self.credit(worth * p - s, p)
+
     def charge(self, n: int, seconds: float, rows: int | None = None) -> None:
-        """What a speculative step over n positions cost beyond its own time (the plain step after it, which could
-        not be queued before the speculative step was read: its time over a pipelined plain step's), added to n's
-        estimate (EMA-weighted)."""
+        """What a speculative step over n positions cost beyond its own time (the plain steps of its stretch's span
+        beyond their price: `book`), added to n's estimate (EMA-weighted)."""
         if n in self.measured and seconds > 0:
             self.measured[n] += EMA * seconds
         shaped = self.by_rows.get(rows) if rows else None
         if shaped is not None and n // rows in shaped and seconds > 0:
             shaped[n // rows] += EMA * seconds
-
-    @staticmethod
-    def settled(seconds: float, plain_step: float) -> float | None:
-        """A pipelined plain step soon after a speculative one took `seconds` where a plain step costs `plain_step`:
-        its excess while that speculative step's wake goes on, None once it is over (`chooser.wake_excess`;
-        `BatchGenerator._observe`; the solo chooser's, per token: `multiplex.AutoDrafter.plain_token`)."""
-        return wake_excess(seconds, plain_step)
-
-    def charge_wake(self, n: int, wake: list, credited: bool, rows: int | None = None) -> None:
-        """A speculative step over n positions left a wake that ended: each of its plain steps' excess
-        ((rows, seconds, plain step seconds, excess) per step) is that step's cost (`charge`; the ledger's too where
-        it was `credited`)."""
-        for _, _, plain_step, extra in wake:
-            self.charge(n, extra, rows)
-            if credited:
-                self.credit(-extra, plain_step)
-
-    @property
-    def settle_max(self) -> int:
-        """The most plain steps a wake counts (the solo chooser's: `chooser.SETTLE_MAX`)."""
-        return self.chooser.settle_max
 
     def draft_cost(self, name: str, k: int) -> float:
         """Seconds of one round of `name` at k drafts: its calibrated shape (`DraftCost`) times what its rounds in

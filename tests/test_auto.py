@@ -243,6 +243,40 @@ def test_relevant_options_choose_as_all_options_do():
         assert ch.relevant() is None  # inside a speculative stretch every option counts
 
 
+def test_keep_answers_as_pick_does_or_not_at_all():
+    """`keep` (a stretch's option again where bounds decide it) says what `pick` says whenever it answers: random
+    tables, estimates uncertain enough to explore, inside a stretch and after a plain round, random budgets and
+    backlogs; and it does answer where one option runs far ahead. Catches: a bound on the others' mean rates only
+    (an exploration `pick` takes, kept instead), the running option's rate taken free of its switch, its own ledger
+    bar ignored."""
+    rng = np.random.default_rng(7)
+    answered = 0
+    for trial in range(400):
+        costs = {L: 10 * MS * (1 + rng.uniform(0, 0.3) * (L - 1)) for L in range(1, 17)}
+        top = rng.uniform(0.05, 1.0)
+        opts = {"dflash": (15, "block", rng.uniform(0, 2) * 10 * MS, list(rng.uniform(0, top, 15))),
+                "mtp": (3, "chain", rng.uniform(0, 1) * 10 * MS, list(rng.uniform(0, top, 3))),
+                "ngram@4": (8, "free", 0.0, list(rng.uniform(rng.uniform(0, 0.9), 1.0, 8)))}
+        ch = chooser(costs, opts)
+        for name in ("dflash", "mtp"):  # uncertain estimates: exploring them can pay
+            if rng.random() < 0.6:
+                ch.options[name].stats["greedy"] = AcceptanceStats(opts[name][0],
+                                                                   prior=(float(rng.uniform(0, 3)), 4.0))
+        ch._spec_last = bool(rng.random() < 0.7)
+        ch.switch_cost = float(rng.uniform(0, 30)) * 10 * MS  # what entering a stretch costs (after a plain round)
+        for name in ("dflash", "mtp"):
+            ch.set_lag(name, int(rng.integers(0, 40)), fill=int(rng.integers(0, 3)))
+        if rng.random() < 0.1:
+            ch.barred = ch.barred | {ch.entry("ngram@4")}
+        remaining = None if rng.random() < 0.1 else int(rng.integers(1, 2000))
+        avail = {"dflash": int(rng.integers(1, 16)), "mtp": 3, "ngram@4": int(rng.integers(1, 9))}
+        kept = ch.keep("ngram@4", avail, remaining=remaining)
+        if kept is not None:
+            answered += 1
+            assert kept == ch.pick(avail, remaining=remaining), trial
+    assert answered >= 100
+
+
 def test_options_are_scored_with_switch_and_backlog_only_where_free_of_them_they_could_win(monkeypatch):
     """An option is scored with its switch and its drafter's backlog only where, free of both, it could beat what
     it has to (both only add to a round's cost): `best`, `pick` (exploration included), `relevant`,
@@ -1092,15 +1126,23 @@ def test_an_offer_that_goes_on_with_a_confirmed_copy_is_its_own_option(tiny):
 @pytest.mark.parametrize("reuse", [True, False])
 def test_the_round_after_a_speculative_one_is_chosen_once(tiny, monkeypatch, reuse):
     """After a speculative round nothing is pending, so `plan` sees the very state `propose` then drafts from:
-    `propose` takes plan's answer instead of scoring the options again — one scoring pass per round — and drafts
-    what choosing afresh drafts (reuse False: plan's answer forgotten, every round is scored twice)."""
+    `propose` takes plan's answer instead of scoring the options again — one scoring pass per round (`pick`, or
+    `keep` where it answers) — and drafts what choosing afresh drafts (reuse False: plan's answer forgotten, every
+    round is scored twice)."""
     from glimmer_mlx.sampling import Sampler, SamplingParams
 
     model, _, _ = tiny
     auto = _ngram_auto(model, {"ngram@1": 0.9, "ngram@2": 0.9, "ngram@3": 0.9, "ngram@4": 0.95})
     picks = []
-    real_pick = auto.chooser.pick
+    real_pick, real_keep = auto.chooser.pick, auto.chooser.keep
+
+    def keep(*a, **k):
+        got = real_keep(*a, **k)
+        picks.extend([1] if got else [])
+        return got
+
     monkeypatch.setattr(auto.chooser, "pick", lambda *a, **k: (picks.append(1), real_pick(*a, **k))[1])
+    monkeypatch.setattr(auto.chooser, "keep", keep)
     sampler = Sampler(SamplingParams())
     cycle = [5, 9, 14, 20, 27, 35, 44]
     ids = cycle * 3

@@ -940,6 +940,36 @@ class AutoChooser:
                 return e[0], e[1], True
         return name, k, False
 
+    def keep(self, name: str, available: dict[str, int], regime: str = "greedy",
+             remaining: int | None = None) -> tuple[str, int, bool] | None:
+        """`pick`'s answer when bounds alone decide it for option `name` (the running stretch's), else None (ask
+        `pick`): `name` at its best width by the mean estimates beats plain's bar and every other option in
+        `available` free of a switch and a catch-up — their best rate by the mean estimates (`best` then picks
+        `name`) and their optimistic scenario's (`explore` then tries none: it compares them with the incumbent
+        rounded to 1 %, beaten by more than that here). Their rates with a switch or a catch-up are at most those
+        (`_bounded_by`), and their free tables are kept until their own estimates change: inside a stretch of one
+        option this is one table lookup per other option where `pick` weighs each of them twice."""
+        cap = available.get(name, 0)
+        if cap < 1:
+            return None
+        self.set_horizon(remaining)
+        if self.check_due() or self.entry(name) in self.barred:
+            return None  # (`pick` says plain on a due check; `check_due` asked again answers the same)
+        leaders = self._leaders(name, regime)
+        k, r = leaders[min(cap, len(leaders)) - 1]
+        if r <= (1 + 1e-9 + (MIN_GAIN if self._spec_last else ENTER_GAIN)) / self.plain_cal:
+            return None
+        explores = remaining is not None and remaining > 1
+        for other, c in available.items():
+            if other == name or c < 1 or self.entry(other) in self.barred:
+                continue
+            if self._leaders(other, regime, True)[-1][1] * (1 + 1e-9) >= r:
+                return None
+            if explores and not self.options[other].shadowed \
+                    and self._optimistic(other, self.options[other].max_k, regime, True) >= r:
+                return None
+        return name, k, False
+
     def choose(self, available: dict[str, int], regime: str = "greedy", remaining: int | None = None,
                picked: tuple | None = None) -> tuple[str | None, int]:
         """The option for this round (`pick`), counted. picked: what `pick` said of this very state (same estimates,

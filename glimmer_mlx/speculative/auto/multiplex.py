@@ -423,7 +423,10 @@ class AutoDrafter:
             return True
         among = self.chooser.relevant(regime, remaining)
         available = self._available(k, among)
-        picked = None if among is not None and not available else self.chooser.pick(available, regime, remaining)
+        # inside a stretch its option again, where bounds decide it (`AutoChooser.keep`); else every option weighed
+        picked = None if among is not None and not available else (
+            among is None and self._option is not None and self.chooser.keep(self._option, available, regime, remaining)
+            or self.chooser.pick(available, regime, remaining))
         if picked is None or picked[0] is None:
             key = (self.chooser.version, regime)  # what it was decided on (counting may age the estimates)
             self.chooser.count_plain()

@@ -664,6 +664,52 @@ def test_a_stretchs_span_is_measured_whole_and_its_plain_steps_price_nothing(ses
     assert ba.measured[2] == pytest.approx(0.8 * (0.8 * p2 + 0.2 * 0.010) + 0.2 * 0.011)
 
 
+def test_plain_steps_are_priced_again_when_stretches_leave_none(sess, ba):
+    """A stretch's plain steps price nothing (`Span`), so where stretches follow one another the plain step's price
+    would stay what one moment measured. After `STALE_ROUNDS` steps with no plain step priced, the batch's auto rows
+    step plainly until `CHECK_SAMPLES` plain steps are priced (the last stretch's span first runs out), then
+    speculate again on the fresh price; a batch whose fixed rows feed blocks is never held plain for it (no step of
+    it can be plain). Catches: no check (a plain price 40 % dear, from before the stretches, kept), a check that ends
+    on the span's unpriced steps, a check holding a batch no plain step can price."""
+    from glimmer_mlx.speculative.auto.chooser import CHECK_SAMPLES, STALE_ROUNDS
+    from glimmer_mlx.speculative.batch import Launched
+
+    ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+    ba.measured, ba.ratio, ba.by_rows, ba.saved, ba.elapsed = {2: 0.014}, None, {2: {1: 0.014}}, 0.0, 0.0
+    ba.span_after = 2
+    pin(ba, "dflash", "greedy", 0.8)
+    rows = [("greedy", 100, {"dflash": 8})] * 2
+    gen = BatchGenerator(sess.model, auto=ba)
+    for shape in ((2, 9), (2, 1)):
+        ba.first_of(*shape)
+    clock = [100.0]
+
+    def step(L, seconds, chained=True, queued=True, committed=None):
+        st = Launched(rows=[], widths=[], logits=None, tapped=None, want=(), tokens={}, t0=clock[0], chained=chained)
+        gen._landed = clock[0]
+        clock[0] += seconds
+        gen._observe(st, 2, L, clock[0], committed, queued)
+
+    step(1, 0.014)  # a plain step priced (a slow moment: 14 ms)
+    priced = ba.stepped
+    while ba.stepped - priced < STALE_ROUNDS:  # stretches back to back: none of their plain steps prices anything
+        step(9, 0.012, chained=False, queued=False, committed=12)
+        if ba.stepped % 8 == 0 and ba.stepped - priced < STALE_ROUNDS:
+            step(1, 0.010, chained=False)
+    assert ba.choose(rows, 0, 1, 0.0, 15)[0] > 0 and ba.checks == 0
+    step(9, 0.012, chained=False, queued=False, committed=12)
+    assert ba.choose(rows, 0, 3, 3.0, 15)[0] > 0  # a fixed row feeds a block: the step cannot be plain
+    assert ba.choose(rows, 0, 1, 0.0, 15) == (0, [(None, 0)] * 2) and ba.checks == 1
+    step(1, 0.010, chained=False)  # the span's steps: not prices
+    step(1, 0.010)
+    assert ba.choose(rows, 0, 1, 0.0, 15)[0] == 0 and ba.by_rows[2][1] == pytest.approx(0.014)
+    for _ in range(CHECK_SAMPLES):
+        assert ba.choose(rows, 0, 1, 0.0, 15)[0] == 0
+        step(1, 0.010)
+    assert ba.by_rows[2][1] < 0.0135
+    assert ba.choose(rows, 0, 1, 0.0, 15)[0] > 0 and ba.checks == 1
+
+
 def test_auto_cost_model_observe_and_interpolate(ba):
     """observe: an EMA per n and a measured/calibrated ratio applied to unmeasured n; calibrated extends the curve
     linearly. Catches: a ratio never applied, interpolation between the wrong points."""
@@ -676,7 +722,10 @@ def test_auto_cost_model_observe_and_interpolate(ba):
     assert ba.step_cost(8) == pytest.approx(12.0)
     ba.observe(4, 4.0, spec=False)
     assert ba.measured[4] == pytest.approx(0.8 * 8 + 0.2 * 4)
-    assert ba.steps == {"plain": 1, "spec": 1}
+    steps = dict(ba.steps)
+    ba.elapse(0.1, spec=True)  # the steps counted are those timed, priced or not
+    ba.elapse(0.1)
+    assert ba.steps == {"plain": steps["plain"] + 1, "spec": steps["spec"] + 1}
 
 
 def test_auto_prices_wide_batches_from_the_calibrations_compute_bound_point(ba, monkeypatch):

@@ -612,7 +612,7 @@ class BatchGenerator:
         (`BatchAuto.charge`) and every step of it goes to the ledger (`BatchAuto.credit`)."""
         dt = self.step_seconds(st, now)
         plain_step = self.auto.step_cost(B, rows=B)  # before this step's time moves it
-        self.auto.elapse(dt)
+        self.auto.elapse(dt, spec=L > 1)
         built = self.auto.first_of(B, L)  # MLX built kernels for it: not what such a step costs (`BatchAuto.first_of`)
         cut, self._cut = self._cut, None
         span = self._span
@@ -627,8 +627,9 @@ class BatchGenerator:
             span.steps.append((dt, plain_step, None if committed is None else committed / B, False))
             span.credited |= committed is not None
             span.priced &= not built
-            if len(span.steps) >= SPAN_MAX:  # steps that draft every time (a fixed-mode row's): measured in parts
+            if len(span.steps) >= SPAN_MAX:  # steps that draft every time (a fixed-mode row's): booked in parts
                 self._close_span()
+                self._span = Span(n=span.n, rows=span.rows)  # ... the stretch goes on being measured
             return
         if span is not None:
             span.steps.append((dt, plain_step, 1.0, True))

@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import bisect
 
-from .chooser import (ENTER_GAIN, FUTURE_TOKENS, LEDGER_FLOOR, LEDGER_ROUND_CAP, LEDGER_ROUNDS, LOSS_BUDGET,
-                      MIN_GAIN, SCENARIOS, SETTLE_TOKEN_CAP, AcceptanceStats, robust_ema)
+from .chooser import (CHECK_SAMPLES, ENTER_GAIN, FUTURE_TOKENS, LEDGER_FLOOR, LEDGER_ROUND_CAP, LEDGER_ROUNDS,
+                      LOSS_BUDGET, MIN_GAIN, SCENARIOS, SETTLE_TOKEN_CAP, STALE_ROUNDS, AcceptanceStats, robust_ema)
 from .multiplex import AutoDrafter
 
 EMA = 0.2  # weight of a new step time in its n's estimate (each sample at most 3x the estimate: `chooser.robust_ema`)
@@ -85,6 +85,10 @@ class BatchAuto:
         self._explore_memo: tuple | None = None  # (what `explore` was asked on, steps it still holds, its answer)
         self._shapes: set[tuple[int, int]] = set()  # (rows, positions per row) of the steps seen (`first_of`)
         self.span_after = SPAN_AFTER  # plain steps after a speculative stretch that are still its cost
+        self.stepped = 0  # steps timed so far (`elapse`)
+        self._priced_at: int | None = None  # ... when a plain step was last priced (`observe`; `check_due`)
+        self._check = 0  # plain steps a check still has to price
+        self.checks = 0  # checks run
 
     def key(self, regime: str, generated: int) -> str:
         """The acceptance estimates a row of `regime` that has generated `generated` tokens drafts by: the regime's in
@@ -251,7 +255,21 @@ class BatchAuto:
             shaped = self.by_rows.setdefault(rows, {})
             shaped[n // rows] = robust_ema(shaped.get(n // rows), seconds, EMA)
         self.ratio = robust_ema(self.ratio, seconds / self.calibrated(n), EMA)
-        self.steps["spec" if spec else "plain"] += 1
+        if not spec:
+            self._priced_at = self.stepped
+            self._check = max(0, self._check - 1)
+
+    @property
+    def check_due(self) -> bool:
+        """Whether this step must be plain to price plain steps again: none was priced in the latest `STALE_ROUNDS`
+        steps (a check then runs until `CHECK_SAMPLES` are), the solo chooser's rule (`AutoChooser.check_due`). A
+        stretch's plain steps price nothing (`speculative.batch.Span`): where stretches follow one another, the
+        plain step's price would otherwise stay what it was before them — a moment's price, the machine faster or
+        slower since — and every step of theirs be weighed and charged against it."""
+        if not self._check and self._priced_at is not None and self.stepped - self._priced_at > STALE_ROUNDS:
+            self._check = CHECK_SAMPLES
+            self.checks += 1
+        return self._check > 0
 
     def first_of(self, rows: int, L: int) -> bool:
         """Whether a step of `rows` rows feeding `L` positions each is the first of that shape this process runs (and
@@ -266,8 +284,10 @@ class BatchAuto:
         self._shapes.add((rows, L))
         return True
 
-    def elapse(self, seconds: float) -> None:
-        """A step took `seconds`: the decoding time the ledger's budget grows with."""
+    def elapse(self, seconds: float, spec: bool = False) -> None:
+        """A step (speculative: `spec`) took `seconds`: the decoding time the ledger's budget grows with."""
+        self.stepped += 1
+        self.steps["spec" if spec else "plain"] += 1
         fade = 1.0 - 1.0 / LEDGER_ROUNDS
         self.elapsed = fade * self.elapsed + max(0.0, seconds)
         self.saved *= fade
@@ -329,10 +349,11 @@ class BatchAuto:
         rows, fixed_width: the widest block they feed (1: none wider than a token), fixed_tokens: their expected
         tokens this step. Returns (k, [(option or None, drafts) per auto row]) — k 0: every auto row steps plainly;
         the best width by the mean estimates, or a step that explores a model drafter where that is worth it
-        (`explore`)."""
+        (`explore`); plain while the ledger bars speculation (`barred`) or a check prices plain steps again
+        (`check_due`)."""
         self.exploring = None
         plain = [(None, 0)] * len(rows)
-        if self.barred:
+        if self.barred or (fixed_width == 1 and self.check_due):  # (a fixed row's block: no step is plain anyway)
             return 0, plain
         k_top = min(k_max, max((cap for _, _, avail in rows for cap in avail.values()), default=0))
         if k_top < 1:
@@ -447,7 +468,7 @@ class BatchAuto:
     def stats(self) -> dict:
         return {**self.counts(),
                 "ledger_saved_s": round(self.saved, 6), "ledger_elapsed_s": round(self.elapsed, 6),
-                "barred": self.barred,
+                "barred": self.barred, "price_checks": self.checks,
                 "step_seconds": {int(n): round(s, 6) for n, s in sorted(self.measured.items())},
                 "step_seconds_by_rows": {int(b): {int(L): round(s, 6) for L, s in sorted(t.items())}
                                          for b, t in sorted(self.by_rows.items())}}

@@ -1,9 +1,11 @@
-"""What the interleaved A/B scripts share (`auto_vs_plain_ab.py`, `auto_overhead.py`, `ngram_overlap_ab.py`): their
-arguments T REPS [MAX_TOKENS], and the session and prompts — the embedded model with the first prompt of each shipped
-category under the chat template, or with AB_SET=DIR the trained tiny set (`bench_tiny_set.py`: its target, DFlash
-drafter and MTP layers; the prompts byte-encoded as `glimmer bench` does)."""
+"""What the interleaved A/B scripts share (`auto_vs_plain_ab.py`, `auto_overhead.py`, `ngram_overlap_ab.py`,
+`host_gap.py`, `ngram_round_host.py`): their arguments T REPS [MAX_TOKENS], and the session and prompts — the
+embedded model with the first prompt of each shipped category under the chat template, or with AB_SET=DIR the
+trained tiny set (`bench_tiny_set.py`: its target, DFlash drafter and MTP layers; the prompts byte-encoded as `glimmer
+bench` does); a second `auto` built as the session's; the time spent in the verify forwards."""
 import os
 import sys
+import time
 
 from glimmer_mlx.bench.runner import encode_prompts
 from glimmer_mlx.bench.settings import load_prompts
@@ -27,3 +29,31 @@ def session_and_prompts():
     s = load_session(None)
     return s, {c: s.tokenizer.apply_chat_template([{"role": "user", "content": p[0]}], add_generation_prompt=True,
                                                   tokenize=True) for c, p in prompts.items()}, None
+
+
+def second_auto(session):
+    """An auto built exactly as the session's (`strategy.Drafters.auto`), but its own."""
+    d = session.drafters
+    first, d._auto = d._auto, None
+    try:
+        return d.auto()
+    finally:
+        d._auto = first
+
+
+def time_verifies() -> list[float]:
+    """Time every greedy verify (`verify_greedy`, where a verify forward is evaluated) from now on: returns the
+    one-element list its seconds add up in (the caller reads and resets it)."""
+    import glimmer_mlx.speculative.engine as engine
+
+    spent, verify = [0.0], engine.verify_greedy
+
+    def timed(*a, **k):
+        t = time.perf_counter()
+        try:
+            return verify(*a, **k)
+        finally:
+            spent[0] += time.perf_counter() - t
+
+    engine.verify_greedy = timed
+    return spent

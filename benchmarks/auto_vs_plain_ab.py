@@ -47,6 +47,7 @@ import sys
 import time
 
 import glimmer_mlx
+import ab_setup
 from ab_setup import args, session_and_prompts
 from glimmer_mlx.bench.runner import task_order
 from glimmer_mlx.speculative.auto import make_auto
@@ -68,11 +69,7 @@ m.eos_token_ids = set()
 
 def second_auto():
     """An auto built exactly as the session's (`strategy.Drafters.auto`), but its own."""
-    first, d._auto = d._auto, None
-    try:
-        return d.auto()
-    finally:
-        d._auto = first
+    return ab_setup.second_auto(s)
 
 
 def unguarded(auto):

@@ -12,9 +12,8 @@ import statistics
 import sys
 import time
 
-from ab_setup import session_and_prompts
+from ab_setup import session_and_prompts, time_verifies
 
-import glimmer_mlx.speculative.engine as E
 from glimmer_mlx.generate import stream_generate
 from glimmer_mlx.speculative.ngram import NGramDrafter
 from glimmer_mlx.strategy import DecodeSpec
@@ -24,16 +23,8 @@ levels = [float(x) * 1e-6 for x in (sys.argv[2] if len(sys.argv) > 2 else "0,200
 s, ids, _ = session_and_prompts()
 m = s.model
 m.eos_token_ids = set()
-in_verify, busy = [0.0], [0.0]
-verify_greedy, propose = E.verify_greedy, NGramDrafter.propose
-
-
-def timed_verify(*a, **k):
-    t = time.perf_counter()
-    try:
-        return verify_greedy(*a, **k)
-    finally:
-        in_verify[0] += time.perf_counter() - t
+in_verify, busy = time_verifies(), [0.0]
+propose = NGramDrafter.propose
 
 
 def busy_propose(self, *a, **k):
@@ -43,7 +34,7 @@ def busy_propose(self, *a, **k):
     return propose(self, *a, **k)
 
 
-E.verify_greedy, NGramDrafter.propose = timed_verify, busy_propose
+NGramDrafter.propose = busy_propose
 res = collections.defaultdict(list)
 for r in range(reps):
     for level in (levels if r % 2 == 0 else levels[::-1]):

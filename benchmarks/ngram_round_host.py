@@ -15,9 +15,8 @@ import statistics
 import sys
 import time
 
-from ab_setup import session_and_prompts
+from ab_setup import second_auto, session_and_prompts, time_verifies
 
-import glimmer_mlx.speculative.engine as E
 from glimmer_mlx.bench.runner import task_order
 from glimmer_mlx.generate import stream_generate
 from glimmer_mlx.speculative.auto import make_auto
@@ -29,34 +28,13 @@ modes = sys.argv[3].split(",") if len(sys.argv) > 3 else ["ngram", "ngauto", "au
 s, ids, _ = session_and_prompts()
 m = s.model
 m.eos_token_ids = set()  # every run decodes n tokens
-in_verify = [0.0]
-verify_greedy = E.verify_greedy
-
-
-def timed_verify(*a, **k):
-    t = time.perf_counter()
-    try:
-        return verify_greedy(*a, **k)
-    finally:
-        in_verify[0] += time.perf_counter() - t
-
-
-E.verify_greedy = timed_verify
-
-
-def second_auto():
-    d = s.drafters
-    first, d._auto = d._auto, None
-    try:
-        return d.auto()
-    finally:
-        d._auto = first
+in_verify = time_verifies()
 
 
 def variant(mode):
     if mode == "ngauto":
         return make_auto(m, ngram=8)
-    a = second_auto()
+    a = second_auto(s)
     if mode == "nowarm":
         a._warm = lambda regime, remaining: False
     elif mode == "nokeep":

@@ -555,6 +555,23 @@ def test_auto_never_speculates_without_drafts(ba):
     assert k == 0 and plan == [(None, 0)] * 2
 
 
+def stepper(gen, rows: int = 2):
+    """step(L, seconds, chained=True, queued=True, committed=None): one step of `rows` rows feeding L positions each,
+    `seconds` long, handed to `gen._observe` as `BatchGenerator.step` lands it (chained: queued behind the step
+    before it; queued: the next one queued behind it)."""
+    from glimmer_mlx.speculative.batch import Launched
+
+    clock = [100.0]
+
+    def step(L, seconds, chained=True, queued=True, committed=None):
+        st = Launched(rows=[], widths=[], logits=None, tapped=None, want=(), tokens={}, t0=clock[0], chained=chained)
+        gen._landed = clock[0]
+        clock[0] += seconds
+        gen._observe(st, rows, L, clock[0], committed, queued)
+
+    return step
+
+
 def test_the_batch_ledger_turns_speculation_off_once_it_lost_its_budget(sess, ba):
     """Speculative stretches that measurably lose (their committed tokens at a plain step's time per row, and the
     plain steps of their span at their price, take less than their wall time) beyond `LOSS_BUDGET` of the batch's
@@ -563,7 +580,6 @@ def test_the_batch_ledger_turns_speculation_off_once_it_lost_its_budget(sess, ba
     speculative step credited at the wrong plain cost, the plain steps after it not charged, a stretch of fixed-mode
     rows credited, a stall counted in full. And `LEDGER_FLOOR`: early on a loss of a few plain steps bars nothing."""
     from glimmer_mlx.speculative.auto.chooser import LEDGER_FLOOR, LEDGER_ROUND_CAP, LEDGER_ROUNDS, LOSS_BUDGET
-    from glimmer_mlx.speculative.batch import Launched
 
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
     ba.measured, ba.ratio, ba.by_rows, ba.saved, ba.elapsed = {2: 0.01}, None, {}, 0.0, 0.0
@@ -574,14 +590,8 @@ def test_the_batch_ledger_turns_speculation_off_once_it_lost_its_budget(sess, ba
     gen = BatchGenerator(sess.model, auto=ba)
     for shape in ((2, 9), (2, 1)):  # steps of these shapes ran before (the first of each is not priced: `first_of`)
         ba.first_of(*shape)
-    clock = [100.0]
     f = 1 - 1 / LEDGER_ROUNDS  # the ledger fades a step at a time
-
-    def step(L, seconds, chained=True, queued=True, committed=None):
-        st = Launched(rows=[], widths=[], logits=None, tapped=None, want=(), tokens={}, t0=clock[0], chained=chained)
-        gen._landed = clock[0]
-        clock[0] += seconds
-        gen._observe(st, 2, L, clock[0], committed, queued)
+    step = stepper(gen)
 
     def stretch(spec_seconds, after=(0.010, 0.010), committed=6):
         step(9, spec_seconds, chained=False, queued=False, committed=committed)
@@ -626,7 +636,6 @@ def test_a_stretchs_span_is_measured_whole_and_its_plain_steps_price_nothing(ses
     a speculative step (the chooser, a token behind, would have drafted) prices neither of its two steps. Catches:
     the cheap step pulling the plain step's price down, the long one charged to the stretch (a whole step's loss
     per stretch where there is none), the broken chain's steps priced."""
-    from glimmer_mlx.speculative.batch import Launched
 
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
     ba.measured, ba.ratio, ba.by_rows, ba.saved, ba.elapsed = {2: 0.010, 18: 0.030}, 1.0, {}, 0.0, 0.0
@@ -634,13 +643,7 @@ def test_a_stretchs_span_is_measured_whole_and_its_plain_steps_price_nothing(ses
     gen = BatchGenerator(sess.model, auto=ba)
     for shape in ((2, 9), (2, 1)):
         ba.first_of(*shape)
-    clock = [100.0]
-
-    def step(L, seconds, chained=True, queued=True, committed=None):
-        st = Launched(rows=[], widths=[], logits=None, tapped=None, want=(), tokens={}, t0=clock[0], chained=chained)
-        gen._landed = clock[0]
-        clock[0] += seconds
-        gen._observe(st, 2, L, clock[0], committed, queued)
+    step = stepper(gen)
 
     step(1, 0.002, queued=False)  # read back with nothing queued behind it
     step(9, 0.030, chained=False, queued=False, committed=8)  # 8 tokens: 40 ms of plain steps, in 30
@@ -672,7 +675,6 @@ def test_plain_steps_are_priced_again_when_stretches_leave_none(sess, ba):
     it can be plain). Catches: no check (a plain price 40 % dear, from before the stretches, kept), a check that ends
     on the span's unpriced steps, a check holding a batch no plain step can price."""
     from glimmer_mlx.speculative.auto.chooser import CHECK_SAMPLES, STALE_ROUNDS
-    from glimmer_mlx.speculative.batch import Launched
 
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
     ba.measured, ba.ratio, ba.by_rows, ba.saved, ba.elapsed = {2: 0.014}, None, {2: {1: 0.014}}, 0.0, 0.0
@@ -682,13 +684,7 @@ def test_plain_steps_are_priced_again_when_stretches_leave_none(sess, ba):
     gen = BatchGenerator(sess.model, auto=ba)
     for shape in ((2, 9), (2, 1)):
         ba.first_of(*shape)
-    clock = [100.0]
-
-    def step(L, seconds, chained=True, queued=True, committed=None):
-        st = Launched(rows=[], widths=[], logits=None, tapped=None, want=(), tokens={}, t0=clock[0], chained=chained)
-        gen._landed = clock[0]
-        clock[0] += seconds
-        gen._observe(st, 2, L, clock[0], committed, queued)
+    step = stepper(gen)
 
     step(1, 0.014)  # a plain step priced (a slow moment: 14 ms)
     priced = ba.stepped
@@ -1570,7 +1566,6 @@ def test_the_slow_plain_steps_after_a_speculative_step_are_its_cost(sess):
     step's estimate (speculation priced against a plain step that much dearer), the wake not charged (or charged
     before it is over, or a fast step after it ignored), a stall counted in full."""
     from glimmer_mlx.speculative.auto.chooser import LEDGER_ROUND_CAP, LEDGER_ROUNDS, SETTLE_TOKEN_CAP
-    from glimmer_mlx.speculative.batch import Launched
 
     auto = sess.drafters.batch_auto()
     auto.measured, auto.ratio, auto.saved, auto.elapsed = {2: 0.010, 10: 0.020}, 1.0, 0.0, 0.0
@@ -1581,15 +1576,8 @@ def test_the_slow_plain_steps_after_a_speculative_step_are_its_cost(sess):
         gen = BatchGenerator(sess.model, prefill_step=16, auto=auto)
         for shape in ((2, 5), (2, 1)):  # steps of these shapes ran before (the first of each is not priced)
             auto.first_of(*shape)
-        clock = [100.0]
         f = 1 - 1 / LEDGER_ROUNDS  # the ledger fades a step at a time
-
-        def step(L, seconds, chained=True, queued=True, committed=None):
-            st = Launched(rows=[], widths=[], logits=None, tapped=None, want=(), tokens={}, t0=clock[0],
-                          chained=chained)
-            gen._landed = clock[0]
-            clock[0] += seconds
-            gen._observe(st, 2, L, clock[0], committed, queued)
+        step = stepper(gen)
 
         step(5, 0.020, chained=False, queued=False, committed=6)  # 6 tokens, 30 ms of plain steps: +10 ms
         spec = auto.measured[10]
@@ -1637,13 +1625,7 @@ def test_the_first_step_of_each_shape_is_neither_priced_nor_charged(sess, ba):
     ba.measured, ba.ratio, ba.by_rows, ba.saved, ba.elapsed = {2: 0.010}, 1.0, {2: {1: 0.010}}, 0.0, 0.0
     ba.first_of(2, 1)  # plain steps of 2 rows ran before
     gen = BatchGenerator(sess.model, auto=ba)
-    clock = [100.0]
-
-    def step(L, seconds, chained=True, queued=True, committed=None):
-        st = Launched(rows=[], widths=[], logits=None, tapped=None, want=(), tokens={}, t0=clock[0], chained=chained)
-        gen._landed = clock[0]
-        clock[0] += seconds
-        gen._observe(st, 2, L, clock[0], committed, queued)
+    step = stepper(gen)
 
     def plain_steps(n):
         step(1, 0.010, chained=False)

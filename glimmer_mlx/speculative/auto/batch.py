@@ -85,8 +85,7 @@ class BatchAuto:
         self._explore_memo: tuple | None = None  # (what `explore` was asked on, steps it still holds, its answer)
         self._shapes: set[tuple[int, int]] = set()  # (rows, positions per row) of the steps seen (`first_of`)
         self.span_after = SPAN_AFTER  # plain steps after a speculative stretch that are still its cost
-        self.stepped = 0  # steps timed so far (`elapse`)
-        self._priced_at: int | None = None  # ... when a plain step was last priced (`observe`; `check_due`)
+        self._priced_at: int | None = None  # `stepped` when a plain step was last priced (`observe`; `check_due`)
         self._check = 0  # plain steps a check still has to price
         self.checks = 0  # checks run
 
@@ -260,6 +259,11 @@ class BatchAuto:
             self._check = max(0, self._check - 1)
 
     @property
+    def stepped(self) -> int:
+        """Steps timed so far (`elapse`)."""
+        return self.steps["plain"] + self.steps["spec"]
+
+    @property
     def check_due(self) -> bool:
         """Whether this step must be plain to price plain steps again: none was priced in the latest `STALE_ROUNDS`
         steps (a check then runs until `CHECK_SAMPLES` are), the solo chooser's rule (`AutoChooser.check_due`). A
@@ -286,7 +290,6 @@ class BatchAuto:
 
     def elapse(self, seconds: float, spec: bool = False) -> None:
         """A step (speculative: `spec`) took `seconds`: the decoding time the ledger's budget grows with."""
-        self.stepped += 1
         self.steps["spec" if spec else "plain"] += 1
         fade = 1.0 - 1.0 / LEDGER_ROUNDS
         self.elapsed = fade * self.elapsed + max(0.0, seconds)

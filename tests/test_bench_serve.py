@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from glimmer_mlx.bench.serve import (CHART_SIZE, RequestRecord, ServeBenchError, ServeBenchSettings, ServerProcess,
                                      add_steps, balanced_levels, batch_steps, free_port, parse_sse, percentile,
-                                     prompt_for, render_serve_table, request_body, run_level, stream_request,
+                                     prompt_for, ratio_line, render_serve_table, request_body, run_level, stream_request,
                                      summarize, table_rows, write_json, write_serve_chart)
 from glimmer_mlx.cli import app
 
@@ -66,6 +66,26 @@ def test_balanced_levels_order_cancels_a_drifting_server():
     one = balanced_levels([1, 2], ["a", "b"], 1, run)  # one round: one pass, in order
     assert calls == [("a", 1, 1, 0), ("b", 1, 1, 0), ("a", 2, 1, 0), ("b", 2, 1, 0)] and one[1]["b"]["order"] == [1]
     assert one[1]["a"]["aggregate_tps"] > one[2]["a"]["aggregate_tps"]  # what an unbalanced order measures
+
+
+def test_pass_figures_and_the_ratio_line_pass_by_pass():
+    """With passes, each pass's own aggregate tok/s (its tokens over its own wall time), in the order they ran; the
+    table's ratio line divides one mode's by another's at each level, in total and pass by pass (first by first,
+    second by second), so a ratio is read against how far its cells' passes drift apart."""
+    a1 = [_rec(0, 0.0, 0.1, 2.0, 20), _rec(1, 0.0, 0.1, 1.0, 10)]  # 30 tokens in 2 s: 15 tok/s
+    a2 = [_rec(2, 10.0, 0.1, 1.0, 30), _rec(3, 10.5, 0.1, 0.5, 0, error="boom")]  # 30 tokens in 1 s (the error's
+    # time counts, its tokens do not): 30 tok/s
+    s = summarize(a1 + a2, clients=2, passes=[a1, a2])
+    assert s["pass_tps"] == [pytest.approx(15.0), pytest.approx(30.0)]
+    assert s["aggregate_tps"] == pytest.approx(60 / 3)  # the passes' tokens over the sum of their walls
+    assert "pass_tps" not in summarize(a1, clients=2)  # one pass measured as a whole: nothing more to show
+    b1 = [_rec(0, 0.0, 0.1, 2.0, 40)]  # 20 tok/s
+    b2 = [_rec(1, 5.0, 0.1, 4.0, 40)]  # 10 tok/s
+    b = summarize(b1 + b2, clients=1, passes=[b1, b2])
+    res = {"results": {"ar": {"2": b}, "auto": {"2": s, "4": s}}}
+    # 20 / (80 / 6) = 1.5 in total; 15 / 20 and 30 / 10 pass by pass; no ar at N = 4: not on the line
+    assert ratio_line(res, "auto", "ar") == "auto ÷ ar per N: N=2 1.50 (passes 0.75, 3.00)"
+    assert ratio_line(res, "ar", "mlx-lm") is None
 
 
 def test_summarize_hand_computed():
@@ -335,6 +355,9 @@ def test_json_png_and_table_writers(tmp_path):
     text = con.export_text()
     assert "skipped auto" in text and "mlx-lm 0.32.2" in text and "dflash" in text
     assert "speculative batch steps" not in text  # no auto results: no line
+    # our modes over ar at each level (one pass each here: no pass ratios), ar over mlx-lm's server
+    assert "dflash ÷ ar per N: N=1 0.67, N=2 0.67, N=4 0.67" in text
+    assert "ar ÷ mlx-lm per N: N=1 0.80, N=2 0.80, N=4 0.80 (mlx-lm's passes ran after ours)" in text
     auto = {n: {**d, "batch_steps": {"plain": 10, "spec": k, "explored": {}}}
             for (n, d), k in zip(res["results"]["ar"].items(), (3, 1, 0))}
     con = Console(record=True, width=200)

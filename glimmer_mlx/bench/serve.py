@@ -291,7 +291,9 @@ def summarize(records: list[RequestRecord], clients: int, passes: list[list[Requ
     """One level: aggregate tok/s = the completion tokens of every well-formed request / the wall time from the
     first request sent to the last one finished (with `passes`, the level's requests ran in several passes with
     other modes in between: the sum of each pass's wall time); the median per-request tok/s; TTFT and latency
-    p50/p95 (ms) over the well-formed requests; errors (count and the first messages)."""
+    p50/p95 (ms) over the well-formed requests; errors (count and the first messages); with `passes`, each pass's
+    own aggregate tok/s too (`pass_tps`, in the order they ran): how far one cell's passes drift apart is the noise
+    a ratio of two cells is read against."""
     ok = [r for r in records if r.ok]
     bad = [r for r in records if not r.ok]
     wall = sum(pass_wall(p) for p in passes) if passes else pass_wall(records)
@@ -317,7 +319,33 @@ def summarize(records: list[RequestRecord], clients: int, passes: list[list[Requ
         "prompt_tokens": sum(r.prompt_tokens or 0 for r in ok),
         "cached_prompt_tokens": sum(r.cached_tokens or 0 for r in ok),  # the servers' prompt caches (as reported)
         "runs": [r.as_dict() for r in records],
+        **({"pass_tps": [pass_tps(p) for p in passes]} if passes else {}),
     }
+
+
+def pass_tps(records: list[RequestRecord]) -> float | None:
+    """One pass's aggregate tok/s: its well-formed requests' completion tokens over its wall time."""
+    ok = [r for r in records if r.ok]
+    wall = pass_wall(records)
+    return sum(r.completion_tokens or 0 for r in ok) / wall if ok and wall > 0 else None
+
+
+def ratio_line(res: dict, mode: str, base: str) -> str | None:
+    """"auto ÷ ar per N: N=1 1.08 (passes 1.02, 1.15), ..." — `mode`'s aggregate tok/s over `base`'s at each level
+    both ran, and the same ratio pass by pass (their passes ran side by side: the first of each, then the second),
+    or None where they share no level."""
+    a, b = res["results"].get(mode, {}), res["results"].get(base, {})
+    parts = []
+    for n, d in a.items():
+        e = b.get(n)
+        if e is None or not d.get("aggregate_tps") or not e.get("aggregate_tps"):
+            continue
+        item = f"N={n} {d['aggregate_tps'] / e['aggregate_tps']:.2f}"
+        pairs = [(x, y) for x, y in zip(d.get("pass_tps") or [], e.get("pass_tps") or []) if x and y]
+        if len(pairs) > 1:
+            item += " (passes " + ", ".join(f"{x / y:.2f}" for x, y in pairs) + ")"
+        parts.append(item)
+    return f"{mode} ÷ {base} per N: " + ", ".join(parts) if parts else None
 
 
 # -- the servers ----------------------------------------------------------------------------------------------------
@@ -818,6 +846,10 @@ def render_serve_table(res: dict) -> list:
     if lm and lm.get("loaded"):
         notes.append(f"mlx-lm {lm.get('version')} server, flags {lm.get('flags')} (decode concurrency "
                      f"{lm['defaults'].get('decode-concurrency')}); {lm.get('note')}")
+    if "ar" in res["results"]:  # our modes ran side by side, pass by pass; mlx-lm's server after ours
+        lines = [ratio_line(res, m, "ar") for m in res["results"] if m not in ("ar", MLX_LM)]
+        lm_line = ratio_line(res, "ar", MLX_LM)
+        notes += [x for x in lines if x] + ([lm_line + " (mlx-lm's passes ran after ours)"] if lm_line else [])
     spec = [f"N={n} {st.get('spec', 0)}/{st.get('spec', 0) + st.get('plain', 0)}"
             for n, st in ((n, d.get("batch_steps")) for n, d in res["results"].get("auto", {}).items()) if st]
     if spec:

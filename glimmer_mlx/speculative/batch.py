@@ -224,6 +224,9 @@ class Row:
         else:
             pos = len(self.history) - 1  # the anchor's position: the cache holds every committed token but the anchor
             self.drafts, self.q = drafter.propose(anchor, pos, k, self.sampler, self.history)
+        if not self.drafts:  # nothing drafted (n-gram lookup found no match): a plain round, as the solo engine's
+            self.drafts, self.q, self.choice = None, None, None
+            return [anchor]
         return [anchor] + self.drafts
 
     def available(self, k_max: int) -> dict:
@@ -521,7 +524,7 @@ class BatchGenerator:
                 if plans[b][1] > 0:  # a row that drafts, in a fixed mode as well: the step's time is without it
                     drafting += spent  # (counted in, a fixed DFlash row's drafter forward priced every 1 × 16 step
                     # ~1.8x what its forward costs, and auto's own rounds paid their drafting twice on that price)
-                if c is not None and c[0] is not None:  # what the chosen drafter's round measurably costs
+                if r.choice is not None:  # what the chosen drafter's round measurably costs
                     self.auto.observe_draft(c[0], c[1], spent + (shared if b in drafted else 0.0))
                 parts.append(f)
                 widths.append(len(f))

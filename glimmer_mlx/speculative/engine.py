@@ -3,9 +3,9 @@
 Per round the drafter proposes k drafts (`protocol.Drafter.propose`); one target forward over [anchor, d1..dk] with
 the drafter's taps is verified by `verify`; the target cache is rewound to "anchor + accepted drafts" and the
 drafter gets the taps of the committed positions. Plain rounds — the prefill's token, a round with one token of
-budget left, and `auto`'s plain stretches — run through the one plain loop (`runtime.plain.PlainDecoder`, with the
-drafter's taps), pipelined: when the next round is known to be plain, its forward is queued before the current token
-is read back.
+budget left, a round whose drafter drafted nothing, and `auto`'s plain stretches — run through the one plain loop
+(`runtime.plain.PlainDecoder`, with the drafter's taps), pipelined: when the next round is known to be plain, its
+forward is queued before the current token is read back.
 
 `SpeculativeDecoder` drafts every round it can at a fixed width. `TreeDecoder` verifies a token tree per round
 (`tree.TokenTree`: several candidate continuations in one target forward) and keeps the accepted path in the
@@ -95,7 +95,7 @@ class SpeculativeDecoder:
         k = min(self.max_k, budget - 1)
         if self.plain.queued or k == 0 or (not spec_next and self.plain_next(k, budget)):
             return self._plain_round(budget)
-        return self._spec_round(k)
+        return self._spec_round(k, budget)
 
     def _plain_round(self, budget: int) -> list[int]:
         """A plain step through the one plain loop (its forward queued by the round before, or now)."""
@@ -109,7 +109,7 @@ class SpeculativeDecoder:
         self.last_round = "plain"
         return self._commit([t])
 
-    def _spec_round(self, k: int) -> list[int]:
+    def _spec_round(self, k: int, budget: int) -> list[int]:
         anchor = self.history[-1]
         pos = self.cache[0].offset  # the anchor's position: the cache holds every committed token but the anchor
         t0 = time.perf_counter()
@@ -118,7 +118,16 @@ class SpeculativeDecoder:
         if isinstance(drafts, TokenTree):  # auto chose a token-tree round
             return self._tree_round(drafts, q, pos, t0, t1)
         self.last_drafts = drafts
-        k = len(drafts)  # a drafter may propose fewer than asked (auto: none, a plain step)
+        if not drafts:
+            # nothing drafted (n-gram lookup found no match; auto, choosing with the token its plan had not seen,
+            # chose a plain step): a plain round through the plain loop, whose next forward is queued behind it
+            # where that one is plain — a verify of the anchor alone was a plain step that queued nothing, so the
+            # round after it started cold as well (auto: two unpipelined steps, ~+1.2 and +2.2 ms on the trained
+            # tiny set, at each such turn)
+            self.plain.taps = self.verify_taps()
+            self.t_draft += t1 - t0
+            return self._plain_round(budget)
+        k = len(drafts)  # a drafter may propose fewer than asked
         want = self.verify_taps()
         out = self.model(mx.array([[anchor] + drafts], dtype=mx.int32), self.cache, taps=want)
         logits, taps = out if want is not None else (out, None)
@@ -215,7 +224,7 @@ class TreeDecoder(SpeculativeDecoder):
         drafter.enable_trees()
         self.nodes = nodes
 
-    def _spec_round(self, k: int) -> list[int]:
+    def _spec_round(self, k: int, budget: int) -> list[int]:
         pos = self.cache[0].offset  # the anchor's position (its KV is not cached yet)
         t0 = time.perf_counter()
         tree, q = self.drafter.propose_tree(self.history[-1], pos, k, self.nodes, self.sampler, self.history)
@@ -300,17 +309,18 @@ class AutoDecoder(SpeculativeDecoder):
         auto, t_prev = self.drafter, self._t_commit
         auto.remaining = budget  # what a speculative round chosen now can still earn back
         final = budget <= 1 and not self.plain.queued  # the last token, its forward not queued: not a plain stretch's
+        planned = self._spec_next  # planned speculative: no forward queued for it
         out = super().step(budget)
         now = time.perf_counter()
         if t_prev is not None and self.last_round != "first":
             auto.chooser.elapse(now - t_prev)  # the ledger's budget (`AutoChooser.credit`)
-        if self.last_round == "first":  # the prefill's token: the next token's forward queued behind it, or a stretch
-            self._after = "plain"       # starts (its lead: what queueing none saved)
-            if self._spec_next:
-                auto.lead(None)
+        if self.last_round == "first":  # the prefill's token: the next token's forward queued behind it (`plan`)
+            self._after = "plain"
         elif final and self.last_round == "plain":
             self._after = None
-        elif self.last_round == "spec":
+        elif self.last_round == "spec" or planned:
+            # (planned speculative and chosen plain with the token the plan had not seen: a step queued behind
+            # nothing — no plain token's price — and no stretch after the lead before it: `end_round` drops that)
             spec = t_prev is not None and auto.end_round(now - t_prev, len(out))
             self._after = "spec" if spec else None
         elif self.last_round == "plain":

@@ -157,9 +157,6 @@ class AutoDrafter:
         # the latest stretch's wake so far, (seconds, excess) per slow plain token after it (`plain_token`); None: none
         self._wake: list | None = None
         self._lead = 0.0  # what the plain token before the coming speculative round cost beyond a pipelined one
-        # ... and the plain tokens before stretches, EMA (None: none measured yet): what the prefill's token saved by
-        # queueing no next forward when a stretch starts right after it (`lead(None)`)
-        self._lead_ema: float | None = None
         self._option = None  # the option of the latest speculative round (its ledger: `AutoChooser.credit`)
         self._entry = None  # ... and its ledger entry (`AutoChooser.entry`: the phase of the response it ran in)
         self.remaining: int | None = None  # tokens of the request still to generate (the decoder sets it per round)
@@ -168,6 +165,7 @@ class AutoDrafter:
         self._reprefill = 0  # where the target's prefill restarts after `rewind_context`
         self._verdict = None  # the plain verdict a plain stretch keeps (`_hold`)
         self._planned = None  # (state, offers, `pick`'s answer) of the latest speculative `plan`, for `propose`
+        self._started = True  # the drafters' state is the current context's (a new one's starts with its first token)
         # (option, drafts) of the speculative rounds this process ran: their shapes' kernels are built (`accept`)
         self.built: set[tuple[str, int]] = set()
         self._reset([], None)
@@ -326,6 +324,7 @@ class AutoDrafter:
         return pos - c
 
     def start(self, taps: list[mx.array] | None, ids: list[int]) -> None:
+        self._started = True
         self._at = dict.fromkeys(self.drafters, 0)
         self._how = dict.fromkeys(self.drafters, "start")
         self._reset(ids, taps)
@@ -416,6 +415,15 @@ class AutoDrafter:
         what they offer (`AutoChooser.relevant`), and a plain verdict is kept while nothing it rests on changed
         (`_held`): then a plain round asks nothing but the n-gram index, and only where a match could matter."""
         self._phase()
+        if not self._started:
+            # the round after the prefill's token, planned before that token is read: every drafter's state, the
+            # n-gram index included, is still the previous context's, and a verdict on it is a guess — one that said
+            # "speculative" left that round and the next unpipelined (~+1.2 and +2.2 ms a request on the trained tiny
+            # set, where the round after it chose plain on the real state). It is plain; a stretch can start at the
+            # round after it, chosen on this context
+            self.chooser.count_plain()
+            self.needs_taps = self._warm(regime, remaining)
+            return True
         if self._held(k, regime):
             self.chooser.count_plain()
             self.needs_taps = self._verdict[3]
@@ -492,6 +500,7 @@ class AutoDrafter:
         later in the request a forward over the whole prompt: its catch-up then runs again only the tokens decoded
         since (`_sync`)."""
         self.chooser.new_context()
+        self._started = False  # until the prefill's token is read back (`start` / `extend`)
         self._lost.clear()
         self._opened = None  # a new response: its opening phase until it starts (`_reset`)
         self._phase()
@@ -576,20 +585,11 @@ class AutoDrafter:
         self._round = None
         return True
 
-    def lead(self, extra: float | None) -> None:
+    def lead(self, extra: float) -> None:
         """A speculative stretch starts after a plain token that took `extra` seconds more than a pipelined one
-        (negative when less: it had no next forward to queue). None: after the prefill's token, which queued no next
-        forward either but has no pipelined price to be measured against: it saved what the plain tokens before
-        stretches measurably save (their EMA, at most 0; none measured yet: nothing). Where a queued forward runs
-        beside the host (a GPU) that is ~0; where queueing it computes it (MLX's CPU backend) a whole forward —
-        uncounted, every stretch that started a request was charged the forward its first plain token computes
-        again after it (`restart`) and none it saved: on the trained tiny set the switch cost measured 1.0-1.4 plain
-        tokens instead of ~0.5, and DFlash's ledger lost where DFlash alone runs 1.04-1.09x plain."""
+        (negative when less: it had no next forward to queue; where queueing it computes it, MLX's CPU backend, a
+        whole forward saved). (The prefill's token is never such a token: the round after it is plain, `plan`.)"""
         self._close_wake()
-        if extra is None:
-            extra = min(0.0, self._lead_ema or 0.0)
-        else:
-            self._lead_ema = extra if self._lead_ema is None else 0.75 * self._lead_ema + 0.25 * extra
         self._stretch = self._lead = extra
 
     def restart(self, extra: float) -> None:
@@ -671,6 +671,7 @@ class AutoDrafter:
         return lowest
 
     def extend(self, taps: list[mx.array] | None, ids: list[int]) -> None:
+        self._started = True
         how, at = self._how, self._at
         self._reset(ids, taps, self._reprefill)
         self._how, self._at = how, at

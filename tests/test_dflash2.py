@@ -19,7 +19,7 @@ from glimmer_mlx.sampling import Sampler, SamplingParams, process
 from glimmer_mlx.speculative import load_drafter
 from glimmer_mlx.speculative.dflash2 import DFlash2Drafter
 from glimmer_mlx.strategy import DecodeSpec, load_drafters
-from chi_square import chi2, chi2_critical
+from test_dflash import V_SMALL, _exact_joint, _marginal_tests
 
 # The published Glimmer DFlash 2 config (z-lab/dflash tests/fixtures/dflash2-config.json), as its fields are.
 PUBLISHED = {
@@ -338,19 +338,6 @@ def test_greedy_identity_past_window(target, tmp_path, block_size):
             == glimmer_mlx.generate(target, ids, **pen).tokens)
 
 
-V_SMALL = 12
-
-
-def _exact_joint(model, prompt, params):
-    """P(t1, t2, t3) of plain sampling, every continuation enumerated (vocab 12)."""
-    def dist(seqs):
-        return np.exp(np.array(process(model(mx.array(seqs, dtype=mx.int32))[:, -1], params)))
-
-    p1 = dist([prompt])[0]
-    p2 = dist([prompt + [a] for a in range(V_SMALL)])
-    p3 = dist([prompt + [a, b] for a in range(V_SMALL) for b in range(V_SMALL)]).reshape((V_SMALL,) * 3)
-    return p1[:, None, None] * p2[:, :, None] * p3
-
 
 def _worst(model, drafter, prompt, params, n=600):
     joint = _exact_joint(model, prompt, params)
@@ -360,11 +347,7 @@ def _worst(model, drafter, prompt, params, n=600):
                                  seed=seed, drafter=drafter)
         assert r.stats.extra["rounds"] >= 1 and r.stats.extra["drafter"] == "dflash2"
         counts[tuple(r.tokens)] += 1
-    worst = 0.0
-    for axes in [(1, 2), (0, 2), (0, 1), (0,)]:
-        stat, df = chi2(counts.sum(axis=axes).ravel(), joint.sum(axis=axes).ravel(), n)
-        worst = max(worst, stat / chi2_critical(df))
-    return worst
+    return _marginal_tests(counts, joint, n)
 
 
 @pytest.fixture(scope="module")

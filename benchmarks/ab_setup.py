@@ -2,7 +2,8 @@
 `host_gap.py`, `ngram_round_host.py`): their arguments T REPS [MAX_TOKENS], and the session and prompts — the
 embedded model with the first prompt of each shipped category under the chat template, or with AB_SET=DIR the
 trained tiny set (`bench_tiny_set.py`: its target, DFlash drafter and MTP layers; the prompts byte-encoded as `glimmer
-bench` does); a second `auto` built as the session's; the time spent in the verify forwards."""
+bench` does); a second `auto` built as the session's, and the variants of auto these scripts compare; the time spent in
+the verify forwards."""
 import os
 import sys
 import time
@@ -39,6 +40,27 @@ def second_auto(session):
         return d.auto()
     finally:
         d._auto = first
+
+
+VARIANTS = ("ngauto", "nowarm", "nokeep", "auto2")
+
+
+def auto_variant(session, mode: str):
+    """An auto of its own for `mode` (one of `VARIANTS`): ngauto, auto over n-gram lookup alone; nowarm, auto whose
+    forwards never yield the model drafters' taps; nokeep, auto whose chooser never keeps a stretch's option by
+    bounds (`AutoChooser.keep`); auto2, a second auto built as the session's (an A/A control)."""
+    if mode not in VARIANTS:
+        raise ValueError(f"no auto variant {mode!r}: one of {', '.join(VARIANTS)}")
+    if mode == "ngauto":
+        from glimmer_mlx.speculative.auto import make_auto
+
+        return make_auto(session.model, ngram=8)
+    a = second_auto(session)
+    if mode == "nowarm":
+        a._warm = lambda regime, remaining: False
+    elif mode == "nokeep":
+        a.chooser.keep = lambda *args, **kw: None
+    return a
 
 
 def time_verifies() -> list[float]:

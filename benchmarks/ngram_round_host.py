@@ -15,11 +15,10 @@ import statistics
 import sys
 import time
 
-from ab_setup import second_auto, session_and_prompts, time_verifies
+from ab_setup import VARIANTS, auto_variant, session_and_prompts, time_verifies
 
 from glimmer_mlx.bench.runner import task_order
 from glimmer_mlx.generate import stream_generate
-from glimmer_mlx.speculative.auto import make_auto
 from glimmer_mlx.strategy import DecodeSpec
 
 reps = int(sys.argv[1])
@@ -31,18 +30,7 @@ m.eos_token_ids = set()  # every run decodes n tokens
 in_verify = time_verifies()
 
 
-def variant(mode):
-    if mode == "ngauto":
-        return make_auto(m, ngram=8)
-    a = second_auto(s)
-    if mode == "nowarm":
-        a._warm = lambda regime, remaining: False
-    elif mode == "nokeep":
-        a.chooser.keep = lambda *args, **kw: None
-    return a
-
-
-own = {mo: variant(mo) for mo in modes if mo in ("ngauto", "nowarm", "nokeep", "auto2")}
+own = {mo: auto_variant(s, mo) for mo in modes if mo in VARIANTS}
 res = collections.defaultdict(list)
 for r in range(reps):
     for ci, c in enumerate(ids):

@@ -3,8 +3,7 @@ the first token's step), then every later round by what it committed — a plain
 round of n tokens ("specN") — chunk to chunk as a consumer of `stream_generate` sees it; summed per repeat, with
 each kind's count and median. MAX_TOKENS (96) tokens of the shipped prompts (`ab_setup.py`; the trained tiny set with
 AB_SET=DIR), greedy, REPS repeats, the modes interleaved (`task_order`). Modes: any fixed mode (ngram, dflash, mtp),
-auto (the session's), ngauto (auto over n-gram lookup alone), nowarm (auto whose forwards never yield the model
-drafters' taps).
+auto (the session's) and auto's variants (`ab_setup.auto_variant`: ngauto, nowarm, nokeep, auto2).
 
     AB_SET=/tmp/pair python benchmarks/round_kinds.py REPS MODES        e.g. 8 ngram,ngauto,auto
 """
@@ -13,25 +12,17 @@ import statistics
 import sys
 import time
 
-from ab_setup import second_auto, session_and_prompts
+from ab_setup import VARIANTS, auto_variant, session_and_prompts
 
 from glimmer_mlx.bench.runner import task_order
 from glimmer_mlx.generate import stream_generate
-from glimmer_mlx.speculative.auto import make_auto
 from glimmer_mlx.strategy import DecodeSpec
 
 reps, modes = int(sys.argv[1]), sys.argv[2].split(",")
 s, ids, _ = session_and_prompts()
 m = s.model
 m.eos_token_ids = set()  # every run decodes MAX_TOKENS tokens
-own = {}
-for mo in modes:
-    if mo == "ngauto":
-        own[mo] = make_auto(m, ngram=8)
-    elif mo in ("auto", "nowarm"):
-        own[mo] = second_auto(s)
-        if mo == "nowarm":
-            own[mo]._warm = lambda regime, remaining: False
+own = {mo: auto_variant(s, mo) for mo in modes if mo in VARIANTS}
 acc = {mo: collections.defaultdict(list) for mo in modes}
 for r in range(reps):
     for ci, c in enumerate(ids):

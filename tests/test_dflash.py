@@ -202,17 +202,18 @@ def _exact_joint(model, prompt, params, tokens=3):
     return joint
 
 
-def _spec_counts(model, drafter, prompt, params, n, tokens=3):
-    """Counts of n seeded generations of `tokens` tokens; asserts that most of them ran a verified round (what a
-    distribution test of a speculative mode tests)."""
-    counts, verified = np.zeros((V_SMALL,) * tokens), 0
+def _spec_counts(model, drafter, prompt, params, n, tokens=3, verified=1):
+    """Counts of n seeded generations of `tokens` tokens; asserts that at least `verified` of them ran a verified
+    round (what a distribution test of a speculative mode tests: n-gram lookup drafts only where its context matched,
+    auto only where it chose to)."""
+    counts, ran = np.zeros((V_SMALL,) * tokens), 0
     for seed in range(n):
         r = glimmer_mlx.generate(model, prompt, max_tokens=tokens, temperature=params.temperature, top_k=params.top_k,
                                  top_p=params.top_p, min_p=params.min_p, seed=seed, drafter=drafter)
         assert r.stats.extra["rounds"] >= 1  # token 1 from the prefill; the rest from verified round(s)
-        verified += r.stats.extra["rounds"] > r.stats.extra["plain_rounds"]
+        ran += r.stats.extra["rounds"] > r.stats.extra["plain_rounds"]
         counts[tuple(r.tokens)] += 1
-    assert verified > n // 2, verified
+    assert ran >= verified, ran
     return counts
 
 

@@ -147,7 +147,7 @@ def test_auto_rows_offer_a_copy_they_follow_as_its_own_option(sess, ids, monkeyp
     auto = sess.drafters.batch_auto()
     offered = []
     real = auto.choose
-    monkeypatch.setattr(auto, "choose", lambda rows, *a: (offered.extend(set(av) for _, _, av in rows),
+    monkeypatch.setattr(auto, "choose", lambda rows, *a: (offered.extend(set(row[2]) for row in rows),
                                                           real(rows, *a))[1])
     stats = auto.acceptance("ngram@run", "greedy")  # shared with the session's auto: restored afterwards
     saved = (stats.acc[:], stats.tried[:], stats.shrink)
@@ -543,6 +543,44 @@ def test_auto_plain_when_compute_bound(ba):
     assert k == 0 and plan == [(None, 0)] * 4
 
 
+def test_a_rows_own_rounds_scale_its_estimates_and_a_row_drafting_at_a_loss_steps_plainly(ba):
+    """Each auto row's model drafters are priced as its own rounds of them did against the estimates (`BatchAuto.rho`,
+    the solo chooser's ρ): a row whose DFlash drafts keep failing steps plainly beside a row that drafts (its drafting
+    is worth fewer tokens than the step's rate commits in that time), and a lone row whose rounds accept far more than
+    the pooled estimates drafts where they alone would not pay. Catches: the pooled estimates alone (both rows
+    drafting, the lone row plain), every row of a speculative step drafting whatever its drafting costs, a row's
+    measure noted after the estimates learned from its round or under the wrong option."""
+    ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # verification free: drafting is the cost
+    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    ba.draft_cost = lambda name, k: 2e-3
+    pin(ba, "dflash", "greedy", 0.7)
+    dflash = ba.chooser.options["dflash"]
+    failing, fresh = {}, {}
+    for _ in range(40):  # 40 rounds that accepted no draft, each expected to accept 0.7 of its first one
+        dflash.note_here("greedy", 15, 0, failing.setdefault("dflash", {}))
+    assert ba.rho("dflash", "greedy#1", failing) == pytest.approx(16 / (28 + 16), abs=0.005)
+    assert ba.rho("dflash", "greedy", fresh) is None and ba.rhos(fresh, "greedy") == ()
+    rows = [("greedy", 100, {"dflash": 15}, ba.rhos(failing, "greedy")), ("greedy", 100, {"dflash": 15}, ())]
+    k, plan = ba.choose(rows, 0, 1, 0.0, 15)
+    assert k > 0 and plan[0] == (None, 0) and plan[1] == ("dflash", k), (k, plan)
+    k, plan = ba.choose([rows[1], rows[1]], 0, 1, 0.0, 15)
+    assert k > 0 and [p[0] for p in plan] == ["dflash", "dflash"]  # without its measure it drafts
+
+    ba.curve = {1: 0.01, 2: 0.012, 4: 0.014, 8: 0.017, 16: 0.02, 32: 0.04, 64: 0.08, 128: 0.16, 256: 0.32}
+    pin(ba, "dflash", "greedy", 0.3)
+    assert ba.choose([("greedy", 100, {"dflash": 15})], 0, 1, 0.0, 15)[0] == 0  # the pooled estimates: plain
+    lucky = {}
+    for _ in range(4):  # every draft accepted, in rounds of 15 (through `update`, as a batch's row notes them)
+        ba.update("dflash", "greedy", 15, 15, here=lucky)
+        pin(ba, "dflash", "greedy", 0.3)
+    assert lucky["dflash"]["greedy"] == [60.0, pytest.approx(4 * 15 * 0.3)]  # against the estimates before learning
+    assert ba.rho("dflash", "greedy", lucky) > 2.0
+    k, plan = ba.choose([("greedy", 100, {"dflash": 15}, ba.rhos(lucky, "greedy"))], 0, 1, 0.0, 15)
+    assert k > 0 and plan == [("dflash", k)]
+    ba.update("ngram@1", "greedy", 3, 0, here=lucky)  # n-gram lookup learns from every offer: no measure of its own
+    assert set(lucky) == {"dflash"}
+
+
 def test_auto_never_speculates_without_drafts(ba):
     """No row has drafts (no option available: an n-gram row whose suffix never occurred; or budget 1), even with
     drafting free and acceptance 1. Catches: a plan drafting for a row with no option, a width past the budget."""
@@ -702,8 +740,33 @@ def test_plain_steps_are_priced_again_when_stretches_leave_none(sess, ba):
     for _ in range(CHECK_SAMPLES):
         assert ba.choose(rows, 0, 1, 0.0, 15)[0] == 0
         step(1, 0.010)
-    assert ba.by_rows[2][1] < 0.0135
+    assert ba.by_rows[2][1] == pytest.approx(0.010)  # the check's own steps only
     assert ba.choose(rows, 0, 1, 0.0, 15)[0] > 0 and ba.checks == 1
+
+
+def test_a_plain_step_is_priced_by_the_median_of_the_latest_ones(sess, ba):
+    """A batch's plain step is priced as the solo chooser prices a plain token: the median of the latest
+    `SCALE_WINDOW` pipelined ones — a few slow steps among them (another process taking the machine for a moment) do
+    not make every speculative step look cheap beside it, a lasting change comes through within half the window, and
+    steps the pipeline ran through only in part price nothing. Catches: an EMA of the plain steps (3 slow steps of 9
+    raised it to ~1.3x), the slow ones at the window's end deciding."""
+    from glimmer_mlx.speculative.auto.chooser import SCALE_WINDOW
+
+    ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+    ba.measured, ba.ratio, ba.by_rows, ba.saved, ba.elapsed = {}, None, {}, 0.0, 0.0
+    gen = BatchGenerator(sess.model, auto=ba)
+    ba.first_of(2, 1)
+    step = stepper(gen)
+    for i in range(SCALE_WINDOW):
+        step(1, 0.005)
+    for i in range(SCALE_WINDOW // 2):  # the latest few slow
+        step(1, 0.012)
+    assert ba.step_cost(2, rows=2) == pytest.approx(0.005)
+    step(1, 0.030, chained=False)  # read back short of a step (its next not queued behind it): not a price
+    step(1, 0.030, chained=True, queued=False)
+    assert ba.step_cost(2, rows=2) == pytest.approx(0.005)
+    step(1, 0.012)  # more than half the window slow: the machine is slower now
+    assert ba.step_cost(2, rows=2) == pytest.approx(0.012)
 
 
 def test_auto_cost_model_observe_and_interpolate(ba):
@@ -750,8 +813,9 @@ def test_auto_prices_wide_batches_from_the_calibrations_compute_bound_point(ba, 
 
 def test_auto_choice_equals_scoring_every_width_on_random_tables(ba):
     """`choose` (with its early plain bound) against the objective scored at every width by brute force, over random
-    acceptance, cost curves (flat to compute-bound), budgets, offers and fixed rows. Catches: a bound that prunes a
-    width that would have won (e.g. taken at one draft instead of the widest)."""
+    acceptance, cost curves (flat to compute-bound), budgets, offers and fixed rows — a row whose drafting is worth
+    fewer tokens than the step's rate commits in that time stepping plainly. Catches: a bound that prunes a width
+    that would have won (e.g. taken at one draft instead of the widest), a row kept drafting at a loss."""
     import random
 
     from glimmer_mlx.speculative.auto.chooser import ENTER_GAIN
@@ -785,22 +849,32 @@ def test_auto_choice_equals_scoring_every_width_on_random_tables(ba):
         best = (len(rows) + fixed_tokens) / ba.step_cost(B * fixed_width)
         want = (0, [(None, 0)] * len(rows))
         for k in range(1, k_max + 1):
-            plan, tokens, drafting, L = [], fixed_tokens, 0.0, fixed_width
-            for regime, budget, avail in rows:
+            plan, gain = [], {}  # row -> (its extra tokens, its drafting seconds) while it drafts
+            for i, (regime, budget, avail) in enumerate(rows):
                 opts = [(e(n, regime, min(k, c, budget - 1)), n, min(k, c, budget - 1))
                         for n, c in avail.items() if min(k, c, budget - 1) >= 1]
                 top = max(opts, key=lambda o: o[0], default=None)
                 if top is None or top[0] <= 1.0:
                     plan.append((None, 0))
-                    tokens += 1.0
                     continue
                 plan.append((top[1], top[2]))
-                tokens += top[0]
-                drafting += ba.draft_cost(top[1], top[2])
-                L = max(L, top[2] + 1)
-            if L == fixed_width:
+                gain[i] = (top[0] - 1.0, ba.draft_cost(top[1], top[2]))
+            rate = 0.0
+            while gain:  # the row whose drafting is worth least steps plainly while that raises the rate
+                L = max([fixed_width] + [plan[i][1] + 1 for i in gain])
+                if L == fixed_width:
+                    gain = {}
+                    break
+                rate = (len(rows) + fixed_tokens + sum(x for x, _ in gain.values())) / (
+                    ba.step_cost(B * L) + sum(d for _, d in gain.values()))
+                worst = min(gain, key=lambda i: gain[i][0] / gain[i][1] if gain[i][1] > 0 else float("inf"))
+                x, d = gain[worst]
+                if d == 0 or x / d >= rate:
+                    break
+                del gain[worst]
+                plan[worst], rate = (None, 0), 0.0
+            if not gain:
                 continue
-            rate = tokens / (ba.step_cost(B * L) + drafting)
             if rate > best * (1 + ENTER_GAIN if want[0] == 0 else 1.0):
                 best, want = rate, (k, plan)
         assert got[0] == want[0], (trial, got, want)
@@ -1075,7 +1149,8 @@ def test_a_one_token_auto_request_leaves_its_drafters_states_for_the_next_turn(s
     from glimmer_mlx.serve.worker import Worker
     from glimmer_mlx.speculative.auto.batch import BatchAuto
 
-    monkeypatch.setattr(BatchAuto, "carries", lambda self, name, regime, batch, budget, generated=0: budget > 1)
+    monkeypatch.setattr(BatchAuto, "carries",
+                        lambda self, name, regime, batch, budget, generated=0, rho=None: budget > 1)
     asked = []
     monkeypatch.setattr(BatchAuto, "refill_pays", lambda self, *a: (asked.append(a), True)[1])
     worker = Worker(sess, max_queue=8, max_batch=8)
@@ -1132,7 +1207,8 @@ def test_a_row_keeps_its_drafters_states_to_the_end_of_its_budget(sess, ids, mon
     from glimmer_mlx.speculative.auto.batch import BatchAuto
 
     monkeypatch.setattr(batch_mod, "PRUNE_EVERY", 1)
-    monkeypatch.setattr(BatchAuto, "carries", lambda self, name, regime, batch, budget, generated=0: budget > 8)
+    monkeypatch.setattr(BatchAuto, "carries",
+                        lambda self, name, regime, batch, budget, generated=0, rho=None: budget > 8)
     asked = []
     monkeypatch.setattr(BatchAuto, "refill_pays", lambda self, *a: (asked.append(a), True)[1])
     worker = Worker(sess, max_queue=8, max_batch=8)
@@ -1361,7 +1437,8 @@ def test_a_row_drafts_by_the_estimates_of_its_phase_of_the_response(sess, ids, b
     assert opening != after and ba.key("greedy", 15) == opening
     ba.acceptance("dflash", opening).set_alphas([0.9])
     seen, real = [], ba.update
-    ba.update = lambda name, key, k, accepted: (seen.append((name, key, row.out.n)), real(name, key, k, accepted))
+    ba.update = lambda name, key, k, accepted, here=None: (seen.append((name, key, row.out.n)),
+                                                           real(name, key, k, accepted, here))
     gen = BatchGenerator(sess.model, prefill_step=16, auto=ba)
     row = gen.add(request(sess, ids[3], "auto", params(), 0, 40))
     while len(gen) or gen.waiting:

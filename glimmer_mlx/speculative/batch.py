@@ -160,6 +160,7 @@ class Row:
         self.steps = 0  # decode steps it was in
         self.drafts: list[int] = []
         self.q = None
+        self.here: dict = {}  # auto: how its rounds of each model drafter did against the estimates (`BatchAuto.rho`)
         self.final_cache: list[KVCache] | None = None
         self.ahead = False  # its length already counts the token of a step not read back yet
 
@@ -479,7 +480,8 @@ class BatchGenerator:
             for b in autos:
                 r = rows[b]
                 for kind in [k for k, d in r.options.items() if d.taps]:
-                    if not self.auto.carries(kind, r.regime, len(rows), r.out.max_tokens, r.out.n):
+                    if not self.auto.carries(kind, r.regime, len(rows), r.out.max_tokens, r.out.n,
+                                             self.auto.rho(kind, r.regime, r.here)):
                         del r.options[kind]
             autos = [b for b in autos if rows[b].options]
             if not autos:
@@ -490,8 +492,9 @@ class BatchGenerator:
         fixed_width = max((1 + min(r.req.width, r.out.budget - 1) if r.drafter is not None and not r.first_pending
                            else 1 for r in fixed), default=1)
         fixed_tokens = sum(r.tau() for r in fixed)
-        _, plan = self.auto.choose([(self.auto.key(r.regime, r.out.n), r.out.budget, r.available(k_max))
-                                    for r in (rows[b] for b in autos)], len(fixed), fixed_width, fixed_tokens, k_max)
+        _, plan = self.auto.choose([(self.auto.key(r.regime, r.out.n), r.out.budget, r.available(k_max),
+                                     self.auto.rhos(r.here, r.regime)) for r in (rows[b] for b in autos)],
+                                   len(fixed), fixed_width, fixed_tokens, k_max)
         return dict(zip(autos, plan))
 
     def _launch(self, after: Launched | None) -> Launched:
@@ -572,7 +575,8 @@ class BatchGenerator:
             committed += len(new)
             if r.choice is not None:
                 drafted = True
-                self.auto.update(r.choice[0], self.auto.key(r.regime, r.out.n), len(r.drafts), len(new) - 1)
+                self.auto.update(r.choice[0], self.auto.key(r.regime, r.out.n), len(r.drafts), len(new) - 1,
+                                 here=r.here)
             if r.ahead:  # the step after this one already counted this token
                 r.ahead = False
             else:

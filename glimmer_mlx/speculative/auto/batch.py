@@ -5,9 +5,11 @@ per second:
     rate(k) = Σ_rows E_r(k) / (T(n) + Σ_rows draft_r(k))
 
 - E_r(k): the row's expected tokens per round with its best option at width ≤ k (`AcceptanceStats` of the option,
-  learned across rows and requests, shared with the solo `auto` of the same process); a row whose option gives
-  fewer drafts (n-gram lookup: only where its context's suffix occurred before) counts what it gives; a row in a
-  fixed mode counts its own width's expectation; a plain row 1.
+  learned across rows and requests, shared with the solo `auto` of the same process — a model drafter's scaled by
+  how the row's own rounds of it did against them, its ρ, as the solo chooser scales a request's: `rho`); a row
+  whose option gives fewer drafts (n-gram lookup: only where its context's suffix occurred before) counts what it
+  gives; a row in a fixed mode counts its own width's expectation; a plain row 1. A row whose drafting would add
+  fewer tokens than the step's rate commits in the seconds it costs steps plainly in that step (`StepChoice.at`).
 - T(n): seconds of one batched step feeding n = B·L positions (B rows, padded to the widest block L), measured
   (without the rows' drafting): every step's time updates an EMA per shape (B, L) — and per n, what a shape with no
   plain step measured yet is priced by; an n not measured yet is the solo calibration's forward cost C(n) (the
@@ -39,9 +41,12 @@ steps have earned the budget back.
 from __future__ import annotations
 
 import bisect
+import collections
+import statistics
 
 from .chooser import (CHECK_SAMPLES, ENTER_GAIN, FUTURE_TOKENS, LEDGER_FLOOR, LEDGER_ROUND_CAP, LEDGER_ROUNDS,
-                      LOSS_BUDGET, MIN_GAIN, SCENARIOS, SETTLE_TOKEN_CAP, STALE_ROUNDS, AcceptanceStats, robust_ema)
+                      LOSS_BUDGET, MIN_GAIN, SCALE_WINDOW, SCENARIOS, SETTLE_TOKEN_CAP, STALE_ROUNDS, AcceptanceStats,
+                      robust_ema, scaled_alphas)
 from .multiplex import AutoDrafter
 
 EMA = 0.2  # weight of a new step time in its n's estimate (each sample at most 3x the estimate: `chooser.robust_ema`)
@@ -70,6 +75,9 @@ class BatchAuto:
         # positions ~9; priced by n, a server that had ever batched 8 requests priced a lone request's verify at the
         # 8-row step and never drafted for it again (DFlash rows alone ran 1.29x plain there, auto 0.91x)
         self.by_rows: dict[int, dict[int, float]] = {}
+        # B rows -> the latest `SCALE_WINDOW` plain steps' seconds: a plain step's price is their median (`observe`)
+        self._plain: dict[int, collections.deque] = {}
+        self._checked: set[int] = set()  # the row counts a running check has priced (`check_due`)
         self.ratio: float | None = None  # measured / calibrated step time, EMA over every step
         self.steps = {"plain": 0, "spec": 0}
         self.draft_factor: dict[str, float] = {}  # option -> measured / calibrated draft time, EMA
@@ -120,27 +128,31 @@ class BatchAuto:
         return {kind: d.fork() for kind, d in self.auto.drafters.items()
                 if kind == "ngram" or budget <= 1 or self.carries(kind, regime, batch, budget)}
 
-    def carries(self, name: str, regime: str, batch: int, budget: int, generated: int = 0) -> bool:
+    def carries(self, name: str, regime: str, batch: int, budget: int, generated: int = 0,
+                rho: float | None = None) -> bool:
         """Whether a row of `regime` that has generated `generated` tokens and may generate `budget` more, in a
         batch of `batch` rows, should carry model drafter `name`: in a phase it reaches (`keys`) the batch's choice
         could take it — it pays by its mean estimate (`could_pay`), or exploring it would (`explore`, in a batch of
-        such rows all carrying it only, against plain steps)."""
+        such rows all carrying it only, against plain steps); rho: how the row's own rounds of it did (`rho`)."""
+        rhos = () if rho is None else ((name, rho),)
         for key in self.keys(regime, generated, budget):
-            if self.could_pay(name, key, batch, budget):
+            if self.could_pay(name, key, batch, budget, rho):
                 return True
-            rows = [(key, budget, {name: self.chooser.options[name].max_k})] * batch
+            rows = [(key, budget, {name: self.chooser.options[name].max_k}, rhos)] * batch
             step = StepChoice(self, rows, 0, 1, 0.0, self.chooser.options[name].max_k)
             if self.explore(step, step.plain_rate) is not None:
                 return True
         return False
 
-    def could_pay(self, name: str, regime: str, batch: int, budget: int | None = None) -> bool:
+    def could_pay(self, name: str, regime: str, batch: int, budget: int | None = None,
+                  rho: float | None = None) -> bool:
         """Whether `name` beats plain decoding by the margin `choose` wants to start speculating (`ENTER_GAIN`) at
         some width, by its mean estimate, in a batch of `batch` rows all drafting with it (the most favourable
         case: every row pays the widest block anyway): at 1.00–1.05x plain the batch's choice never takes it. A row
-        with `budget` tokens to generate drafts at most budget − 1 a round (as `choose` lets it)."""
+        with `budget` tokens to generate drafts at most budget − 1 a round (as `choose` lets it); rho: the rows'
+        own measure of it (`rho`)."""
         plain = (1.0 + ENTER_GAIN) / self.step_cost(batch, rows=batch)
-        alphas = self.acceptance(name, regime).alphas()
+        alphas = scaled_alphas(self.acceptance(name, regime).alphas(), rho)
         top = self.chooser.options[name].max_k if budget is None else min(self.chooser.options[name].max_k, budget - 1)
         e, p = 1.0, 1.0
         for k in range(1, top + 1):
@@ -246,13 +258,27 @@ class BatchAuto:
     def observe(self, n: int, seconds: float, spec: bool, rows: int | None = None) -> None:
         """A step over n positions (of `rows` rows, if told) took `seconds` (its drafting excluded). Each estimate moves
         by at most a factor 1 + EMA·2 a sample (`chooser.robust_ema`: a stall of the machine, another process taking
-        it for a moment, is not what such a step costs; a lasting change comes through within a few steps)."""
+        it for a moment, is not what such a step costs; a lasting change comes through within a few steps) — but a
+        plain step of `rows` rows is priced as the solo chooser prices a plain token (`AutoChooser.observe_plain`):
+        the median of the latest `SCALE_WINDOW` (a check's own only, once it has them: `check_due`). The plain price
+        is what every speculative step is weighed against, and an EMA of it sat wherever the latest slow steps left
+        it: on the embedded server's 2 rows the batch's DFlash steps were chosen on a plain step priced 8.3 ms on
+        average, its plain steps taking 5.7 (the choice falls where the price is high, and a stretch, which measures
+        no plain step, keeps it there): DFlash drafted ~300 of 1 300 steps at 0.91x plain batching."""
         if seconds <= 0:
             return
         self.measured[n] = robust_ema(self.measured.get(n), seconds, EMA)
         if rows:
             shaped = self.by_rows.setdefault(rows, {})
-            shaped[n // rows] = robust_ema(shaped.get(n // rows), seconds, EMA)
+            if spec or n != rows:
+                shaped[n // rows] = robust_ema(shaped.get(n // rows), seconds, EMA)
+            else:
+                window = self._plain.setdefault(rows, collections.deque(maxlen=SCALE_WINDOW))
+                if self._check and rows not in self._checked:  # a check prices on its own steps
+                    self._checked.add(rows)
+                    window.clear()
+                window.append(seconds)
+                shaped[1] = statistics.median(window)
         self.ratio = robust_ema(self.ratio, seconds / self.calibrated(n), EMA)
         if not spec:
             self._priced_at = self.stepped
@@ -272,6 +298,7 @@ class BatchAuto:
         slower since — and every step of theirs be weighed and charged against it."""
         if not self._check and self._priced_at is not None and self.stepped - self._priced_at > STALE_ROUNDS:
             self._check = CHECK_SAMPLES
+            self._checked = set()
             self.checks += 1
         return self._check > 0
 
@@ -348,7 +375,8 @@ class BatchAuto:
 
     # -- the choice ----------------------------------------------------------------------------------------------
     def choose(self, rows, fixed_rows: int, fixed_width: int, fixed_tokens: float, k_max: int) -> tuple[int, list]:
-        """rows: the auto rows, each as (regime, budget, {option: most drafts it gives now}); fixed_rows: the other
+        """rows: the auto rows, each as (regime, budget, {option: most drafts it gives now}[, ((option, ρ), ...): its
+        own measure of its model drafters, `rhos`]); fixed_rows: the other
         rows, fixed_width: the widest block they feed (1: none wider than a token), fixed_tokens: their expected
         tokens this step. Returns (k, [(option or None, drafts) per auto row]) — k 0: every auto row steps plainly;
         the best width by the mean estimates, or a step that explores a model drafter where that is worth it
@@ -358,7 +386,7 @@ class BatchAuto:
         plain = [(None, 0)] * len(rows)
         if self.barred or (fixed_width == 1 and self.check_due):  # (a fixed row's block: no step is plain anyway)
             return 0, plain
-        k_top = min(k_max, max((cap for _, _, avail in rows for cap in avail.values()), default=0))
+        k_top = min(k_max, max((cap for row in rows for cap in row[2].values()), default=0))
         if k_top < 1:
             return 0, plain
         step = StepChoice(self, rows, fixed_rows, fixed_width, fixed_tokens, k_top)
@@ -392,8 +420,8 @@ class BatchAuto:
         if not names:
             return None
         seen = tuple((n, r, self.acceptance(n, r).tried[0]) for n in names for r in {g[0] for g in step.groups})
-        models = [(regime, budget, tuple((n, c) for n, c in avail.items() if not options[n].shadowed))
-                  for regime, budget, avail in step.groups]
+        models = [(regime, budget, tuple((n, c) for n, c in avail.items() if not options[n].shadowed), rho)
+                  for (regime, budget, avail), rho in zip(step.groups, step.rhos)]
         key = (tuple(models[g] for g in step.of), step.B, step.fixed_width, step.fixed_tokens, step.k_top, used, seen)
         memo = self._explore_memo
         if memo is not None and memo[0] == key and memo[1] > 0:
@@ -426,7 +454,7 @@ class BatchAuto:
         # the step's loss counts the margin `choose` wants to leave plain steps (`ENTER_GAIN`: what a speculative
         # step costs beyond its price, its wake), when the incumbent is plain
         margin = 1.0 + ENTER_GAIN if not used else 1.0
-        horizon = sum(budget for _, budget, _ in step.rows) + min(self.decoded, FUTURE_TOKENS)
+        horizon = sum(row[1] for row in step.rows) + min(self.decoded, FUTURE_TOKENS)
         found, surplus = None, 0.0
         for name in names:
             top = (name, SCENARIOS[-1])
@@ -460,8 +488,26 @@ class BatchAuto:
                 found, surplus = (name, k_e, plan_e, gain), gain
         return found
 
-    def update(self, name: str, regime: str, k: int, accepted: int) -> None:
+    def update(self, name: str, regime: str, k: int, accepted: int, here: dict | None = None) -> None:
+        """A round of `name` at k drafts accepted `accepted` of them; here: the row's own measure of its model
+        drafters' rounds (`rho`; `speculative.batch.Row.here`), noted first (before the estimates learn from it)."""
+        opt = self.chooser.options[name]
+        if here is not None and not opt.shadowed:
+            opt.note_here(regime, k, accepted, here.setdefault(name, {}))
         self.acceptance(name, regime).update(k, accepted)
+
+    def rho(self, name: str, regime: str, here: dict) -> float | None:
+        """How a row's own rounds of model drafter `name` did against the estimates they were drafted on (the solo
+        chooser's ρ, `chooser.HERE_WEIGHT`: a drafter accepts far more on some requests than on others, which the
+        estimates pooled over every row and request cannot follow), to 0.01; None: no round of it in the row yet.
+        here: the row's measures (`update`)."""
+        h = here.get(name)
+        rho = None if h is None else self.chooser.options[name].rho(regime.split("#", 1)[0], h)
+        return None if rho is None else round(rho, 2)
+
+    def rhos(self, here: dict, regime: str) -> tuple:
+        """((option, ρ), ...) of a row's measured model drafters (`rho`), for a row of `choose`."""
+        return tuple(sorted((n, r) for n in here if (r := self.rho(n, regime, here)) is not None))
 
     def counts(self) -> dict:
         """The batch's steps so far, plain and speculative, and those that explored each option (copies: safe to
@@ -478,7 +524,8 @@ class BatchAuto:
 
 
 class StepChoice:
-    """One step's choice for `BatchAuto.choose`: the auto rows ((regime, budget, {option: most drafts it gives})),
+    """One step's choice for `BatchAuto.choose`: the auto rows ((regime, budget, {option: most drafts it gives}[,
+    ((option, ρ), ...)])),
     the fixed rows (their count, widest block, expected tokens) and the widest block to consider. Rows alike for the
     choice (the same regime and offers, budgets past the widest block) are scored once, as a group (`groups`, with
     their `counts`; a plan is one (option or None, drafts) per group: `expand` makes it one per row). Each option's
@@ -495,12 +542,16 @@ class StepChoice:
         self.drafts: dict = {}  # (option, drafts) -> seconds of its round
         index: dict = {}
         self.groups, self.counts, self.of = [], [], []  # group g: (regime, budget, offers), its rows; row -> group
-        for regime, budget, avail in rows:
-            key = (regime, min(budget, k_top + 1), tuple(avail.items()))
+        self.rhos = []  # group g: ((option, ρ), ...) of its rows (`BatchAuto.rhos`)
+        for row in rows:
+            regime, budget, avail = row[:3]
+            rho = row[3] if len(row) > 3 else ()
+            key = (regime, min(budget, k_top + 1), tuple(avail.items()), rho)
             g = index.get(key)
             if g is None:
                 g = index[key] = len(self.groups)
                 self.groups.append((regime, key[1], avail))
+                self.rhos.append(rho)
                 self.counts.append(0)
             self.counts[g] += 1
             self.of.append(g)
@@ -510,22 +561,30 @@ class StepChoice:
         """A plan per group as one per row."""
         return [plan[g] for g in self.of]
 
-    def table(self, name: str, regime: str, z: float = 0.0) -> list[float]:
-        """[expected tokens of a round of `name` at 0..max_k drafts] in scenario z (its acceptance + z × spread)."""
-        t = self.tables.get((name, regime, z))
+    def table(self, name: str, regime: str, z: float = 0.0, rho: float | None = None) -> list[float]:
+        """[expected tokens of a round of `name` at 0..max_k drafts] in scenario z (its acceptance + z × spread), its
+        estimates scaled by a row's ρ (`BatchAuto.rho`; None: as they are)."""
+        t = self.tables.get((name, regime, z, rho))
         if t is None:
             acc = self.auto.acceptance(name, regime)
             lift = z * acc.spread() if z else 0.0
             t, p = [1.0], 1.0
-            for a in acc.alphas():
+            for a in scaled_alphas(acc.alphas(), rho):
                 p *= min(1.0, max(0.0, a + lift))
                 t.append(t[-1] + p)
-            self.tables[(name, regime, z)] = t
+            self.tables[(name, regime, z, rho)] = t
         return t
 
-    def expected(self, name: str, regime: str, k: int, z: float = 0.0) -> float:
-        t = self.table(name, regime, z)
+    def expected(self, name: str, regime: str, k: int, z: float = 0.0, rho: float | None = None) -> float:
+        t = self.table(name, regime, z, rho)
         return t[min(k, len(t) - 1)]
+
+    def rho(self, g: int, name: str) -> float | None:
+        """Group g's ρ of option `name` (None: not measured)."""
+        for n, r in self.rhos[g]:
+            if n == name:
+                return r
+        return None
 
     def _picks(self, shift: tuple | None) -> list[list[tuple]]:
         """Per group, per width k = 0..k_top: (its pick (option, drafts) or None, its expected tokens) — the option
@@ -534,13 +593,13 @@ class StepChoice:
         if got is not None:
             return got
         out = []
-        for regime, budget, avail in self.groups:
+        for g, (regime, budget, avail) in enumerate(self.groups):
             lim = min(self.k_top, budget - 1)
             opts = []
             for n, cap in avail.items():
                 c = min(cap, lim)
                 if c >= 1:
-                    t = self.table(n, regime, shift[1] if shift is not None and shift[0] == n else 0.0)
+                    t = self.table(n, regime, shift[1] if shift is not None and shift[0] == n else 0.0, self.rho(g, n))
                     opts.append((t, min(c, len(t) - 1), n))
             col = [(None, 1.0)]
             for k in range(1, self.k_top + 1):
@@ -571,32 +630,45 @@ class StepChoice:
         """A bound on every width's rate: each row at its most expected tokens, the step at its cheapest
         speculative width and no drafting."""
         most = self.fixed_tokens
-        for (regime, budget, avail), count in zip(self.groups, self.counts):
+        for g, ((regime, budget, avail), count) in enumerate(zip(self.groups, self.counts)):
             lim, e = min(self.k_top, budget - 1), 1.0
             for n, cap in avail.items():
                 if min(cap, lim) >= 1:  # expected tokens grow with the drafts: its most is at its widest
-                    t = self.table(n, regime, shift[1] if shift is not None and shift[0] == n else 0.0)
+                    t = self.table(n, regime, shift[1] if shift is not None and shift[0] == n else 0.0, self.rho(g, n))
                     e = max(e, t[min(cap, lim, len(t) - 1)])
             most += count * e
         return most / self.step_cost(self.fixed_width + 1)
 
     def at(self, k: int, shift: tuple | None = None) -> tuple[float, list]:
         """(the batch's rate, [(option or None, drafts) per group]) at width k: each row its option with the most
-        expected tokens (0 where no row drafts at this width: the same as plain)."""
-        plan, tokens, drafting, L = [], self.fixed_tokens, 0.0, self.fixed_width
-        for col, count in zip(self._picks(shift), self.counts):
+        expected tokens — unless what drafting costs it is worth fewer tokens than the step's rate would commit in
+        that time: its extra tokens over its drafting seconds below the rate, it steps plainly (its block is padded
+        into the step's anyway, so drafting is all it adds; a row whose own rounds accept little, `BatchAuto.rho`,
+        need not hold back the others, nor draft for nothing beside them). 0 where no row drafts at this width: the
+        same as plain."""
+        plan, tokens, drafting = [], self.fixed_tokens, 0.0
+        worth = []  # (extra tokens per drafting second, group) of the groups that draft
+        for g, (col, count) in enumerate(zip(self._picks(shift), self.counts)):
             pick, e = col[k]
             tokens += count * e
-            if pick is None:
-                plan.append((None, 0))
-                continue
-            plan.append(pick)
-            drafting += count * self.draft_cost(pick)
-            if pick[1] + 1 > L:
-                L = pick[1] + 1
-        if L == self.fixed_width:
-            return 0.0, plan
-        return tokens / (self.step_cost(L) + drafting), plan
+            plan.append((None, 0) if pick is None else pick)
+            if pick is not None:
+                d = self.draft_cost(pick)
+                drafting += count * d
+                worth.append(((e - 1.0) / d if d > 0 else float("inf"), g, e, d))
+        worth.sort()
+        while worth:
+            L = max([self.fixed_width] + [plan[g][1] + 1 for _, g, _, _ in worth])
+            if L == self.fixed_width:  # no block wider than the fixed rows': as plain
+                break
+            rate = tokens / (self.step_cost(L) + drafting)
+            if worth[0][0] >= rate:
+                return rate, plan
+            _, g, e, d = worth.pop(0)  # the least worth: stepping plainly raises the rate
+            tokens -= self.counts[g] * (e - 1.0)
+            drafting -= self.counts[g] * d
+            plan[g] = (None, 0)
+        return 0.0, plan
 
     def best(self, shift: tuple | None = None) -> tuple[int, float, list]:
         """(k, rate, plan per group) of the best width (k 0: plain), with no margin."""
@@ -610,11 +682,11 @@ class StepChoice:
     def cost(self, plan: list) -> tuple[float, float]:
         """(expected tokens, seconds) of a step on `plan` (per group) by the mean estimates."""
         tokens, drafting, L = self.fixed_tokens, 0.0, self.fixed_width
-        for (regime, _, _), count, (name, k) in zip(self.groups, self.counts, plan):
+        for g, ((regime, _, _), count, (name, k)) in enumerate(zip(self.groups, self.counts, plan)):
             if name is None:
                 tokens += count
                 continue
-            tokens += count * self.expected(name, regime, k)
+            tokens += count * self.expected(name, regime, k, rho=self.rho(g, name))
             drafting += count * self.draft_cost((name, k))
             L = max(L, k + 1)
         return tokens, self.step_cost(L) + drafting

@@ -284,6 +284,12 @@ PRIOR_WEIGHT = 4.0  # a drafter's own measured τ (its eval.json) counts as this
 HERE_WEIGHT = 16.0
 
 
+def scaled_alphas(alphas: list[float], rho: float | None) -> list[float]:
+    """Acceptance estimates as a request's rounds measure them (`Option.rho`, None: not measured): each × ρ, at most
+    0.99 where that raises it."""
+    return alphas if rho is None else [min(x * rho, max(x, 0.99)) for x in alphas]
+
+
 def alpha_from_tau(tau: float, width: int) -> float:
     """The per-position acceptance α with 1 + α + … + α^width = τ (τ measured at `width` drafts per round)."""
     tau = min(max(float(tau), 1.0), width + 1.0)
@@ -408,21 +414,21 @@ class Option:
     # regime -> [drafts accepted, drafts its estimates expected accepted] in this request's rounds (`HERE_WEIGHT`)
     here: dict = field(default_factory=dict)
 
-    def alphas(self, key: str) -> list[float]:
-        """The acceptance estimates of `key` (`acceptance`) as this request's rounds measure them (`here`): each
-        scaled by ρ (at most 0.99 where that raises it)."""
-        a = self.acceptance(key).alphas()
-        rho = self.rho(key.split("#", 1)[0])
-        return a if rho is None else [min(x * rho, max(x, 0.99)) for x in a]
+    def alphas(self, key: str, here: dict | None = None) -> list[float]:
+        """The acceptance estimates of `key` (`acceptance`) as this request's rounds measure them (`here`: the
+        option's own, or a batch row's — `speculative.batch.Row.here`): each scaled by ρ (`scaled_alphas`)."""
+        return scaled_alphas(self.acceptance(key).alphas(), self.rho(key.split("#", 1)[0], here))
 
-    def rho(self, regime: str) -> float | None:
-        """How this request's rounds of `regime` did against its estimates (`HERE_WEIGHT`; None: no round yet)."""
-        h = self.here.get(regime)
+    def rho(self, regime: str, here: dict | None = None) -> float | None:
+        """How this request's rounds of `regime` did against its estimates (`HERE_WEIGHT`; None: no round yet);
+        here: a batch row's measure instead of the option's own."""
+        h = (self.here if here is None else here).get(regime)
         return None if h is None else (h[0] + HERE_WEIGHT) / (h[1] + HERE_WEIGHT)
 
-    def note_here(self, key: str, k: int, n_accepted: int) -> None:
-        """A round of k drafts, n accepted, in this request (before its estimates of `key` learn from it)."""
-        h = self.here.setdefault(key.split("#", 1)[0], [0.0, 0.0])
+    def note_here(self, key: str, k: int, n_accepted: int, here: dict | None = None) -> None:
+        """A round of k drafts, n accepted, in this request (before its estimates of `key` learn from it); here: a
+        batch row's measure (`rho`) instead of the option's own."""
+        h = (self.here if here is None else here).setdefault(key.split("#", 1)[0], [0.0, 0.0])
         alphas = self.acceptance(key).alphas()
         tried = min(n_accepted + 1, k, self.max_k)
         h[0] += min(n_accepted, tried)

@@ -1,0 +1,123 @@
+"""The batch's per-row choice, A/B in one process (issue 24): N rows of the embedded model (the shipped prompts under
+the chat template, 64 tokens, temperature T, per-row seeds), RUNS runs, the modes' order reversed from run to run;
+ms per token and each run's ar ÷ mode, as medians and means over the runs, the steps each mode's chooser ran, and per batch size what a plain
+step cost by the chooser's price where it chose to speculate (not to explore) against what its priced plain steps
+took.
+Every auto mode has its own `AutoDrafter` (`ab_setup.second_auto`: estimates, costs and ledger its own).
+
+Modes: ar (plain rows); auto (the batch's chooser as it is); before (the chooser before the twenty-sixth session:
+each row's model drafters priced by the estimates pooled over rows and requests alone, no `BatchAuto.rho`; every row
+with an option drafting at the step's width whatever its drafting costs; a plain step priced by an EMA of the plain
+steps, not their latest `SCALE_WINDOW`'s median); ema (auto with only the last of those: the EMA plain price).
+
+    python benchmarks/batch_rows_ab.py N RUNS MODES [T]        e.g. 2 30 ar,auto,before,ema
+"""
+import statistics
+import sys
+import time
+
+from ab_setup import second_auto
+
+from glimmer_mlx.bench.settings import load_prompts
+from glimmer_mlx.sampling import Sampler, SamplingParams
+from glimmer_mlx.session import load_session
+from glimmer_mlx.speculative.auto import batch as auto_batch
+from glimmer_mlx.speculative.batch import BatchGenerator, BatchRequest
+
+N, RUNS, MODES = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(",")
+T = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
+s = load_session(None)
+m, tok = s.model, s.tokenizer
+P = load_prompts()
+texts = [P[c][0] for c in P] + [P[c][1 % len(P[c])] for c in P]
+ids = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
+       for t in texts]
+
+
+def every_row_drafts(self, k, shift=None):
+    """`StepChoice.at` before the twenty-sixth session: each row its option with the most expected tokens."""
+    plan, tokens, drafting, L = [], self.fixed_tokens, 0.0, self.fixed_width
+    for col, count in zip(self._picks(shift), self.counts):
+        pick, e = col[k]
+        tokens += count * e
+        plan.append((None, 0) if pick is None else pick)
+        if pick is not None:
+            drafting += count * self.draft_cost(pick)
+            L = max(L, pick[1] + 1)
+    return (0.0, plan) if L == self.fixed_width else (tokens / (self.step_cost(L) + drafting), plan)
+
+
+def ema_observe(self, n, seconds, spec, rows=None):
+    """`BatchAuto.observe` before the twenty-sixth session: every shape's price an EMA of its steps."""
+    if seconds <= 0:
+        return
+    self.measured[n] = auto_batch.robust_ema(self.measured.get(n), seconds, auto_batch.EMA)
+    if rows:
+        shaped = self.by_rows.setdefault(rows, {})
+        shaped[n // rows] = auto_batch.robust_ema(shaped.get(n // rows), seconds, auto_batch.EMA)
+    self.ratio = auto_batch.robust_ema(self.ratio, seconds / self.calibrated(n), auto_batch.EMA)
+    if not spec:
+        self._priced_at = self.stepped
+        self._check = max(0, self._check - 1)
+
+
+at, rhos, observe = auto_batch.StepChoice.at, auto_batch.BatchAuto.rhos, auto_batch.BatchAuto.observe
+auto_batch.StepChoice.at = lambda self, k, shift=None: (
+    every_row_drafts if getattr(self.auto, "variant", None) == "before" else at)(self, k, shift)
+auto_batch.BatchAuto.rhos = lambda self, here, regime: (
+    () if getattr(self, "variant", None) == "before" else rhos(self, here, regime))
+auto_batch.BatchAuto.observe = lambda self, *a, **k: (
+    ema_observe if getattr(self, "variant", None) in ("before", "ema") else observe)(self, *a, **k)
+priced, took = {}, {}  # variant -> plain step prices at its speculative choices / its priced plain steps' seconds
+choose, observe_now = auto_batch.BatchAuto.choose, auto_batch.BatchAuto.observe
+
+
+def noted_choose(self, rows, fixed_rows, *a):
+    k, plan = choose(self, rows, fixed_rows, *a)
+    if k > 0 and self.exploring is None:
+        B = len(rows) + fixed_rows
+        priced.setdefault((self.variant, B), []).append(self.step_cost(B, rows=B))
+    return k, plan
+
+
+def noted_observe(self, n, seconds, spec, rows=None):
+    if not spec and rows and n == rows and seconds > 0:
+        took.setdefault((self.variant, rows), []).append(seconds)
+    observe_now(self, n, seconds, spec, rows)
+
+
+auto_batch.BatchAuto.choose, auto_batch.BatchAuto.observe = noted_choose, noted_observe
+chooser = {}
+for mode in MODES:
+    if mode != "ar":
+        chooser[mode] = auto_batch.BatchAuto(second_auto(s))
+        chooser[mode].variant = mode
+
+
+def run(mode, r):
+    g = BatchGenerator(m, auto=chooser.get(mode))
+    for j in range(N):
+        g.add(BatchRequest(ids[(r + j) % len(ids)], Sampler(SamplingParams(temperature=T), 100 * r + j), 64,
+                           set(tok.eos_token_ids), tok, auto=mode != "ar"))
+    while g.waiting:
+        g.step()
+    t, n = time.perf_counter(), 0
+    while len(g):
+        for _, c in g.step():
+            n += len(c.tokens)
+    return 1e3 * (time.perf_counter() - t) / n
+
+
+res = {mode: [] for mode in MODES}
+for r in range(RUNS):
+    for mode in MODES if r % 2 == 0 else MODES[::-1]:
+        res[mode].append(run(mode, r))
+for mode, v in res.items():
+    ratios = [a / b for a, b in zip(res["ar"], v)] if "ar" in res else [1.0]
+    c = chooser.get(mode)
+    print(f"N={N} T={T} {mode}: ms/token median {statistics.median(v):.3f} mean {statistics.mean(v):.3f}; ar ÷ it "
+          f"median {statistics.median(ratios):.3f} mean {statistics.mean(ratios):.3f}"
+          + ("" if c is None else f"; steps {c.steps} explored {c.explored}")
+          + "".join(f"; {B} rows: a plain step priced {1e3 * statistics.mean(v):.2f} ms at its {len(v)} speculative "
+                    f"choices, its priced plain steps {1e3 * statistics.mean(took.get((mode, B), [0.0])):.2f}"
+                    for (name, B), v in sorted(priced.items()) if name == mode), flush=True)

@@ -32,6 +32,14 @@ def session_and_prompts():
                                                   tokenize=True) for c, p in prompts.items()}, None
 
 
+def batch_prompts(tokenizer) -> list[list[int]]:
+    """The shipped prompts' first two of each category under the chat template (the batch benchmarks' requests)."""
+    p = load_prompts()
+    texts = [p[c][0] for c in p] + [p[c][1 % len(p[c])] for c in p]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
+            for t in texts]
+
+
 def second_auto(session):
     """An auto built exactly as the session's (`strategy.Drafters.auto`), but its own."""
     d = session.drafters

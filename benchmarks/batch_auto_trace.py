@@ -12,7 +12,8 @@ import json
 import sys
 import time
 
-from glimmer_mlx.bench.settings import load_prompts
+from ab_setup import batch_prompts
+
 from glimmer_mlx.sampling import Sampler, SamplingParams
 from glimmer_mlx.session import load_session
 from glimmer_mlx.speculative.auto.batch import BatchAuto
@@ -23,10 +24,7 @@ N, RUNS = int(sys.argv[1]), int(sys.argv[2])
 OUT = sys.argv[3] if len(sys.argv) > 3 else None
 s = load_session(None)
 m, tok = s.model, s.tokenizer
-P = load_prompts()
-texts = [P[c][0] for c in P] + [P[c][1 % len(P[c])] for c in P]
-ids = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
-       for t in texts]
+ids = batch_prompts(tok)
 ba = s.drafters.batch_auto()
 trace, cur = [], {}
 choose, observe = BatchAuto.choose, BatchGenerator._observe

@@ -8,7 +8,10 @@ Every auto mode has its own `AutoDrafter` (`ab_setup.second_auto`: estimates, co
 Modes: ar (plain rows); auto (the batch's chooser as it is); before (the chooser before the twenty-sixth session:
 each row's model drafters priced by the estimates pooled over rows and requests alone, no `BatchAuto.rho`; every row
 with an option drafting at the step's width whatever its drafting costs; a plain step priced by an EMA of the plain
-steps, not their latest `SCALE_WINDOW`'s median); ema (auto with only the last of those: the EMA plain price).
+steps, not their latest `SCALE_WINDOW`'s median); ema (auto with only the last of those: the EMA plain price);
+ar2 (plain rows again: an A/A control); plainauto (auto rows whose every step is plain: what the rows' bookkeeping and
+the choice cost); ngauto (auto rows carrying n-gram lookup only, no model drafter: `BatchAuto.carries` always no);
+plainngauto (both).
 
     python benchmarks/batch_rows_ab.py N RUNS MODES [T]        e.g. 2 30 ar,auto,before,ema
 """
@@ -16,9 +19,8 @@ import statistics
 import sys
 import time
 
-from ab_setup import second_auto
+from ab_setup import batch_prompts, second_auto
 
-from glimmer_mlx.bench.settings import load_prompts
 from glimmer_mlx.sampling import Sampler, SamplingParams
 from glimmer_mlx.session import load_session
 from glimmer_mlx.speculative.auto import batch as auto_batch
@@ -28,10 +30,7 @@ N, RUNS, MODES = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(",")
 T = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
 s = load_session(None)
 m, tok = s.model, s.tokenizer
-P = load_prompts()
-texts = [P[c][0] for c in P] + [P[c][1 % len(P[c])] for c in P]
-ids = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
-       for t in texts]
+ids = batch_prompts(tok)
 
 
 def every_row_drafts(self, k, shift=None):
@@ -86,10 +85,21 @@ def noted_observe(self, n, seconds, spec, rows=None):
     observe_now(self, n, seconds, spec, rows)
 
 
-auto_batch.BatchAuto.choose, auto_batch.BatchAuto.observe = noted_choose, noted_observe
+def variant_choose(self, rows, *a):
+    if self.variant in ("plainauto", "plainngauto"):
+        self.exploring = None
+        return 0, [(None, 0)] * len(rows)
+    return noted_choose(self, rows, *a)
+
+
+carries = auto_batch.BatchAuto.carries
+auto_batch.BatchAuto.choose, auto_batch.BatchAuto.observe = variant_choose, noted_observe
+auto_batch.BatchAuto.carries = lambda self, *a, **k: (
+    False if self.variant in ("ngauto", "plainngauto") else carries(self, *a, **k))
+PLAIN = ("ar", "ar2")
 chooser = {}
 for mode in MODES:
-    if mode != "ar":
+    if mode not in PLAIN:
         chooser[mode] = auto_batch.BatchAuto(second_auto(s))
         chooser[mode].variant = mode
 
@@ -98,7 +108,7 @@ def run(mode, r):
     g = BatchGenerator(m, auto=chooser.get(mode))
     for j in range(N):
         g.add(BatchRequest(ids[(r + j) % len(ids)], Sampler(SamplingParams(temperature=T), 100 * r + j), 64,
-                           set(tok.eos_token_ids), tok, auto=mode != "ar"))
+                           set(tok.eos_token_ids), tok, auto=mode not in PLAIN))
     while g.waiting:
         g.step()
     t, n = time.perf_counter(), 0

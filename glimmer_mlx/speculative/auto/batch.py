@@ -264,7 +264,8 @@ class BatchAuto:
         is what every speculative step is weighed against, and an EMA of it sat wherever the latest slow steps left
         it: on the embedded server's 2 rows the batch's DFlash steps were chosen on a plain step priced 8.3 ms on
         average, its plain steps taking 5.7 (the choice falls where the price is high, and a stretch, which measures
-        no plain step, keeps it there): DFlash drafted ~300 of 1 300 steps at 0.91x plain batching."""
+        no plain step, keeps it there), where those steps' own predictions were close (7.3 tokens in 22.9 ms
+        predicted, 6.7 in 20.7 taken)."""
         if seconds <= 0:
             return
         self.measured[n] = robust_ema(self.measured.get(n), seconds, EMA)

@@ -414,10 +414,10 @@ class Option:
     # regime -> [drafts accepted, drafts its estimates expected accepted] in this request's rounds (`HERE_WEIGHT`)
     here: dict = field(default_factory=dict)
 
-    def alphas(self, key: str, here: dict | None = None) -> list[float]:
-        """The acceptance estimates of `key` (`acceptance`) as this request's rounds measure them (`here`: the
-        option's own, or a batch row's — `speculative.batch.Row.here`): each scaled by ρ (`scaled_alphas`)."""
-        return scaled_alphas(self.acceptance(key).alphas(), self.rho(key.split("#", 1)[0], here))
+    def alphas(self, key: str) -> list[float]:
+        """The acceptance estimates of `key` (`acceptance`) as this request's rounds measure them (`here`): each
+        scaled by ρ (`scaled_alphas`)."""
+        return scaled_alphas(self.acceptance(key).alphas(), self.rho(key.split("#", 1)[0]))
 
     def rho(self, regime: str, here: dict | None = None) -> float | None:
         """How this request's rounds of `regime` did against its estimates (`HERE_WEIGHT`; None: no round yet);

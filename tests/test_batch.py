@@ -881,6 +881,44 @@ def test_auto_choice_equals_scoring_every_width_on_random_tables(ba):
         assert [g[0] for g in got[1]] == [w[0] for w in want[1]], (trial, got, want)
 
 
+def test_could_pay_equals_pricing_every_width_on_random_tables(ba):
+    """`could_pay` (with its bound first) against its definition scored width by width, over random acceptance, ρ,
+    cost curves (flat to compute-bound, measured steps too), drafting costs, batch sizes and budgets; both answers
+    occur. Catches: a bound that says no where some width pays (the cheapest drafting or step taken too dear, the
+    expected tokens cut short of the widest)."""
+    import random
+
+    from glimmer_mlx.speculative.auto.chooser import ENTER_GAIN, scaled_alphas
+
+    rng = random.Random(11)
+    said = {True: 0, False: 0}
+    for trial in range(400):
+        slope = rng.choice([0.0, 0.02, 0.1, 0.5, 1.0])
+        ba.curve = {n: 0.01 * (1 + slope * (n - 1)) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+        ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+        if rng.random() < 0.5:
+            ba.measured = {n: 0.01 * rng.uniform(0.5, 2.0) * (1 + slope * (n - 1)) for n in (2, 4, 8, 16)}
+        ba.draft_cost = (lambda c, d: lambda name, k: c + d * k)(rng.choice([0.0, 1e-4, 2e-3]),
+                                                               rng.choice([0.0, 1e-4, 5e-4]))
+        name = rng.choice(["dflash", "mtp"])
+        ba.acceptance(name, "greedy").set_alphas([rng.uniform(0.0, 0.95) for _ in range(3)])
+        batch, budget = rng.choice([1, 2, 4, 8]), rng.choice([None, 1, 2, 3, 9, 50])
+        rho = rng.choice([None, 0.5, 1.3, 3.0])
+        got = ba.could_pay(name, "greedy", batch, budget, rho)
+
+        plain = (1.0 + ENTER_GAIN) / ba.step_cost(batch, rows=batch)
+        alphas = scaled_alphas(ba.acceptance(name, "greedy").alphas(), rho)
+        top = ba.chooser.options[name].max_k if budget is None else min(ba.chooser.options[name].max_k, budget - 1)
+        want, e, p = False, 1.0, 1.0
+        for k in range(1, top + 1):
+            p *= alphas[k - 1]
+            e += p
+            want |= e / (ba.step_cost(batch * (k + 1), rows=batch) + batch * ba.draft_cost(name, k)) > plain
+        assert got == want, trial
+        said[got] += 1
+    assert said[True] > 40 and said[False] > 40, said
+
+
 def test_auto_prices_an_unmeasured_wide_step_from_the_largest_measured_one(ba):
     """Past the largest measured position count, a step costs at least that step's time scaled along the
     calibrated curve. What the server measured: 1-row steps cheaper than calibrated pull the global measured /

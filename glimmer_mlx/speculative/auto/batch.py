@@ -154,6 +154,18 @@ class BatchAuto:
         plain = (1.0 + ENTER_GAIN) / self.step_cost(batch, rows=batch)
         alphas = scaled_alphas(self.acceptance(name, regime).alphas(), rho)
         top = self.chooser.options[name].max_k if budget is None else min(self.chooser.options[name].max_k, budget - 1)
+        if top < 1:
+            return False
+        # a bound first (exact: the most expected tokens, at its widest, over the cheapest speculative step and its
+        # cheapest drafting; a step costs no less at more positions): a drafter that cannot pay at a batch's size —
+        # the usual answer for a row joining a batch of 8 here — is not priced width by width (~0.3 ms a row's join)
+        e, p = 1.0, 1.0
+        for a in alphas[:top]:
+            p *= a
+            e += p
+        cheapest = min(self.draft_cost(name, k) for k in range(1, top + 1))
+        if e / (self.step_cost(batch * 2, rows=batch) + batch * cheapest) <= plain:
+            return False
         e, p = 1.0, 1.0
         for k in range(1, top + 1):
             p *= alphas[k - 1]

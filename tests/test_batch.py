@@ -748,8 +748,8 @@ def test_a_plain_step_is_priced_by_the_median_of_the_latest_ones(sess, ba):
     """A batch's plain step is priced as the solo chooser prices a plain token: the median of the latest
     `SCALE_WINDOW` pipelined ones — a few slow steps among them (another process taking the machine for a moment) do
     not make every speculative step look cheap beside it, a lasting change comes through within half the window, and
-    steps the pipeline ran through only in part price nothing. Catches: an EMA of the plain steps (3 slow steps of 9
-    raised it to ~1.3x), the slow ones at the window's end deciding."""
+    steps the pipeline ran through only in part price nothing. Catches: an EMA of the plain steps (the latest 4 of 9
+    slow at 2.4x raised it to 1.8x), the slow ones at the window's end deciding."""
     from glimmer_mlx.speculative.auto.chooser import SCALE_WINDOW
 
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}

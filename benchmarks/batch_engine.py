@@ -6,13 +6,11 @@ import time, sys
 from glimmer_mlx.session import load_session
 from glimmer_mlx.sampling import Sampler, SamplingParams
 from glimmer_mlx.speculative.batch import BatchGenerator, BatchRequest
-from glimmer_mlx.bench.settings import load_prompts
 from glimmer_mlx.strategy import DecodeSpec
+from ab_setup import batch_prompts
 s = load_session(None)
 m, tok = s.model, s.tokenizer
-P = load_prompts(); cats = list(P)
-texts = [P[c][0] for c in cats] + [P[c][1 % len(P[c])] for c in cats]
-ids = [tok.apply_chat_template([{"role":"user","content":t}], add_generation_prompt=True, tokenize=True) for t in texts]
+ids = batch_prompts(tok)
 ba = s.drafters.batch_auto()
 MODES = sys.argv[2].split(",") if len(sys.argv) > 2 else ["ar", "auto", "dflash"]
 REPS = int(sys.argv[3]) if len(sys.argv) > 3 else 3

@@ -159,20 +159,16 @@ class BatchAuto:
         # a bound first (exact: the most expected tokens, at its widest, over the cheapest speculative step and its
         # cheapest drafting; a step costs no less at more positions): a drafter that cannot pay at a batch's size —
         # the usual answer for a row joining a batch of 8 here — is not priced width by width (~0.3 ms a row's join)
-        e, p = 1.0, 1.0
+        expected, e, p = [], 1.0, 1.0  # expected tokens of a round at 1..top drafts
         for a in alphas[:top]:
             p *= a
             e += p
+            expected.append(e)
         cheapest = min(self.draft_cost(name, k) for k in range(1, top + 1))
-        if e / (self.step_cost(batch * 2, rows=batch) + batch * cheapest) <= plain:
+        if expected[-1] / (self.step_cost(batch * 2, rows=batch) + batch * cheapest) <= plain:
             return False
-        e, p = 1.0, 1.0
-        for k in range(1, top + 1):
-            p *= alphas[k - 1]
-            e += p
-            if e / (self.step_cost(batch * (k + 1), rows=batch) + batch * self.draft_cost(name, k)) > plain:
-                return True
-        return False
+        return any(e / (self.step_cost(batch * (k + 1), rows=batch) + batch * self.draft_cost(name, k)) > plain
+                   for k, e in enumerate(expected, 1))
 
     def refill_pays(self, name: str, regime: str, batch: int, budget: int, positions: int) -> bool:
         """Whether a new row of `regime` with `budget` tokens to generate, in a batch of `batch` rows, should prefill

@@ -1372,6 +1372,57 @@ def test_a_new_auto_row_carries_the_drafters_the_batch_s_choice_could_take(ba):
     assert "dflash" not in ba.options("greedy", 1, 256)
 
 
+def test_a_carries_answer_holds_a_few_steps_while_its_estimates_stand(ba, monkeypatch):
+    """`BatchAuto.carries` (asked per model drafter at every auto row's join) keeps its answer for `EXPLORE_EVERY`
+    steps while the drafter's estimates, the batch's size, the row's budget and ρ stand: the rows of a burst join on
+    the same question. Catches: no memo (every join scores the phases' scenarios again), a memo that ignores an
+    estimate change (a drafter pinned to nothing stays carried) or the batch's size, one that never expires."""
+    from glimmer_mlx.speculative.auto.batch import EXPLORE_EVERY
+
+    ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # flat: verification is free
+    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    pin(ba, "mtp", "greedy", 0.0)
+    pin(ba, "dflash", "greedy", 0.6)
+    asked = []
+    real = ba._carries
+    monkeypatch.setattr(ba, "_carries", lambda *a: asked.append(a) or real(*a))
+    assert ba.carries("dflash", "greedy", 4, 64) and len(asked) == 1
+    assert ba.carries("dflash", "greedy", 4, 64) and len(asked) == 1  # held
+    assert ba.carries("dflash", "greedy", 8, 64) and len(asked) == 2  # another batch size: its own question
+    assert ba.carries("dflash", "greedy", 4, 64, rho=0.5) is not None and len(asked) == 3  # another ρ
+    pin(ba, "dflash", "greedy", 0.0)  # an estimate changed: asked again, and the answer follows it
+    assert not ba.carries("dflash", "greedy", 4, 64) and len(asked) == 4
+    ba.curve = {n: 0.01 * n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # the step costs alone moved ...
+    pin(ba, "dflash", "greedy", 0.0)
+    assert not ba.carries("dflash", "greedy", 4, 64) and len(asked) == 4  # ... held until EXPLORE_EVERY steps
+    for _ in range(EXPLORE_EVERY):
+        ba.elapse(0.01)
+    ba.carries("dflash", "greedy", 4, 64)
+    assert len(asked) == 5
+
+
+def test_a_batch_closed_to_speculation_asks_its_rows_nothing(sess, ids, ba, monkeypatch):
+    """While the ledger bars speculation (`BatchAuto.closed`) every auto row steps plainly whatever it offers: the
+    batch's choice asks the rows nothing (their n-gram offers, phase keys and measures were ~60 µs of every step at
+    8 rows here) and lets them step plainly; open again, it asks every row. Catches: the rows asked on a closed
+    batch, a closed batch that still lets a row draft."""
+    from glimmer_mlx.speculative.batch import Row
+
+    gen = BatchGenerator(sess.model, auto=ba)
+    rows = [gen.add(request(sess, ids[i], "auto", params(), 0, 24)) for i in (3, 4)]
+    while gen.waiting or any(r.first_pending for r in rows):
+        gen.step()
+    asked = []
+    real = Row.available
+    monkeypatch.setattr(Row, "available", lambda self, k: asked.append(self) or real(self, k))
+    ba.saved, ba.elapsed, ba.plain_step = -1.0, 1.0, 0.01  # lost a second: barred
+    assert ba.closed(1) and gen._choose(gen.rows) == {} and asked == []
+    ba.saved = 0.0
+    assert not ba.closed(1)
+    gen._choose(gen.rows)
+    assert sorted(map(id, asked)) == sorted(map(id, gen.rows))
+
+
 def test_a_drafter_that_pays_only_at_widths_beyond_a_row_s_budget_is_not_carried(ba):
     """`BatchAuto.could_pay`/`carries` price a row's drafts at most at its budget − 1 (what `choose` lets it draft):
     a drafter whose rounds cost a fixed half step pays at 8 drafts but not at 1, so a row with 2 tokens to generate

@@ -491,6 +491,8 @@ class BatchGenerator:
         fixed = [r for b, r in enumerate(rows) if b not in chosen]  # a row's first token: a plain round
         fixed_width = max((1 + min(r.req.width, r.out.budget - 1) if r.drafter is not None and not r.first_pending
                            else 1 for r in fixed), default=1)
+        if self.auto.closed(fixed_width):
+            return {}
         fixed_tokens = sum(r.tau() for r in fixed)
         _, plan = self.auto.choose([(self.auto.key(r.regime, r.out.n), r.out.budget, r.available(k_max),
                                      self.auto.rhos(r.here, r.regime)) for r in (rows[b] for b in autos)],

@@ -51,6 +51,7 @@ from .multiplex import AutoDrafter
 
 EMA = 0.2  # weight of a new step time in its n's estimate (each sample at most 3x the estimate: `chooser.robust_ema`)
 EXPLORE_EVERY = 8  # steps an answer of `BatchAuto.explore` holds while nothing it depends on but the step costs moved
+CARRIED_MEMO = 256  # answers of `BatchAuto.carries` kept (all dropped when full: they hold for a few steps only)
 # plain steps after a speculative stretch that are still its cost (`speculative.batch.Span`): the first one after it
 # (where queueing a step runs most of its forward, it carries the next one's as well) and those a stretch leaves slow
 # (on this repository's 2-core CPU with OpenBLAS, plain steps after a DFlash stretch ran ~1.25x for ~6 steps). Every
@@ -91,6 +92,7 @@ class BatchAuto:
         self.exploring: str | None = None  # the option the latest `choose` explores, if any
         self.prefill_s: float | None = None  # seconds per position of a prefill chunk, EMA (`prefill_cost`)
         self._explore_memo: tuple | None = None  # (what `explore` was asked on, steps it still holds, its answer)
+        self._carried: dict = {}  # what `carries` was asked -> (`stepped` when answered, its answer)
         self._shapes: set[tuple[int, int]] = set()  # (rows, positions per row) of the steps seen (`first_of`)
         self.span_after = SPAN_AFTER  # plain steps after a speculative stretch that are still its cost
         self._priced_at: int | None = None  # `stepped` when a plain step was last priced (`observe`; `check_due`)
@@ -133,9 +135,28 @@ class BatchAuto:
         """Whether a row of `regime` that has generated `generated` tokens and may generate `budget` more, in a
         batch of `batch` rows, should carry model drafter `name`: in a phase it reaches (`keys`) the batch's choice
         could take it — it pays by its mean estimate (`could_pay`), or exploring it would (`explore`, in a batch of
-        such rows all carrying it only, against plain steps); rho: how the row's own rounds of it did (`rho`)."""
+        such rows all carrying it only, against plain steps); rho: how the row's own rounds of it did (`rho`).
+
+        An answer holds for `EXPLORE_EVERY` steps while nothing it depends on but the step costs moved (the drafter's
+        estimates in those phases, the batch's size, the row's budget and ρ), as `explore`'s in a step does
+        (`_explored`): asked once per model drafter at every row's join, it was ~0.3 ms a drafter (the phases'
+        exploration scenarios width by width), ~0.6 % of every step of a batch of 8 rows of 64 tokens here, and the
+        rows of a burst join on the same question."""
+        keys = self.keys(regime, generated, budget)
+        memo = (name, tuple(keys), batch, budget, rho,
+                tuple((tuple(a.acc), tuple(a.tried), a.shrink) for a in (self.acceptance(name, k) for k in keys)))
+        got = self._carried.get(memo)
+        if got is not None and self.stepped - got[0] < EXPLORE_EVERY:
+            return got[1]
+        out = self._carries(name, keys, batch, budget, rho)
+        if len(self._carried) >= CARRIED_MEMO:
+            self._carried.clear()
+        self._carried[memo] = (self.stepped, out)
+        return out
+
+    def _carries(self, name: str, keys: list[str], batch: int, budget: int, rho: float | None) -> bool:
         rhos = () if rho is None else ((name, rho),)
-        for key in self.keys(regime, generated, budget):
+        for key in keys:
             if self.could_pay(name, key, batch, budget, rho):
                 return True
             rows = [(key, budget, {name: self.chooser.options[name].max_k}, rhos)] * batch
@@ -383,6 +404,14 @@ class BatchAuto:
         return self.chooser.options[name].acceptance(regime)
 
     # -- the choice ----------------------------------------------------------------------------------------------
+    def closed(self, fixed_width: int) -> bool:
+        """Whether this step is plain for every auto row whatever they offer: the ledger bars speculation (`barred`),
+        or a check prices plain steps again (`check_due`; only where no fixed row feeds a block — then no step is plain
+        anyway). `speculative.batch.BatchGenerator` asks it before asking the rows what they offer: at 8 rows their
+        n-gram offers, phase keys and measures were ~60 µs of a barred batch's every step here, for a choice they
+        could not change."""
+        return self.barred or (fixed_width == 1 and self.check_due)
+
     def choose(self, rows, fixed_rows: int, fixed_width: int, fixed_tokens: float, k_max: int) -> tuple[int, list]:
         """rows: the auto rows, each as (regime, budget, {option: most drafts it gives now}[, ((option, ρ), ...): its
         own measure of its model drafters, `rhos`]); fixed_rows: the other
@@ -393,7 +422,7 @@ class BatchAuto:
         (`check_due`)."""
         self.exploring = None
         plain = [(None, 0)] * len(rows)
-        if self.barred or (fixed_width == 1 and self.check_due):  # (a fixed row's block: no step is plain anyway)
+        if self.closed(fixed_width):
             return 0, plain
         k_top = min(k_max, max((cap for row in rows for cap in row[2].values()), default=0))
         if k_top < 1:

@@ -51,6 +51,7 @@ from .multiplex import AutoDrafter
 
 EMA = 0.2  # weight of a new step time in its n's estimate (each sample at most 3x the estimate: `chooser.robust_ema`)
 EXPLORE_EVERY = 8  # steps an answer of `BatchAuto.explore` holds while nothing it depends on but the step costs moved
+TABLE_MEMO = 512  # expected-tokens tables kept (`BatchAuto.table`; all dropped when full)
 CARRIED_MEMO = 256  # answers of `BatchAuto.carries` kept (all dropped when full: they hold for a few steps only)
 # plain steps after a speculative stretch that are still its cost (`speculative.batch.Span`): the first one after it
 # (where queueing a step runs most of its forward, it carries the next one's as well) and those a stretch leaves slow
@@ -93,6 +94,7 @@ class BatchAuto:
         self.prefill_s: float | None = None  # seconds per position of a prefill chunk, EMA (`prefill_cost`)
         self._explore_memo: tuple | None = None  # (what `explore` was asked on, steps it still holds, its answer)
         self._carried: dict = {}  # what `carries` was asked -> (`stepped` when answered, its answer)
+        self._tables: dict = {}  # an option's estimates, scenario and ρ -> its expected-tokens table (`table`)
         self._shapes: set[tuple[int, int]] = set()  # (rows, positions per row) of the steps seen (`first_of`)
         self.span_after = SPAN_AFTER  # plain steps after a speculative stretch that are still its cost
         self._priced_at: int | None = None  # `stepped` when a plain step was last priced (`observe`; `check_due`)
@@ -403,6 +405,25 @@ class BatchAuto:
     def acceptance(self, name: str, regime: str) -> AcceptanceStats:
         return self.chooser.options[name].acceptance(regime)
 
+    def table(self, name: str, regime: str, z: float = 0.0, rho: float | None = None) -> list[float]:
+        """[expected tokens of a round of `name` at 0..max_k drafts] by its `regime` estimates moved by z of their
+        spread and scaled by ρ (`StepChoice.table`), kept while those estimates stand: every step of an open batch
+        bounds its rows' offers by them, and building them afresh each step (~30 µs at 8 rows here) was a third of
+        its choice."""
+        acc = self.acceptance(name, regime)
+        key = (name, regime, z, rho, tuple(acc.acc), tuple(acc.tried), acc.shrink)
+        t = self._tables.get(key)
+        if t is None:
+            lift = z * acc.spread() if z else 0.0
+            t, p = [1.0], 1.0
+            for a in scaled_alphas(acc.alphas(), rho):
+                p *= min(1.0, max(0.0, a + lift))
+                t.append(t[-1] + p)
+            if len(self._tables) >= TABLE_MEMO:
+                self._tables.clear()
+            self._tables[key] = t
+        return t
+
     # -- the choice ----------------------------------------------------------------------------------------------
     def closed(self, fixed_width: int) -> bool:
         """Whether this step is plain for every auto row whatever they offer: the ledger bars speculation (`barred`),
@@ -435,6 +456,8 @@ class BatchAuto:
         best_k, best_plan = 0, None
         if step.bound() > best * (1 + ENTER_GAIN):
             for k in range(1, k_top + 1):  # no width beyond what some row can draft
+                if step.bound_at(k) <= best * (1 + ENTER_GAIN if best_k == 0 else 1.0):
+                    continue  # (exact, as the bound above: not even every row's most at this width could)
                 rate, plan = step.at(k)
                 if rate > best * (1 + ENTER_GAIN if best_k == 0 else 1.0):
                     best, best_k, best_plan = rate, k, plan
@@ -604,13 +627,7 @@ class StepChoice:
         estimates scaled by a row's ρ (`BatchAuto.rho`; None: as they are)."""
         t = self.tables.get((name, regime, z, rho))
         if t is None:
-            acc = self.auto.acceptance(name, regime)
-            lift = z * acc.spread() if z else 0.0
-            t, p = [1.0], 1.0
-            for a in scaled_alphas(acc.alphas(), rho):
-                p *= min(1.0, max(0.0, a + lift))
-                t.append(t[-1] + p)
-            self.tables[(name, regime, z, rho)] = t
+            t = self.tables[(name, regime, z, rho)] = self.auto.table(name, regime, z, rho)
         return t
 
     def expected(self, name: str, regime: str, k: int, z: float = 0.0, rho: float | None = None) -> float:
@@ -675,6 +692,15 @@ class StepChoice:
                     t = self.table(n, regime, shift[1] if shift is not None and shift[0] == n else 0.0, self.rho(g, n))
                     e = max(e, t[min(cap, lim, len(t) - 1)])
             most += count * e
+        return most / self.step_cost(self.fixed_width + 1)
+
+    def bound_at(self, k: int) -> float:
+        """A bound on the rate at width k (`at`): every row at its pick's expected tokens at that width, the step at its
+        cheapest speculative width and no drafting. Narrow widths are bounded by what their drafts can commit: at
+        8 rows, where one row's copy could pay only at its widest, the narrow widths need not be scored."""
+        most = self.fixed_tokens
+        for col, count in zip(self._picks(None), self.counts):
+            most += count * col[k][1]
         return most / self.step_cost(self.fixed_width + 1)
 
     def at(self, k: int, shift: tuple | None = None) -> tuple[float, list]:

@@ -7,6 +7,8 @@ rows it was weighed against (`BatchAuto.step_cost`). A chooser whose speculative
 price sits above what plain steps take speculates where plain steps would have been faster.
 
     python benchmarks/batch_predictions.py N RUNS        e.g. 2 30
+    python benchmarks/batch_predictions.py 1,2 RUNS      RUNS runs at each N in turn, one chooser (as `glimmer bench
+                                                         serve` runs its levels): each N's steps reported apart
 """
 import collections
 import statistics
@@ -19,7 +21,8 @@ from glimmer_mlx.session import load_session
 from glimmer_mlx.speculative.auto import batch as auto_batch
 from glimmer_mlx.speculative.batch import BatchGenerator, BatchRequest
 
-N, RUNS = int(sys.argv[1]), int(sys.argv[2])
+LEVELS, RUNS = [int(x) for x in sys.argv[1].split(",")], int(sys.argv[2])
+N = LEVELS[0]
 s = load_session(None)
 m, tok = s.model, s.tokenizer
 ids = batch_prompts(tok)
@@ -49,32 +52,33 @@ def measured_observe(self, st, B, L, now, committed, queued):
     observe(self, st, B, L, now, committed, queued)
     pred = cur.pop("pred", None)
     if L > 1 and pred is not None:
-        recs.append((B, dt, st.drafting, committed or 0, pred))
+        recs.append((N, B, dt, st.drafting, committed or 0, pred))
 
 
 def noted_plain(self, n, seconds, spec, rows=None):
     if not spec and rows and n == rows and seconds > 0:
-        took[rows].append(seconds)
+        took[(N, rows)].append(seconds)
     plain_observe(self, n, seconds, spec, rows)
 
 
 auto_batch.BatchAuto.choose, BatchGenerator._observe = predicted_choose, measured_observe
 auto_batch.BatchAuto.observe = noted_plain
-for r in range(RUNS):
-    g = BatchGenerator(m, auto=ba)
-    for j in range(N):
-        g.add(BatchRequest(ids[(r + j) % len(ids)], Sampler(SamplingParams(), j), 64, set(tok.eos_token_ids), tok,
-                           auto=True))
-    while len(g):
-        g.step()
+for N in LEVELS:
+    for r in range(RUNS):
+        g = BatchGenerator(m, auto=ba)
+        for j in range(N):
+            g.add(BatchRequest(ids[(r + j) % len(ids)], Sampler(SamplingParams(), j), 64, set(tok.eos_token_ids),
+                               tok, auto=True))
+        while len(g):
+            g.step()
 groups = collections.defaultdict(list)
-for B, dt, drafting, committed, pred in recs:
-    groups[(B, pred[5], "explore" if pred[4] else "mean")].append((dt, drafting, committed, pred))
-print(f"N={N}, {RUNS} runs; priced plain steps took (mean): "
-      + ", ".join(f"{B} rows {1e3 * statistics.mean(v):.2f} ms" for B, v in sorted(took.items())))
-for (B, options, why), v in sorted(groups.items()):
+for level, B, dt, drafting, committed, pred in recs:
+    groups[(level, B, pred[5], "explore" if pred[4] else "mean")].append((dt, drafting, committed, pred))
+print(f"N={sys.argv[1]}, {RUNS} runs each; priced plain steps took (mean): "
+      + ", ".join(f"N={level} {B} rows {1e3 * statistics.mean(v):.2f} ms" for (level, B), v in sorted(took.items())))
+for (level, B, options, why), v in sorted(groups.items()):
     mean = lambda f: statistics.mean(f(x) for x in v)  # noqa: E731
-    print(f"{B} rows, {options} ({why}), {len(v)} steps: took {1e3 * mean(lambda x: x[0]):.1f} ms (drafting "
+    print(f"N={level}: {B} rows, {options} ({why}), {len(v)} steps: took {1e3 * mean(lambda x: x[0]):.1f} ms (drafting "
           f"{1e3 * mean(lambda x: x[1]):.1f}), {mean(lambda x: x[2]):.2f} tokens | predicted "
           f"{1e3 * mean(lambda x: x[3][1]):.1f} ms (verify step {1e3 * mean(lambda x: x[3][2]):.1f}), "
           f"{mean(lambda x: x[3][0]):.2f} tokens | a plain step priced {1e3 * mean(lambda x: x[3][3]):.2f} ms")

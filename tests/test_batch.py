@@ -747,9 +747,13 @@ def test_plain_steps_are_priced_again_when_stretches_leave_none(sess, ba):
 def test_a_plain_step_is_priced_by_the_median_of_the_latest_ones(sess, ba):
     """A batch's plain step is priced as the solo chooser prices a plain token: the median of the latest
     `SCALE_WINDOW` pipelined ones — a few slow steps among them (another process taking the machine for a moment) do
-    not make every speculative step look cheap beside it, a lasting change comes through within half the window, and
-    steps the pipeline ran through only in part price nothing. Catches: an EMA of the plain steps (the latest 4 of 9
-    slow at 2.4x raised it to 1.8x), the slow ones at the window's end deciding."""
+    not make every speculative step look cheap beside it, and steps the pipeline ran through only in part price
+    nothing — and never above the median of the latest `PRICE_WINDOW`: a faster machine comes through within half the
+    short window, a slower one only within half the long one (a slow moment of 5 of the latest 9 steps must not price
+    a speculative stretch that then prices no plain step for hundreds of steps). Catches: an EMA of the plain steps
+    (the latest 4 of 9 slow at 2.4x raised it to 1.8x), the slow ones at the window's end deciding, the short
+    median alone (5 slow of 9), the long median alone (a faster machine not followed)."""
+    from glimmer_mlx.speculative.auto.batch import PRICE_WINDOW
     from glimmer_mlx.speculative.auto.chooser import SCALE_WINDOW
 
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
@@ -765,8 +769,14 @@ def test_a_plain_step_is_priced_by_the_median_of_the_latest_ones(sess, ba):
     step(1, 0.030, chained=False)  # read back short of a step (its next not queued behind it): not a price
     step(1, 0.030, chained=True, queued=False)
     assert ba.step_cost(2, rows=2) == pytest.approx(0.005)
-    step(1, 0.012)  # more than half the window slow: the machine is slower now
+    step(1, 0.012)  # more than half the short window slow: a slow moment, or a slower machine? ...
+    assert ba.step_cost(2, rows=2) == pytest.approx(0.005)
+    while len(ba._plain[2]) < PRICE_WINDOW // 2 + SCALE_WINDOW // 2 + 1:  # ... more than half the long one: slower
+        step(1, 0.012)
     assert ba.step_cost(2, rows=2) == pytest.approx(0.012)
+    for i in range(SCALE_WINDOW // 2 + 1):  # faster again: followed within half the short window
+        step(1, 0.004)
+    assert ba.step_cost(2, rows=2) == pytest.approx(0.004)
 
 
 def test_auto_cost_model_observe_and_interpolate(ba):

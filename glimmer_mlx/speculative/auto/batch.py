@@ -51,6 +51,9 @@ from .multiplex import AutoDrafter
 
 EMA = 0.2  # weight of a new step time in its n's estimate (each sample at most 3x the estimate: `chooser.robust_ema`)
 EXPLORE_EVERY = 8  # steps an answer of `BatchAuto.explore` holds while nothing it depends on but the step costs moved
+# a plain step's price is the median of the latest `SCALE_WINDOW` plain steps of its rows, or of the latest this many
+# if lower (`BatchAuto.observe`)
+PRICE_WINDOW = 4 * SCALE_WINDOW
 TABLE_MEMO = 512  # expected-tokens tables kept (`BatchAuto.table`; all dropped when full)
 CARRIED_MEMO = 256  # answers of `BatchAuto.carries` kept (all dropped when full: they hold for a few steps only)
 # plain steps after a speculative stretch that are still its cost (`speculative.batch.Span`): the first one after it
@@ -296,7 +299,14 @@ class BatchAuto:
         it: on the embedded server's 2 rows the batch's DFlash steps were chosen on a plain step priced 8.3 ms on
         average, its plain steps taking 5.7 (the choice falls where the price is high, and a stretch, which measures
         no plain step, keeps it there), where those steps' own predictions were close (7.3 tokens in 22.9 ms
-        predicted, 6.7 in 20.7 taken)."""
+        predicted, 6.7 in 20.7 taken).
+
+        ... and never above the median of the latest `PRICE_WINDOW`: a price follows a faster machine within half
+        the short window, a slower one only within half the long one. A slow moment of a few steps (5 of 9 at
+        1.5x, another process) priced the 2-row plain step at 9.4 ms where they took 6.5-7, the batch took DFlash
+        on it, and the stretch, which prices no plain step, kept that price for its ~130 steps until the next check
+        (`STALE_ROUNDS`): its ledger in surplus, its steps 3.5 ms a token against plain's 3.4. Too low a price only
+        makes speculating wait; too high, it speculates at a loss."""
         if seconds <= 0:
             return
         self.measured[n] = robust_ema(self.measured.get(n), seconds, EMA)
@@ -305,12 +315,13 @@ class BatchAuto:
             if spec or n != rows:
                 shaped[n // rows] = robust_ema(shaped.get(n // rows), seconds, EMA)
             else:
-                window = self._plain.setdefault(rows, collections.deque(maxlen=SCALE_WINDOW))
+                window = self._plain.setdefault(rows, collections.deque(maxlen=PRICE_WINDOW))
                 if self._check and rows not in self._checked:  # a check prices on its own steps
                     self._checked.add(rows)
                     window.clear()
                 window.append(seconds)
-                shaped[1] = statistics.median(window)
+                latest = list(window)[-SCALE_WINDOW:]
+                shaped[1] = min(statistics.median(latest), statistics.median(window))
         self.ratio = robust_ema(self.ratio, seconds / self.calibrated(n), EMA)
         if not spec:
             self._priced_at = self.stepped

@@ -779,6 +779,54 @@ def test_a_plain_step_is_priced_by_the_median_of_the_latest_ones(sess, ba):
     assert ba.step_cost(2, rows=2) == pytest.approx(0.004)
 
 
+def test_a_plain_step_never_priced_is_not_priced_from_the_speculative_steps(ba):
+    """Before any plain step of B rows is priced, a plain step of B rows is priced from the plain steps of the nearest
+    row count priced (along the calibrated curve), or with none from the calibrated curve at the solo chooser's
+    speed scale — never from the speculative steps' times scaled down the curve: a fresh server's first requests
+    drafted from their first step and their 1-row plain price, so derived, rose with their slow DFlash steps (4.4 ->
+    9.4 ms, where plain steps took ~4.5), each such step looking like a win. Catches: the price moving with
+    speculative steps; a priced row count's plain step ignored."""
+    ba.curve = {n: 0.01 * (1 + 0.1 * (n - 1)) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    ba.first_of(1, 9)
+    for seconds in (0.02, 0.03, 0.04):  # 1-row verify steps, ever slower
+        ba.observe(9, seconds, spec=True, rows=1)
+        assert ba.step_cost(1, rows=1) == pytest.approx(ba.calibrated(1) * ba.chooser.scale)
+    for _ in range(3):  # plain steps of 2 rows priced: the 1-row step is theirs along the curve
+        ba.observe(2, 0.006, spec=False, rows=2)
+    assert ba.step_cost(1, rows=1) == pytest.approx(0.006 * ba.calibrated(1) / ba.calibrated(2))
+    ba.observe(1, 0.004, spec=False, rows=1)  # its own, once priced
+    assert ba.step_cost(1, rows=1) == pytest.approx(0.004)
+
+
+def test_speculating_on_a_plain_price_never_measured_soon_checks_it(ba):
+    """Speculative steps of B rows with no plain step of B rows ever priced (the price a guess: the curve at the solo
+    chooser's scale, or another row count's) start a check after `UNPRICED_STEPS` of them — plain steps until priced
+    — where `STALE_ROUNDS` never came (no plain step ever priced, none was ever due). Once priced, they do not.
+    Catches: no check until STALE_ROUNDS, a check that never ends, checks while the price is measured."""
+    from glimmer_mlx.speculative.auto.batch import UNPRICED_STEPS
+    from glimmer_mlx.speculative.auto.chooser import CHECK_SAMPLES
+
+    ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+    ba.measured, ba.ratio, ba.by_rows, ba.saved, ba.elapsed = {}, None, {}, 0.0, 0.0
+    pin(ba, "dflash", "greedy", 0.8)
+    rows = [("greedy", 100, {"dflash": 15})]
+    for i in range(UNPRICED_STEPS):
+        assert ba.choose(rows, 0, 1, 0.0, 15)[0] > 0, i
+        ba.elapse(0.02, spec=True)
+        ba.observe(16, 0.02, spec=True, rows=1)
+    assert ba.check_due and ba.choose(rows, 0, 1, 0.0, 15)[0] == 0
+    for _ in range(CHECK_SAMPLES):
+        ba.elapse(0.005)
+        ba.observe(1, 0.005, spec=False, rows=1)
+    assert not ba.check_due and ba.step_cost(1, rows=1) == pytest.approx(0.005)
+    for _ in range(2 * UNPRICED_STEPS):  # priced now: speculative steps start no check
+        assert ba.choose(rows, 0, 1, 0.0, 15)[0] > 0
+        ba.elapse(0.02, spec=True)
+        ba.observe(16, 0.02, spec=True, rows=1)
+    assert not ba.check_due
+
+
 def test_auto_cost_model_observe_and_interpolate(ba):
     """observe: an EMA per n and a measured/calibrated ratio applied to unmeasured n; calibrated extends the curve
     linearly. Catches: a ratio never applied, interpolation between the wrong points."""

@@ -51,6 +51,9 @@ from .multiplex import AutoDrafter
 
 EMA = 0.2  # weight of a new step time in its n's estimate (each sample at most 3x the estimate: `chooser.robust_ema`)
 EXPLORE_EVERY = 8  # steps an answer of `BatchAuto.explore` holds while nothing it depends on but the step costs moved
+# speculative steps of B rows with no plain step of B rows ever priced (their plain price a guess: `_unpriced_plain`)
+# after which a check prices one (`BatchAuto.observe`)
+UNPRICED_STEPS = 8
 # a plain step's price is the median of the latest `SCALE_WINDOW` plain steps of its rows, or of the latest this many
 # if lower (`BatchAuto.observe`)
 PRICE_WINDOW = 4 * SCALE_WINDOW
@@ -102,6 +105,7 @@ class BatchAuto:
         self.span_after = SPAN_AFTER  # plain steps after a speculative stretch that are still its cost
         self._priced_at: int | None = None  # `stepped` when a plain step was last priced (`observe`; `check_due`)
         self._check = 0  # plain steps a check still has to price
+        self._unpriced: dict[int, int] = {}  # rows -> speculative steps of them with no plain step of them priced
         self.checks = 0  # checks run
 
     def key(self, regime: str, generated: int) -> str:
@@ -262,8 +266,24 @@ class BatchAuto:
             shaped = self.by_rows.get(rows)
             if shaped and 1 in shaped:
                 m = {rows * L: t for L, t in shaped.items()}
+            elif n == rows and m and n not in m:  # (no step of n positions measured either)
+                return self._unpriced_plain(rows)
         floor = max((t for k, t in m.items() if k < n), default=0.0)  # more positions never cost less
         return max(floor, self._interpolated(n, m))
+
+    def _unpriced_plain(self, rows: int) -> float:
+        """A plain step of `rows` rows before any was priced: the priced plain step of the nearest row count, along the
+        calibrated curve; with none, the calibrated curve at the machine's speed now by plain steps only (the solo
+        chooser's scale, a plain token checked when auto started over the calibration's). Never from the speculative
+        steps' times scaled down the curve: a fresh server's first requests drafted from their first step, and their
+        1-row plain step, priced from their DFlash steps (which cost 1.8 plain steps here where the solo calibration
+        says 1.36), rose from 4.4 to 9.4 ms while the plain steps it stood for took ~4.5 — every DFlash step looked
+        like a win, and with no plain step ever priced no check came (`check_due`)."""
+        priced = [b for b, shaped in self.by_rows.items() if 1 in shaped]
+        if priced:
+            b = min(priced, key=lambda b: (abs(b - rows), b))
+            return self.by_rows[b][1] * self.calibrated(rows) / self.calibrated(b)
+        return self.calibrated(rows) * self.chooser.scale
 
     def _interpolated(self, n: int, m: dict[int, float]) -> float:
         if n in m:
@@ -314,6 +334,14 @@ class BatchAuto:
             shaped = self.by_rows.setdefault(rows, {})
             if spec or n != rows:
                 shaped[n // rows] = robust_ema(shaped.get(n // rows), seconds, EMA)
+                if spec and 1 not in shaped and not self._check:
+                    # speculating on a plain price never measured for these rows (`_unpriced_plain`): a check after a
+                    # few such steps (`UNPRICED_STEPS`), not `STALE_ROUNDS` — with no plain step ever priced, none was
+                    # ever due
+                    self._unpriced[rows] = self._unpriced.get(rows, 0) + 1
+                    if self._unpriced[rows] >= UNPRICED_STEPS:
+                        self._unpriced[rows] = 0
+                        self._start_check()
             else:
                 window = self._plain.setdefault(rows, collections.deque(maxlen=PRICE_WINDOW))
                 if self._check and rows not in self._checked:  # a check prices on its own steps
@@ -340,10 +368,14 @@ class BatchAuto:
         plain step's price would otherwise stay what it was before them — a moment's price, the machine faster or
         slower since — and every step of theirs be weighed and charged against it."""
         if not self._check and self._priced_at is not None and self.stepped - self._priced_at > STALE_ROUNDS:
-            self._check = CHECK_SAMPLES
-            self._checked = set()
-            self.checks += 1
+            self._start_check()
         return self._check > 0
+
+    def _start_check(self) -> None:
+        """Every step plain until `CHECK_SAMPLES` plain steps are priced, each row count's on its own steps."""
+        self._check = CHECK_SAMPLES
+        self._checked = set()
+        self.checks += 1
 
     def first_of(self, rows: int, L: int) -> bool:
         """Whether a step of `rows` rows feeding `L` positions each is the first of that shape this process runs (and

@@ -1786,14 +1786,16 @@ def test_the_slow_plain_steps_after_a_speculative_step_are_its_cost(sess):
     (`span_after` of them: the unpipelined one and those it leaves slow) are never measured as plain steps; their
     time beyond a plain step's price, summed, is the stretch's latest speculative step's cost (its estimate,
     `BatchAuto.charge`) and each goes to the ledger, when the span ends. A stretch starting within the span joins it.
-    Each step's excess counts at most `SETTLE_TOKEN_CAP` plain steps. Catches: the wake's steps raising the plain
-    step's estimate (speculation priced against a plain step that much dearer), the wake not charged (or charged
-    before it is over, or a fast step after it ignored), a stall counted in full."""
+    Each step's excess counts at most `SETTLE_TOKEN_CAP` plain steps. The wake is the cost of having speculated, so
+    every speculative width of as many rows is charged it, not the latest step's alone. Catches: the wake's steps
+    raising the plain step's estimate (speculation priced against a plain step that much dearer), the wake not
+    charged (or charged before it is over, or a fast step after it ignored), a stall counted in full, another width
+    of the same rows left uncharged (n-gram steps of varying widths each kept choosing lone steps at a loss)."""
     from glimmer_mlx.speculative.auto.chooser import LEDGER_ROUND_CAP, LEDGER_ROUNDS, SETTLE_TOKEN_CAP
 
     auto = sess.drafters.batch_auto()
     auto.measured, auto.ratio, auto.saved, auto.elapsed = {2: 0.010, 10: 0.020}, 1.0, 0.0, 0.0
-    auto.by_rows = {2: {1: 0.010, 5: 0.020}}  # the same steps by shape: 2 rows x 1 and x 5 positions
+    auto.by_rows = {2: {1: 0.010, 5: 0.020, 3: 0.015}}  # the same steps by shape: 2 rows x 1, x 5, x 3 positions
     span_after = auto.span_after
     auto.span_after = 4
     try:
@@ -1811,6 +1813,7 @@ def test_the_slow_plain_steps_after_a_speculative_step_are_its_cost(sess):
         assert auto.measured[10] == spec and auto.measured[2] == 0.010 and auto.saved == 0.0  # held to the end
         step(1, 0.008)  # the span's last step, 2 ms under the price: it counts too
         assert auto.measured[10] == pytest.approx(spec + 0.2 * (0.005 + 0.009 + 0.008 - 0.002))
+        assert auto.by_rows[2][3] == pytest.approx(0.015 + 0.2 * (0.005 + 0.009 + 0.008 - 0.002))  # every width's
         assert auto.saved == pytest.approx(0.010 - 0.005 - 0.009 - 0.008 + 0.002)
         assert auto.measured[2] == 0.010 and auto.by_rows[2][1] == 0.010
         step(1, 0.019)  # after the span: a slow step is a plain step's measure

@@ -427,12 +427,20 @@ class BatchAuto:
 
     def charge(self, n: int, seconds: float, rows: int | None = None) -> None:
         """What a speculative step over n positions cost beyond its own time (the plain steps of its stretch's span
-        beyond their price: `book`), added to n's estimate (EMA-weighted)."""
-        if n in self.measured and seconds > 0:
+        beyond their price: `book`), added to n's estimate (EMA-weighted) — and, with `rows`, to the estimate of
+        every speculative shape of as many rows: the wake a stretch leaves is the cost of having speculated, whatever
+        the width of its last step (at 2 rows here ~3.5 plain steps of wake after a lone 9-position step; the
+        n-gram steps there, whose widths vary step to step, each taught only its own width, which had rarely run:
+        stretches of one step went on being chosen at a loss of ~20 ms each, auto 0.80x ar at N = 2 in one sitting
+        with 20 of them)."""
+        if seconds <= 0:
+            return
+        if n in self.measured:  # (by positions alone: every row count's, this step's only)
             self.measured[n] += EMA * seconds
         shaped = self.by_rows.get(rows) if rows else None
-        if shaped is not None and n // rows in shaped and seconds > 0:
-            shaped[n // rows] += EMA * seconds
+        for L in shaped or ():
+            if L > 1:
+                shaped[L] += EMA * seconds
 
     def draft_cost(self, name: str, k: int) -> float:
         """Seconds of one round of `name` at k drafts: its calibrated shape (`DraftCost`) times what its rounds in

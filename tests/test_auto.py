@@ -2139,6 +2139,28 @@ def test_a_check_of_the_scale_keeps_only_its_own_plain_tokens():
     assert ch.choose({"ngram": 8})[0] == "ngram" and ch.summary()["scale_checks"] == 1
 
 
+def test_the_speed_scale_follows_a_faster_machine_at_once_and_a_slower_one_only_when_it_lasts():
+    """The scale is the median of the latest `SCALE_WINDOW` plain tokens, never above that of the latest
+    `PRICE_WINDOW`: 5 slow tokens of the latest 9 (a slow moment) leave it where it was — a stretch entered on it
+    prices no plain token for up to `STALE_ROUNDS` rounds, its rounds looking cheap — while more than half the long
+    window slow moves it, and a faster machine comes through within half the short window. Catches: the short median
+    alone (the slow moment sets the scale), the long median alone (a faster machine not followed)."""
+    from glimmer_mlx.speculative.auto.chooser import PRICE_WINDOW, SCALE_WINDOW
+
+    ch = chooser(flat(9), {"ngram": (8, "free", 0.0, [0.9] * 8)})
+    for _ in range(SCALE_WINDOW):
+        ch.observe_plain(10 * MS)
+    for _ in range(SCALE_WINDOW // 2 + 1):
+        ch.observe_plain(15 * MS)
+    assert ch.scale == pytest.approx(1.0)
+    for _ in range(PRICE_WINDOW // 2):
+        ch.observe_plain(15 * MS)
+    assert ch.scale == pytest.approx(1.5)
+    for _ in range(SCALE_WINDOW // 2 + 1):
+        ch.observe_plain(8 * MS)
+    assert ch.scale == pytest.approx(0.8)
+
+
 def sitting_result(clock, tokens, used):
     """(the share of the time lost against plain decoding's 10 ms a token, rounds per option)."""
     return 1.0 - tokens * 10 * MS / clock, used

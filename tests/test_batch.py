@@ -753,7 +753,7 @@ def test_a_plain_step_is_priced_by_the_median_of_the_latest_ones(sess, ba):
     a speculative stretch that then prices no plain step for hundreds of steps). Catches: an EMA of the plain steps
     (the latest 4 of 9 slow at 2.4x raised it to 1.8x), the slow ones at the window's end deciding, the short
     median alone (5 slow of 9), the long median alone (a faster machine not followed)."""
-    from glimmer_mlx.speculative.auto.batch import PRICE_WINDOW
+    from glimmer_mlx.speculative.auto.chooser import PRICE_WINDOW
     from glimmer_mlx.speculative.auto.chooser import SCALE_WINDOW
 
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}

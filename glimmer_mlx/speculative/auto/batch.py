@@ -45,8 +45,8 @@ import collections
 import statistics
 
 from .chooser import (CHECK_SAMPLES, ENTER_GAIN, FUTURE_TOKENS, LEDGER_FLOOR, LEDGER_ROUND_CAP, LEDGER_ROUNDS,
-                      LOSS_BUDGET, MIN_GAIN, SCALE_WINDOW, SCENARIOS, SETTLE_TOKEN_CAP, STALE_ROUNDS, AcceptanceStats,
-                      robust_ema, scaled_alphas)
+                      LOSS_BUDGET, MIN_GAIN, PRICE_WINDOW, SCALE_WINDOW, SCENARIOS, SETTLE_TOKEN_CAP, STALE_ROUNDS,
+                      AcceptanceStats, robust_ema, scaled_alphas)
 from .multiplex import AutoDrafter
 
 EMA = 0.2  # weight of a new step time in its n's estimate (each sample at most 3x the estimate: `chooser.robust_ema`)
@@ -54,9 +54,6 @@ EXPLORE_EVERY = 8  # steps an answer of `BatchAuto.explore` holds while nothing 
 # speculative steps of B rows with no plain step of B rows ever priced (their plain price a guess: `_unpriced_plain`)
 # after which a check prices one (`BatchAuto.observe`)
 UNPRICED_STEPS = 8
-# a plain step's price is the median of the latest `SCALE_WINDOW` plain steps of its rows, or of the latest this many
-# if lower (`BatchAuto.observe`)
-PRICE_WINDOW = 4 * SCALE_WINDOW
 TABLE_MEMO = 512  # expected-tokens tables kept (`BatchAuto.table`; all dropped when full)
 CARRIED_MEMO = 256  # answers of `BatchAuto.carries` kept (all dropped when full: they hold for a few steps only)
 # plain steps after a speculative stretch that are still its cost (`speculative.batch.Span`): the first one after it
@@ -478,10 +475,10 @@ class BatchAuto:
     # -- the choice ----------------------------------------------------------------------------------------------
     def closed(self, fixed_width: int) -> bool:
         """Whether this step is plain for every auto row whatever they offer: the ledger bars speculation (`barred`),
-        or a check prices plain steps again (`check_due`; only where no fixed row feeds a block — then no step is plain
-        anyway). `speculative.batch.BatchGenerator` asks it before asking the rows what they offer: at 8 rows their
-        n-gram offers, phase keys and measures were ~60 µs of a barred batch's every step here, for a choice they
-        could not change."""
+        or a check prices plain steps again (`check_due`; only where no fixed row feeds a block — then no step is
+        plain anyway). `speculative.batch.BatchGenerator` asks it before asking the rows what they offer: at 8 rows
+        their n-gram offers, phase keys and measures were ~60 µs of a barred batch's every step here, for a choice
+        they could not change."""
         return self.barred or (fixed_width == 1 and self.check_due)
 
     def choose(self, rows, fixed_rows: int, fixed_width: int, fixed_tokens: float, k_max: int) -> tuple[int, list]:

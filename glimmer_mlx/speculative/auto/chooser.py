@@ -194,6 +194,11 @@ OVERHEAD_CLIP = 3.0
 # tokens are rare once speculation pays, so an EMA of them sat wherever the last spikes left it (2.96–3.9 while their
 # median said 2.3), pricing every drafter against a plain token that much dearer than it was
 SCALE_WINDOW = 9
+# ... or of this many if lower: a scale follows a faster machine within half the short window, a slower one only
+# within half the long one (a slow moment of 5 of 9 tokens must not set the scale a stretch then runs on, pricing no
+# plain token, for up to `STALE_ROUNDS` rounds; too low a scale only makes speculating wait). The batch's plain step
+# is priced the same way (`auto.batch.BatchAuto.observe`)
+PRICE_WINDOW = 4 * SCALE_WINDOW
 # ... and it is kept honest: after this many rounds without a plain token (a speculative stretch that runs on), the
 # next rounds are plain until CHECK_SAMPLES fresh plain tokens are measured, and only those make the scale
 # (`check_due`).
@@ -502,7 +507,7 @@ class AutoChooser:
         self.scale_ema = scale_ema
         self._spec_last = False  # the latest choice was a drafter
         self.scale = scale  # measured / calibrated time of a pipelined plain token, the median of the latest few
-        self._speeds: collections.deque = collections.deque(maxlen=SCALE_WINDOW)  # (round, measured / calibrated)
+        self._speeds: collections.deque = collections.deque(maxlen=PRICE_WINDOW)  # (round, measured / calibrated)
         self._sampled_at: int | None = None  # the round of the latest plain token measured (`check_due`)
         self._check_from: int | None = None  # the round a running check of the scale began at
         self.stale_rounds = STALE_ROUNDS
@@ -1291,20 +1296,21 @@ class AutoChooser:
         self._forget(None, sets=True)
 
     def observe_plain(self, seconds: float) -> None:
-        """Measured seconds of one pipelined plain token: how fast the machine runs now (`SCALE_WINDOW`; a check of
-        the scale keeps only its own tokens: `check_due`). What the ledger was credited since the previous one is
-        priced again at the scale a check measures where that is lower (`_confirm`)."""
+        """Measured seconds of one pipelined plain token: how fast the machine runs now (`SCALE_WINDOW`, never above
+        `PRICE_WINDOW`'s; a check of the scale keeps only its own tokens: `check_due`). What the ledger was credited
+        since the previous one is priced again at the scale a check measures where that is lower (`_confirm`)."""
         self._speeds.append((self.round, seconds / self.plain_cal))
         self._sampled_at = self.round
         if self._check_from is None:
-            self.scale = _median([x for _, x in self._speeds])
+            xs = [x for _, x in self._speeds]
+            self.scale = min(_median(xs[-SCALE_WINDOW:]), _median(xs))
             if self._unconfirmed:
                 self._unconfirmed.clear()  # priced on a scale measured in the latest `STALE_ROUNDS` rounds
             return
         fresh = [(r, x) for r, x in self._speeds if r >= self._check_from]
         if len(fresh) < CHECK_SAMPLES:
             return
-        self._speeds = collections.deque(fresh, maxlen=SCALE_WINDOW)
+        self._speeds = collections.deque(fresh, maxlen=PRICE_WINDOW)
         self._check_from = None
         self.scale = _median([x for _, x in fresh])
         self._forget()  # a plain verdict held for the check does not hold past it

@@ -827,6 +827,30 @@ def test_speculating_on_a_plain_price_never_measured_soon_checks_it(ba):
     assert not ba.check_due
 
 
+def test_a_check_prices_on_its_own_steps_bounded_by_the_long_window(ba):
+    """A check's plain steps make the short window on their own (the steps before it may be long stale), but the long
+    window still bounds the price: a check's steps come right after a stretch's span, and where the stretch's wake
+    outlasts it they run slow — priced on them alone, the batch went on drafting DFlash at a loss. A check faster than
+    the long window is followed at once. Catches: a check that raises the price on its own slow steps, a check whose
+    faster steps are averaged with the stale ones."""
+    from glimmer_mlx.speculative.auto.chooser import CHECK_SAMPLES
+
+    ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    for _ in range(20):
+        ba.observe(2, 0.006, spec=False, rows=2)
+    ba._start_check()
+    for _ in range(CHECK_SAMPLES):  # in a wake's tail
+        ba.observe(2, 0.0075, spec=False, rows=2)
+    assert not ba.check_due and ba.step_cost(2, rows=2) == pytest.approx(0.006)
+    for _ in range(20):
+        ba.observe(2, 0.006, spec=False, rows=2)
+    ba._start_check()
+    for _ in range(CHECK_SAMPLES):  # the machine is faster now
+        ba.observe(2, 0.004, spec=False, rows=2)
+    assert ba.step_cost(2, rows=2) == pytest.approx(0.004)
+
+
 def test_auto_cost_model_observe_and_interpolate(ba):
     """observe: an EMA per n and a measured/calibrated ratio applied to unmeasured n; calibrated extends the curve
     linearly. Catches: a ratio never applied, interpolation between the wrong points."""

@@ -80,8 +80,10 @@ class BatchAuto:
         # positions ~9; priced by n, a server that had ever batched 8 requests priced a lone request's verify at the
         # 8-row step and never drafted for it again (DFlash rows alone ran 1.29x plain there, auto 0.91x)
         self.by_rows: dict[int, dict[int, float]] = {}
-        # B rows -> the latest `SCALE_WINDOW` plain steps' seconds: a plain step's price is their median (`observe`)
+        # B rows -> the latest `PRICE_WINDOW` plain steps' seconds: a plain step's price is the lower median of the
+        # latest `SCALE_WINDOW` (a check's own, while fewer) and of them all (`observe`)
         self._plain: dict[int, collections.deque] = {}
+        self._fresh: dict[int, int] = {}  # B rows -> how many of the latest plain steps make the short window
         self._checked: set[int] = set()  # the row counts a running check has priced (`check_due`)
         self.ratio: float | None = None  # measured / calibrated step time, EMA over every step
         self.steps = {"plain": 0, "spec": 0}
@@ -341,11 +343,15 @@ class BatchAuto:
                         self._start_check()
             else:
                 window = self._plain.setdefault(rows, collections.deque(maxlen=PRICE_WINDOW))
-                if self._check and rows not in self._checked:  # a check prices on its own steps
+                if self._check and rows not in self._checked:  # a check's own steps make the short window ...
                     self._checked.add(rows)
-                    window.clear()
+                    self._fresh[rows] = 0
                 window.append(seconds)
-                latest = list(window)[-SCALE_WINDOW:]
+                fresh = self._fresh[rows] = min(self._fresh.get(rows, 0) + 1, SCALE_WINDOW)
+                latest = list(window)[-fresh:]
+                # ... and the long one still bounds it: a check's steps come right after a stretch's span, and where
+                # the stretch's wake outlasts the span they run slow (a check priced 2-row plain steps at 7.5 ms
+                # where they took ~6.0 and the batch went on drafting DFlash at 3.3 ms a token against plain's 3.0)
                 shaped[1] = min(statistics.median(latest), statistics.median(window))
         self.ratio = robust_ema(self.ratio, seconds / self.calibrated(n), EMA)
         if not spec:

@@ -181,23 +181,18 @@ class BatchAuto:
         with `budget` tokens to generate drafts at most budget − 1 a round (as `choose` lets it); rho: the rows'
         own measure of it (`rho`)."""
         plain = (1.0 + ENTER_GAIN) / self.step_cost(batch, rows=batch)
-        alphas = scaled_alphas(self.acceptance(name, regime).alphas(), rho)
         top = self.chooser.options[name].max_k if budget is None else min(self.chooser.options[name].max_k, budget - 1)
         if top < 1:
             return False
         # a bound first (exact: the most expected tokens, at its widest, over the cheapest speculative step and its
         # cheapest drafting; a step costs no less at more positions): a drafter that cannot pay at a batch's size —
         # the usual answer for a row joining a batch of 8 here — is not priced width by width (~0.3 ms a row's join)
-        expected, e, p = [], 1.0, 1.0  # expected tokens of a round at 1..top drafts
-        for a in alphas[:top]:
-            p *= a
-            e += p
-            expected.append(e)
-        cheapest = min(self.draft_cost(name, k) for k in range(1, top + 1))
-        if expected[-1] / (self.step_cost(batch * 2, rows=batch) + batch * cheapest) <= plain:
+        expected = self.table(name, regime, rho=rho)[1:top + 1]  # expected tokens of a round at 1..top drafts
+        drafting = [self.draft_cost(name, k) for k in range(1, top + 1)]
+        if expected[-1] / (self.step_cost(batch * 2, rows=batch) + batch * min(drafting)) <= plain:
             return False
-        return any(e / (self.step_cost(batch * (k + 1), rows=batch) + batch * self.draft_cost(name, k)) > plain
-                   for k, e in enumerate(expected, 1))
+        return any(e / (self.step_cost(batch * (k + 1), rows=batch) + batch * d) > plain
+                   for k, (e, d) in enumerate(zip(expected, drafting), 1))
 
     def refill_pays(self, name: str, regime: str, batch: int, budget: int, positions: int) -> bool:
         """Whether a new row of `regime` with `budget` tokens to generate, in a batch of `batch` rows, should prefill

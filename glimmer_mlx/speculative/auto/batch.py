@@ -42,11 +42,10 @@ from __future__ import annotations
 
 import bisect
 import collections
-import statistics
 
 from .chooser import (CHECK_SAMPLES, ENTER_GAIN, FUTURE_TOKENS, LEDGER_FLOOR, LEDGER_ROUND_CAP, LEDGER_ROUNDS,
                       LOSS_BUDGET, MIN_GAIN, PRICE_WINDOW, SCALE_WINDOW, SCENARIOS, SETTLE_TOKEN_CAP, STALE_ROUNDS,
-                      AcceptanceStats, robust_ema, scaled_alphas)
+                      AcceptanceStats, plain_price, robust_ema, scaled_alphas)
 from .multiplex import AutoDrafter
 
 EMA = 0.2  # weight of a new step time in its n's estimate (each sample at most 3x the estimate: `chooser.robust_ema`)
@@ -343,11 +342,10 @@ class BatchAuto:
                     self._fresh[rows] = 0
                 window.append(seconds)
                 fresh = self._fresh[rows] = min(self._fresh.get(rows, 0) + 1, SCALE_WINDOW)
-                latest = list(window)[-fresh:]
                 # ... and the long one still bounds it: a check's steps come right after a stretch's span, and where
                 # the stretch's wake outlasts the span they run slow (a check priced 2-row plain steps at 7.5 ms
                 # where they took ~6.0 and the batch went on drafting DFlash at 3.3 ms a token against plain's 3.0)
-                shaped[1] = min(statistics.median(latest), statistics.median(window))
+                shaped[1] = plain_price(list(window), fresh)
         self.ratio = robust_ema(self.ratio, seconds / self.calibrated(n), EMA)
         if not spec:
             self._priced_at = self.stepped

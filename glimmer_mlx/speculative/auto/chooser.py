@@ -336,6 +336,12 @@ def _median(xs: list[float]) -> float:
     return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
 
 
+def plain_price(xs: list[float], recent: int = SCALE_WINDOW) -> float:
+    """The lower of the median of the latest `recent` of `xs` (oldest first) and the median of them all
+    (`PRICE_WINDOW`'s rule: the solo speed scale, the batch's plain step)."""
+    return min(_median(xs[-recent:]), _median(list(xs)))
+
+
 def robust_ema(old: float | None, x: float, w: float, clip: float = 3.0) -> float:
     """EMA step with the new sample clipped to [old/clip, old·clip]: a timing spike (another process taking the
     CPU/GPU for a moment) moves the estimate by at most a factor (1 + w·(clip − 1)), while a lasting change still
@@ -1302,8 +1308,7 @@ class AutoChooser:
         self._speeds.append((self.round, seconds / self.plain_cal))
         self._sampled_at = self.round
         if self._check_from is None:
-            xs = [x for _, x in self._speeds]
-            self.scale = min(_median(xs[-SCALE_WINDOW:]), _median(xs))
+            self.scale = plain_price([x for _, x in self._speeds])
             if self._unconfirmed:
                 self._unconfirmed.clear()  # priced on a scale measured in the latest `STALE_ROUNDS` rounds
             return

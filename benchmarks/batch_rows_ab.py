@@ -5,13 +5,15 @@ step cost by the chooser's price where it chose to speculate (not to explore) ag
 took.
 Every auto mode has its own `AutoDrafter` (`ab_setup.second_auto`: estimates, costs and ledger its own).
 
-Modes: ar (plain rows); auto (the batch's chooser as it is); before (the chooser before the twenty-sixth session:
-each row's model drafters priced by the estimates pooled over rows and requests alone, no `BatchAuto.rho`; every row
-with an option drafting at the step's width whatever its drafting costs; a plain step priced by an EMA of the plain
-steps, not their latest `SCALE_WINDOW`'s median); ema (auto with only the last of those: the EMA plain price);
-ar2 (plain rows again: an A/A control); plainauto (auto rows whose every step is plain: what the rows' bookkeeping and
-the choice cost); ngauto (auto rows carrying n-gram lookup only, no model drafter: `BatchAuto.carries` always no);
-plainngauto (both).
+Modes: ar (plain rows); auto (the batch's chooser as it is); before (the chooser before the twenty-sixth session: each
+row's model drafters priced by the estimates pooled over rows and requests alone, no `BatchAuto.rho`; every row with an
+option drafting at the step's width whatever its drafting costs; a plain step priced by an EMA of the plain steps, not
+their latest `SCALE_WINDOW`'s median; speculative shapes priced as today, in plain steps); ema (auto with only the last
+of those: the EMA plain price); ar2 (plain rows again: an A/A control); plainauto (auto rows whose every step is plain:
+what the rows' bookkeeping and the choice cost); ngauto (auto rows carrying n-gram lookup only, no model drafter:
+`BatchAuto.carries` always no); plainngauto (both); stale (auto as before the twenty-eighth session: a check after
+`STALE_ROUNDS` steps whatever the margin a stretch was chosen by, `BatchAuto.stale_after`, and no credit re-priced by a
+check, `BatchAuto._confirm`).
 
     python benchmarks/batch_rows_ab.py N RUNS MODES [T]        e.g. 2 30 ar,auto,before,ema
 """
@@ -51,9 +53,13 @@ def ema_observe(self, n, seconds, spec, rows=None):
     if seconds <= 0:
         return
     self.measured[n] = auto_batch.robust_ema(self.measured.get(n), seconds, auto_batch.EMA)
-    if rows:
+    if rows and (spec or n != rows):  # (a speculative shape in plain steps of its rows, as `observe` keeps it)
+        rel = self.relative.setdefault(rows, {})
+        rel[n // rows] = auto_batch.robust_ema(rel.get(n // rows), seconds / self.step_cost(rows, rows=rows),
+                                               auto_batch.EMA)
+    elif rows:
         shaped = self.by_rows.setdefault(rows, {})
-        shaped[n // rows] = auto_batch.robust_ema(shaped.get(n // rows), seconds, auto_batch.EMA)
+        shaped[1] = auto_batch.robust_ema(shaped.get(1), seconds, auto_batch.EMA)
     self.ratio = auto_batch.robust_ema(self.ratio, seconds / self.calibrated(n), auto_batch.EMA)
     if not spec:
         self._priced_at = self.stepped
@@ -93,6 +99,10 @@ def variant_choose(self, rows, *a):
 
 
 carries = auto_batch.BatchAuto.carries
+stale_after, confirm = auto_batch.BatchAuto.stale_after, auto_batch.BatchAuto._confirm
+auto_batch.BatchAuto.stale_after = property(lambda self: (
+    auto_batch.STALE_ROUNDS if self.variant == "stale" else stale_after.fget(self)))
+auto_batch.BatchAuto._confirm = lambda self, *a: None if self.variant == "stale" else confirm(self, *a)
 auto_batch.BatchAuto.choose, auto_batch.BatchAuto.observe = variant_choose, noted_observe
 auto_batch.BatchAuto.carries = lambda self, *a, **k: (
     False if self.variant in ("ngauto", "plainngauto") else carries(self, *a, **k))

@@ -744,6 +744,116 @@ def test_plain_steps_are_priced_again_when_stretches_leave_none(sess, ba):
     assert ba.choose(rows, 0, 1, 0.0, 15)[0] > 0 and ba.checks == 1
 
 
+def test_a_speculative_step_is_priced_in_plain_steps_of_its_rows(ba):
+    """A speculative shape's steps are kept in plain steps of their rows, priced when they ran (`relative`), and
+    priced at the plain step's price now: a slow moment that raises the plain price raises theirs with it. Kept in
+    seconds, the shapes stayed at the fast moment they were measured in while the plain price rose, and the batch
+    speculated exactly when the machine was slow (its plain price 5.5-9.4 ms at its speculative choices, its plain
+    steps 4.1-6.4 on average). Catches: speculative shapes priced in seconds (a DFlash step that loses at 5 ms a plain
+    step chosen at 8 ms)."""
+    from glimmer_mlx.speculative.auto.batch import StepChoice
+    from glimmer_mlx.speculative.auto.chooser import ENTER_GAIN, PRICE_WINDOW
+
+    ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    pin(ba, "dflash", "greedy", 0.5)  # ~2 tokens a round at any width
+    rows = [("greedy", 100, {"dflash": 8})]
+    for _ in range(PRICE_WINDOW):
+        ba.observe(1, 0.005, spec=False, rows=1)
+    for _ in range(40):  # 1-row verifies of 2-9 positions: 2.4 plain steps each
+        for L in range(2, 10):
+            ba.observe(L, 0.012, spec=True, rows=1)
+
+    def speculates():
+        step = StepChoice(ba, rows, 0, 1, 0.0, 8)
+        return step.best()[1] > step.plain_rate * (1 + ENTER_GAIN)
+
+    assert ba.step_cost(9, rows=1) == pytest.approx(0.012, rel=1e-3) and not speculates()
+    for _ in range(PRICE_WINDOW):  # the machine slows down: plain steps at 8 ms
+        ba.observe(1, 0.008, spec=False, rows=1)
+    assert ba.step_cost(1, rows=1) == pytest.approx(0.008)
+    assert ba.step_cost(9, rows=1) == pytest.approx(2.4 * 0.008, rel=1e-3) and not speculates()
+    assert ba.relative[1][9] == pytest.approx(2.4, rel=1e-3)  # (kept in plain steps of its rows)
+
+
+def test_a_stretch_chosen_by_a_thin_margin_is_checked_sooner(ba):
+    """A check prices plain steps again `STALE_ROUNDS` steps after the latest priced one when the latest speculative
+    step was chosen by a margin of 1 + `THIN_MARGIN` or more over the plain step's price, sooner the thinner the
+    margin (down to `STALE_ROUNDS` // `THIN_DIVISOR`): a price from a slow moment decides such a stretch, and it
+    prices no plain step (DFlash ran five requests at 0.84-0.93x on a 1-row plain price of 5.7 ms, plain steps taking
+    3.7). `choose` keeps the margin of the step it chooses by its mean estimates. Catches: the margin ignored (no
+    check before `STALE_ROUNDS`), a check as soon for a wide margin (an option that pays well stopped for nothing)."""
+    from glimmer_mlx.speculative.auto.batch import THIN_DIVISOR, THIN_MARGIN, StepChoice
+    from glimmer_mlx.speculative.auto.chooser import STALE_ROUNDS
+
+    ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    pin(ba, "dflash", "greedy", 0.8)
+    rows = [("greedy", 100, {"dflash": 8})]
+    ba.observe(1, 0.010, spec=False, rows=1)
+    assert ba.margin is None and ba.stale_after == STALE_ROUNDS
+    k, _ = ba.choose(rows, 0, 1, 0.0, 8)
+    step = StepChoice(ba, rows, 0, 1, 0.0, 8)
+    assert k > 0 and ba.exploring is None and ba.margin == pytest.approx(step.best()[1] / step.plain_rate)
+    assert ba.margin > 1 + THIN_MARGIN and ba.stale_after == STALE_ROUNDS  # a wide margin: as before
+
+    def due_after(margin):
+        ba.margin, ba._priced_at, ba._check, ba.steps = margin, 0, 0, {"plain": 0, "spec": 0}
+        while not ba.check_due:
+            ba.elapse(0.01, spec=True)
+        ba._check = 0
+        return ba.stepped - 1
+
+    assert due_after(1 + THIN_MARGIN) == STALE_ROUNDS
+    assert due_after(1 + THIN_MARGIN / 2) == STALE_ROUNDS // 2
+    assert due_after(1.02) == STALE_ROUNDS // THIN_DIVISOR
+
+
+def test_a_check_prices_the_ledger_credits_of_the_stretches_before_it_again(sess, ba):
+    """A stretch is credited at the plain price it ran on, and prices no plain step: one run on a price from a slow
+    moment (14 ms where plain steps take 10) books savings it never made, which then pay for steps that lose. When a
+    check prices plain steps lower, what the ledger was credited since the previous priced plain step is priced
+    again at the check's price; a higher one, or a plain step priced outside a check (within the latest
+    `stale_after` steps), changes nothing — the solo chooser's rule (`AutoChooser._confirm`). Catches: no re-pricing
+    (the stretch's 80 ms of savings kept where it saved 48), a re-pricing upward, one on the check's first step."""
+    from glimmer_mlx.speculative.auto.chooser import LEDGER_ROUNDS
+
+    ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+    ba.measured, ba.ratio, ba.by_rows, ba.saved, ba.elapsed = {2: 0.014}, None, {}, 0.0, 0.0
+    ba.span_after = 2
+    gen = BatchGenerator(sess.model, auto=ba)
+    for shape in ((2, 9), (2, 1)):
+        ba.first_of(*shape)
+    step = stepper(gen)
+    f = 1 - 1 / LEDGER_ROUNDS
+
+    def stretch():  # 12 tokens for 2 rows in 12 ms, then its span: two plain steps of 10 ms
+        step(9, 0.012, chained=False, queued=False, committed=12)
+        step(1, 0.010, chained=False)
+        step(1, 0.010)
+
+    step(1, 0.014)  # a plain step priced at a slow moment: 14 ms
+    stretch()
+    credited = 6 * 0.014 - 0.012 + 2 * (0.014 - 0.010)
+    assert ba.saved == pytest.approx(credited, rel=0.01)
+    ba._start_check()
+    step(1, 0.010)
+    assert ba.saved == pytest.approx(credited, rel=0.01)  # the check's first step: not yet its price
+    step(1, 0.010)
+    assert ba.step_cost(2, rows=2) == pytest.approx(0.010)
+    assert ba.saved == pytest.approx(6 * 0.010 - 0.012, rel=0.01)  # as if priced at 10 ms all along
+    saved = ba.saved
+    stretch()  # on the fresh price; a plain step priced outside a check: the credits stand
+    step(1, 0.012)
+    assert ba.saved == pytest.approx(saved * f ** 4 + 6 * 0.010 - 0.012, rel=0.01)
+    saved = ba.saved
+    stretch()
+    ba._start_check()
+    for _ in range(2):
+        step(1, 0.016)  # a check priced higher: nothing changes
+    assert ba.saved == pytest.approx(saved * f ** 5 + 6 * 0.010 - 0.012, rel=0.01)
+
+
 def test_a_plain_step_is_priced_by_the_median_of_the_latest_ones(sess, ba):
     """A batch's plain step is priced as the solo chooser prices a plain token: the median of the latest
     `SCALE_WINDOW` pipelined ones — a few slow steps among them (another process taking the machine for a moment) do
@@ -1073,7 +1183,7 @@ def test_a_fixed_mode_rows_drafting_is_not_priced_as_the_step(sess, ids, ba):
             t = time_mod.perf_counter()
             gen.step()
             walls.append(time_mod.perf_counter() - t)
-    spec = {L: t for L, t in ba.by_rows.get(1, {}).items() if L > 1}
+    spec = {n: t for n, t in ba.measured.items() if n > 1}  # (one row: by positions as by shape)
     assert spec and max(walls) > 0.25  # it drafted, slowly
     assert max(spec.values()) < 0.2, spec
 
@@ -1096,11 +1206,11 @@ def test_a_step_is_priced_by_its_shape_not_only_its_position_count(ba):
     assert 0.010 < alone < 0.0125
     assert ba.step_cost(2) > 0.016  # by the position count alone: between the 1-row and the 8-row plain steps
     assert ba.could_pay("mtp", "greedy", 1)
-    shaped, ba.by_rows = ba.by_rows, {}
+    shaped, relative, ba.by_rows, ba.relative = ba.by_rows, ba.relative, {}, {}
     assert not ba.could_pay("mtp", "greedy", 1)  # what it said before
-    ba.by_rows = {1: {4: 0.012}}  # a shape measured only speculating: its plain price is not extrapolated from that
-    assert ba.step_cost(1, rows=1) == ba.step_cost(1)
-    ba.by_rows = shaped
+    ba.by_rows, ba.relative = {1: {}}, {1: {4: 1.2}}  # a shape measured only speculating: its plain price is not
+    assert ba.step_cost(1, rows=1) == ba.step_cost(1)  # extrapolated from that
+    ba.by_rows, ba.relative = shaped, relative
     ba.observe(9, 0.050, spec=True, rows=1)  # a verify of 9 positions that measured slow is its own shape's price
     assert ba.step_cost(9, rows=1) == pytest.approx(0.050)
     assert ba.step_cost(8, rows=8) == pytest.approx(0.060)
@@ -1819,7 +1929,8 @@ def test_the_slow_plain_steps_after_a_speculative_step_are_its_cost(sess):
 
     auto = sess.drafters.batch_auto()
     auto.measured, auto.ratio, auto.saved, auto.elapsed = {2: 0.010, 10: 0.020}, 1.0, 0.0, 0.0
-    auto.by_rows = {2: {1: 0.010, 5: 0.020, 3: 0.015}}  # the same steps by shape: 2 rows x 1, x 5, x 3 positions
+    auto.by_rows = {2: {1: 0.010}}  # the same steps by shape: 2 rows x 1 (its price), x 5, x 3 positions (in plain
+    auto.relative = {2: {5: 2.0, 3: 1.5}}  # steps of 2 rows)
     span_after = auto.span_after
     auto.span_after = 4
     try:
@@ -1837,7 +1948,8 @@ def test_the_slow_plain_steps_after_a_speculative_step_are_its_cost(sess):
         assert auto.measured[10] == spec and auto.measured[2] == 0.010 and auto.saved == 0.0  # held to the end
         step(1, 0.008)  # the span's last step, 2 ms under the price: it counts too
         assert auto.measured[10] == pytest.approx(spec + 0.2 * (0.005 + 0.009 + 0.008 - 0.002))
-        assert auto.by_rows[2][3] == pytest.approx(0.015 + 0.2 * (0.005 + 0.009 + 0.008 - 0.002))  # every width's
+        # every width's (in plain steps)
+        assert auto.relative[2][3] == pytest.approx(1.5 + 0.2 * (0.005 + 0.009 + 0.008 - 0.002) / 0.010)
         assert auto.saved == pytest.approx(0.010 - 0.005 - 0.009 - 0.008 + 0.002)
         assert auto.measured[2] == 0.010 and auto.by_rows[2][1] == 0.010
         step(1, 0.019)  # after the span: a slow step is a plain step's measure
@@ -1886,10 +1998,10 @@ def test_the_first_step_of_each_shape_is_neither_priced_nor_charged(sess, ba):
     step(5, 4.3, chained=False, queued=False, committed=6)  # the first 2 x 5 step: a kernel build
     step(1, 0.030, chained=False)  # the plain step it kept from being queued
     plain_steps(ba.span_after - 1)  # the rest of its span
-    assert 10 not in ba.measured and 5 not in ba.by_rows[2] and ba.measured[2] == 0.010
+    assert 10 not in ba.measured and 5 not in ba.relative.get(2, {}) and ba.measured[2] == 0.010
     assert ba.saved == 0.0 and not ba.barred
     step(5, 0.020, chained=False, queued=False, committed=6)  # the shape's next step: priced, and credited
-    assert ba.measured[10] == pytest.approx(0.020) and ba.by_rows[2][5] == pytest.approx(0.020)
+    assert ba.measured[10] == pytest.approx(0.020) and ba.relative[2][5] == pytest.approx(2.0)
     plain_steps(ba.span_after)
     assert ba.saved == pytest.approx(0.010, rel=0.01)  # 6 tokens x 5 ms - 20 ms
     step(5, 5.0, chained=False, queued=False, committed=6)  # a stall later: the estimate moves by at most 1.4x

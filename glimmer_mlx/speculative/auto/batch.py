@@ -61,6 +61,15 @@ CARRIED_MEMO = 256  # answers of `BatchAuto.carries` kept (all dropped when full
 # step of the window adds its own noise to the stretch's ledger credit: a longer one charges longer wakes and is
 # noisier (24 one-row runs of the embedded model: the stretches' spans lost 321 / 392 / 407 ms over 4 / 8 / 32 steps)
 SPAN_AFTER = 8
+# a stretch chosen by a thin margin over the plain step's price re-prices plain steps sooner (`BatchAuto.stale_after`):
+# STALE_ROUNDS steps after the latest priced one at a margin of 1 + THIN_MARGIN or more, down to STALE_ROUNDS //
+# THIN_DIVISOR at no margin. A price set at a slow moment (a fresh process's first steps, another process) makes a
+# step that loses look like it wins by 10-30 %, and a stretch prices no plain step: on the embedded model's lone auto
+# rows DFlash ran on a 1-row plain price of 5.7 ms for five requests where plain steps took 3.7 (0.84-0.93x ar in
+# them), and on 9.4 ms against 6.4 in another sitting (auto 0.91x ar over 16 runs). An option that wins by more than
+# the price's own error runs on as before: a check ends its stretch for a wake and CHECK_SAMPLES priced steps
+THIN_MARGIN = 0.5
+THIN_DIVISOR = 8
 
 
 class BatchAuto:
@@ -74,11 +83,19 @@ class BatchAuto:
         if wide and wide["rows"] > max(self.curve):
             self.curve[int(wide["rows"])] = max(float(wide["seconds"]), self.curve[max(self.curve)])
         self.measured: dict[int, float] = {}  # n positions -> EMA seconds of a step
-        # B rows -> {L positions per row -> EMA seconds of a step}: what a step of that shape costs. n = B·L alone
-        # conflates shapes: on the embedded server a plain step of 8 rows took 19.8 ms and a 1-row verify of 8
-        # positions ~9; priced by n, a server that had ever batched 8 requests priced a lone request's verify at the
-        # 8-row step and never drafted for it again (DFlash rows alone ran 1.29x plain there, auto 0.91x)
+        # B rows -> {1: the price of a plain step of B rows} (`observe`), and `relative` below: what a step of each
+        # shape costs. n = B·L alone conflates shapes: on the embedded server a plain step of 8 rows took 19.8 ms
+        # and a 1-row verify of 8 positions ~9; priced by n, a server that had ever batched 8 requests priced a lone
+        # request's verify at the 8-row step and never drafted for it again (DFlash rows alone ran 1.29x plain there,
+        # auto 0.91x)
         self.by_rows: dict[int, dict[int, float]] = {}
+        # B rows -> {L positions per row > 1 -> EMA of a step's seconds in plain steps of B rows, priced when it ran}:
+        # what a speculative step costs is priced at the plain step's price now (`step_cost`). In seconds, a slow
+        # moment raised the plain price (the median of its latest steps) and left the speculative shapes' EMAs at the
+        # fast moment they were measured in: every speculative step looked cheap beside plain ones exactly while the
+        # machine was slow, and the stretch it started prices no plain step (on the embedded model's lone auto rows
+        # the plain step was priced 5.5-9.4 ms at the batch's speculative choices, 4.1-6.4 on average)
+        self.relative: dict[int, dict[int, float]] = {}
         # B rows -> the latest `PRICE_WINDOW` plain steps' seconds: a plain step's price is the lower median of the
         # latest `SCALE_WINDOW` (a check's own, while fewer) and of them all (`observe`)
         self._plain: dict[int, collections.deque] = {}
@@ -105,6 +122,10 @@ class BatchAuto:
         self._check = 0  # plain steps a check still has to price
         self._unpriced: dict[int, int] = {}  # rows -> speculative steps of them with no plain step of them priced
         self.checks = 0  # checks run
+        self.margin: float | None = None  # rate ÷ plain rate of the latest step chosen by the mean estimates
+        # rows -> [Σ tokens × the plain price they were credited at, Σ tokens] credited since a plain step of that
+        # many rows was last priced (`book`): a check re-prices them (`observe`)
+        self._unconfirmed: dict[int, list[float]] = {}
 
     def key(self, regime: str, generated: int) -> str:
         """The acceptance estimates a row of `regime` that has generated `generated` tokens drafts by: the regime's in
@@ -258,7 +279,9 @@ class BatchAuto:
         if rows:
             shaped = self.by_rows.get(rows)
             if shaped and 1 in shaped:
-                m = {rows * L: t for L, t in shaped.items()}
+                price = shaped[1]
+                m = {rows * L: r * price for L, r in self.relative.get(rows, {}).items()}
+                m[rows] = price
             elif n == rows and m and n not in m:  # (no step of n positions measured either)
                 return self._unpriced_plain(rows)
         floor = max((t for k, t in m.items() if k < n), default=0.0)  # more positions never cost less
@@ -326,7 +349,8 @@ class BatchAuto:
         if rows:
             shaped = self.by_rows.setdefault(rows, {})
             if spec or n != rows:
-                shaped[n // rows] = robust_ema(shaped.get(n // rows), seconds, EMA)
+                rel = self.relative.setdefault(rows, {})
+                rel[n // rows] = robust_ema(rel.get(n // rows), seconds / self.step_cost(rows, rows=rows), EMA)
                 if spec and 1 not in shaped and not self._check:
                     # speculating on a plain price never measured for these rows (`_unpriced_plain`): a check after a
                     # few such steps (`UNPRICED_STEPS`), not `STALE_ROUNDS` — with no plain step ever priced, none was
@@ -346,10 +370,29 @@ class BatchAuto:
                 # the stretch's wake outlasts the span they run slow (a check priced 2-row plain steps at 7.5 ms
                 # where they took ~6.0 and the batch went on drafting DFlash at 3.3 ms a token against plain's 3.0)
                 shaped[1] = plain_price(list(window), fresh)
+                self._confirm(rows, fresh)
         self.ratio = robust_ema(self.ratio, seconds / self.calibrated(n), EMA)
         if not spec:
             self._priced_at = self.stepped
             self._check = max(0, self._check - 1)
+
+    def _confirm(self, rows: int, fresh: int) -> None:
+        """A plain step of `rows` rows was priced (`observe`): what the ledger was credited since the previous one, at
+        the price a check measures where that is lower (plain steps cheaper than the credits counted: they saved less,
+        or lost more), the solo chooser's rule (`AutoChooser._confirm`); a higher one changes nothing. A stretch prices
+        no plain step, and one run on a price from a slow moment credits the ledger for steps that lost (on the
+        embedded model's lone auto rows a DFlash stretch on a 1-row price of 8.3 ms, plain steps taking ~5, was ~100 ms
+        in surplus), which then pays for more losing steps."""
+        u = self._unconfirmed.get(rows)
+        if u is None:
+            return
+        if not self._check:  # priced within the latest `stale_after` steps: the credits stand
+            del self._unconfirmed[rows]
+        elif fresh >= CHECK_SAMPLES:
+            del self._unconfirmed[rows]
+            extra = u[0] - u[1] * self.by_rows[rows][1]
+            if extra > 0.0:
+                self.saved -= extra
 
     @property
     def stepped(self) -> int:
@@ -363,9 +406,19 @@ class BatchAuto:
         stretch's plain steps price nothing (`speculative.batch.Span`): where stretches follow one another, the
         plain step's price would otherwise stay what it was before them — a moment's price, the machine faster or
         slower since — and every step of theirs be weighed and charged against it."""
-        if not self._check and self._priced_at is not None and self.stepped - self._priced_at > STALE_ROUNDS:
+        if not self._check and self._priced_at is not None and self.stepped - self._priced_at > self.stale_after:
             self._start_check()
         return self._check > 0
+
+    @property
+    def stale_after(self) -> int:
+        """Steps after the latest priced plain step that a check is due at: `STALE_ROUNDS`, fewer the thinner the
+        margin (`margin`) by which the latest speculative step beat the plain step's price (`THIN_MARGIN`): the price's
+        own error decides such a stretch, and it measures no plain step."""
+        if self.margin is None:
+            return STALE_ROUNDS
+        share = min(1.0, max(0.0, self.margin - 1.0) / THIN_MARGIN)
+        return max(STALE_ROUNDS // THIN_DIVISOR, round(STALE_ROUNDS * share))
 
     def _start_check(self) -> None:
         """Every step plain until `CHECK_SAMPLES` plain steps are priced, each row count's on its own steps."""
@@ -392,6 +445,9 @@ class BatchAuto:
         fade = 1.0 - 1.0 / LEDGER_ROUNDS
         self.elapsed = fade * self.elapsed + max(0.0, seconds)
         self.saved *= fade
+        for u in self._unconfirmed.values():
+            u[0] *= fade
+            u[1] *= fade
 
     def credit(self, seconds: float, plain_step: float) -> None:
         """Speculation saved `seconds` over plain steps (negative: lost) in one step of a stretch's span (`book`): a
@@ -417,9 +473,12 @@ class BatchAuto:
         if n and excess > 0:
             self.charge(n, excess, rows)
         if credited:
+            u = self._unconfirmed.setdefault(rows, [0.0, 0.0])
             for s, p, worth, _ in steps:
                 if worth is not None:
                     self.credit(worth * p - s, p)
+                    u[0] += worth * p
+                    u[1] += worth
 
     def charge(self, n: int, seconds: float, rows: int | None = None) -> None:
         """What a speculative step over n positions cost beyond its own time (the plain steps of its stretch's span
@@ -433,10 +492,11 @@ class BatchAuto:
             return
         if n in self.measured:  # (by positions alone: every row count's, this step's only)
             self.measured[n] += EMA * seconds
-        shaped = self.by_rows.get(rows) if rows else None
-        for L in shaped or ():
-            if L > 1:
-                shaped[L] += EMA * seconds
+        shaped = self.relative.get(rows) if rows else None
+        if shaped:
+            unit = self.step_cost(rows, rows=rows)
+            for L in shaped:
+                shaped[L] += EMA * seconds / unit
 
     def draft_cost(self, name: str, k: int) -> float:
         """Seconds of one round of `name` at k drafts: its calibrated shape (`DraftCost`) times what its rounds in
@@ -512,6 +572,8 @@ class BatchAuto:
         if found is not None:
             self.exploring = found[0]
             return found[1], step.expand(found[2])
+        if best_k:
+            self.margin = best / step.plain_rate
         return best_k, plain if best_plan is None else step.expand(best_plan)
 
     def _explored(self, step: "StepChoice", incumbent: float, plan: list | None) -> tuple | None:
@@ -627,8 +689,9 @@ class BatchAuto:
                 "ledger_saved_s": round(self.saved, 6), "ledger_elapsed_s": round(self.elapsed, 6),
                 "barred": self.barred, "price_checks": self.checks,
                 "step_seconds": {int(n): round(s, 6) for n, s in sorted(self.measured.items())},
-                "step_seconds_by_rows": {int(b): {int(L): round(s, 6) for L, s in sorted(t.items())}
-                                         for b, t in sorted(self.by_rows.items())}}
+                "step_seconds_by_rows": {int(b): {int(L): round(self.step_cost(b * L, rows=b), 6)
+                                                  for L in sorted({1, *self.relative.get(b, {})})}
+                                         for b in sorted(set(self.by_rows) | set(self.relative))}}
 
 
 class StepChoice:

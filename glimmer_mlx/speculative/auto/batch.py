@@ -10,13 +10,14 @@ per second:
   whose option gives fewer drafts (n-gram lookup: only where its context's suffix occurred before) counts what it
   gives; a row in a fixed mode counts its own width's expectation; a plain row 1. A row whose drafting would add
   fewer tokens than the step's rate commits in the seconds it costs steps plainly in that step (`StepChoice.at`).
-- T(n): seconds of one batched step feeding n = B·L positions (B rows, padded to the widest block L), measured
-  (without the rows' drafting): every step's time updates an EMA per shape (B, L) — and per n, what a shape with no
-  plain step measured yet is priced by; an n not measured yet is the solo calibration's forward cost C(n) (the
-  cost curve `auto` measured for this machine and model, up to its widest verify, then toward the calibration's
-  forward over 128 positions) times the measured/calibrated ratio of the steps seen. The first step of each shape
-  a process runs is not measured (MLX builds its kernels then: `BatchAuto.first_of`), and no sample moves an
-  estimate by more than a factor 1.4 (`chooser.robust_ema`).
+- T(n): seconds of one batched step feeding n = B·L positions (B rows, padded to the widest block L), measured (without
+  the rows' drafting): a plain step of B rows is priced by the median of its latest steps, and every speculative step's
+  time updates an EMA per shape (B, L) in plain steps of B rows, priced at the plain price now (`BatchAuto.relative`) —
+  and per n in seconds, what a shape with no plain step measured yet is priced by; an n not measured yet is the solo
+  calibration's forward cost C(n) (the cost curve `auto` measured for this machine and model, up to its widest verify,
+  then toward the calibration's forward over 128 positions) times the measured/calibrated ratio of the steps seen. The
+  first step of each shape a process runs is not measured (MLX builds its kernels then: `BatchAuto.first_of`), and no
+  sample moves an estimate by more than a factor 1.4 (`chooser.robust_ema`).
   At a small batch verification is nearly free and drafting pays; as B·L grows the step becomes compute-bound, T
   grows with n, and plain steps win — then `auto` chooses them.
 - draft_r(k): the option's measured seconds per round (`DraftCost`, calibrated units × the measured scale).

@@ -34,13 +34,16 @@ def test_prompt_sets_ship_every_category():
 
 def test_mode_expansion_and_profiles():
     assert expand_modes(["dflash", "mtp", "auto"], [4, 8, 16, "auto"], [1, 2, 3]) == [
-        "ar", "dflash-b4", "dflash-b8", "dflash-b16", "dflash-auto", "mtp-d1", "mtp-d2", "mtp-d3", "auto"]
-    assert expand_modes(["mtp-d2", "ar", "dflash-b8"], [4], [1]) == ["mtp-d2", "ar", "dflash-b8"]
+        "ar", "ar-again", "dflash-b4", "dflash-b8", "dflash-b16", "dflash-auto", "mtp-d1", "mtp-d2", "mtp-d3", "auto"]
+    assert expand_modes(["mtp-d2", "ar", "dflash-b8"], [4], [1]) == ["mtp-d2", "ar", "ar-again", "dflash-b8"]
+    assert expand_modes(["ar"], [4], [1]) == ["ar"]  # plain decoding's control runs beside another mode only
+    assert expand_modes(["ar-again", "ngram"], [4], [1]) == ["ar", "ar-again", "ngram"]
+    assert decode_spec("ar-again") == DecodeSpec("ar")
     with pytest.raises(ValueError, match="unknown mode"):
         expand_modes(["dflash-x"], [4], [1])
     # token trees: a -t<nodes> suffix on a fixed-width variant
     assert expand_modes(["dflash-b8-t15", "dflash-t7", "mtp-d2-t4", "ngram-t8"], [4], [1]) == [
-        "ar", "dflash-b8-t15", "dflash-t7", "mtp-d2-t4", "ngram-t8"]
+        "ar", "ar-again", "dflash-b8-t15", "dflash-t7", "mtp-d2-t4", "ngram-t8"]
     assert decode_spec("dflash-b8-t15") == DecodeSpec("dflash", 8, tree=15)
     assert decode_spec("ngram-t8") == DecodeSpec("ngram", None, tree=8) and decode_spec("auto").tree is None
     for bad in ("dflash-auto-t8", "dflash-b8-t0", "dflash-b8-t99", "mtp-x-t3", "ar-t4"):
@@ -48,7 +51,8 @@ def test_mode_expansion_and_profiles():
             expand_modes([bad], [4], [1])
     q = BenchSettings.from_profile("quick")
     assert q.repeats == 3 and q.prompts_per_category == 1 and q.temps == [0.0, 1.0]
-    assert q.expanded_modes() == ["ar", "dflash-b8", "dflash-auto", "mtp-d1", "ngram", "auto", "mlx-lm", "mlx-lm-draft"]
+    assert q.expanded_modes() == ["ar", "ar-again", "dflash-b8", "dflash-auto", "mtp-d1", "ngram", "auto", "mlx-lm",
+                                  "mlx-lm-draft"]
     m5 = BenchSettings.from_profile("m5-max", temps="0")
     assert m5.repeats == 5 and m5.max_tokens == 256 and m5.temps == [0.0]
     for bad in (dict(profile="fast"), dict(max_tokens=1), dict(categories="code,poetry"), dict(temps="0,x"),
@@ -96,7 +100,7 @@ def test_a_budgeted_sitting_runs_the_repeats_that_fit(tiny_set, tmp_path, monkey
         res = run_bench(str(path), st, draft_model="none", mtp_model="none")
         assert res["settings"]["repeats_run"] == ran
         assert sorted({x["repeat"] for x in res["runs"]}) == list(range(ran))
-        assert len(res["runs"]) == 2 * ran and res["results"]["T=0"]["ngram"]["speedup"]
+        assert len(res["runs"]) == 3 * ran and res["results"]["T=0"]["ngram"]["speedup"]
 
 
 def test_byte_fallback_keeps_ids_in_vocab_and_repetitions():
@@ -160,7 +164,7 @@ def test_quick_bench_end_to_end_on_a_tiny_model(tiny_set, tmp_path, monkeypatch)
                                  "--mtp-depths", "1,2", "--max-tokens", "10", "--repeats", "1", "--out", str(out)])
     assert r.exit_code == 0, r.output
     res = json.loads((out / "results.json").read_text())
-    _check_results(res, out, {"ar", "dflash-b4", "dflash-auto", "mtp-d1", "mtp-d2", "ngram", "auto"})
+    _check_results(res, out, {"ar", "ar-again", "dflash-b4", "dflash-auto", "mtp-d1", "mtp-d2", "ngram", "auto"})
     assert res["tokenization"] == "chat template"
     assert "trained block size" in res["skipped"]["dflash-b16"]  # the drafter's block is 4
     assert "mlx-lm" in res["skipped"]  # a transformers checkpoint with a vision tower: mlx-lm refuses it, said so
@@ -201,7 +205,7 @@ def test_bench_tree_modes_run_losslessly_and_report_their_trees(tiny_set, tmp_pa
                                  "--repeats", "1", "--out", str(out)])
     assert r.exit_code == 0, r.output
     res = json.loads((out / "results.json").read_text())
-    _check_results(res, out, {"ar", "dflash-b4", "dflash-b4-t6", "ngram-t4"})
+    _check_results(res, out, {"ar", "ar-again", "dflash-b4", "dflash-b4-t6", "ngram-t4"})
     trees = [run for run in res["runs"] if run["mode"] == "dflash-b4-t6"]
     assert trees and all(run.get("tree_rounds", 0) >= 1 and run["mean_tree_rows"] > 1 for run in trees)
 
@@ -217,7 +221,7 @@ def test_quick_bench_mlx_lm_modes(tmp_path, monkeypatch):
                                  "ar,mlx-lm,mlx-lm-draft", "--max-tokens", "8", "--repeats", "1", "--out", str(out)])
     assert r.exit_code == 0, r.output
     res = json.loads((out / "results.json").read_text())
-    _check_results(res, out, {"ar", "mlx-lm", "mlx-lm-draft"})
+    _check_results(res, out, {"ar", "ar-again", "mlx-lm", "mlx-lm-draft"})
     assert res["results"]["T=0"]["mlx-lm-draft"]["tau"] >= 1.0
     # no DFlash / MTP for this checkpoint (--dflash: the alias of --draft-model): the modes say why instead of failing
     r2 = CliRunner().invoke(app, ["bench", "--quick", "--model", str(ck), "--dflash", "none", "--modes",
@@ -281,8 +285,8 @@ def test_quick_bench_on_the_embedded_model(tmp_path, monkeypatch):
     res = json.loads((out / "results.json").read_text())
     assert res["model"]["embedded"] is True
     ran = set(res["results"]["T=0"])
-    assert {"ar", "ngram", "auto"} <= ran and ran <= {"ar", "dflash-b4", "dflash-auto", "mtp-d1", "ngram", "auto",
-                                                       "mlx-lm"}
+    assert {"ar", "ar-again", "ngram", "auto"} <= ran and ran <= {"ar", "ar-again", "dflash-b4", "dflash-auto",
+                                                                   "mtp-d1", "ngram", "auto", "mlx-lm"}
     _check_results(res, out, ran)
 
 
@@ -312,3 +316,28 @@ def test_verdict_names_a_winner_only_when_every_repeat_beats_plain():
     assert t1.startswith("T=1: no mode is measurably faster than plain decoding here (ngram 1.04× in the median, but "
                          "0.90× in its worst repeat)")
     assert t2.startswith("T=2: plain decoding is the fastest mode here")
+
+
+def test_verdict_reads_auto_against_plain_decoding_measured_twice():
+    """Every sitting that runs another mode runs plain decoding twice (`ar-again`): its × plain is how far two identical
+    modes drift apart in that sitting. The line says whether auto fell below plain by more than that (below the
+    control's worst repeat — the promise auto keeps is "never slower than plain by more than noise") or within it,
+    with the control's range; the control is never named the fastest mode, however its ratio fell. Catches: the
+    control ignored (auto 0.95x said nothing about), named the winner, or read by its median only."""
+    from glimmer_mlx.bench.report import verdict
+
+    def mode(med, lo, tau=None):
+        return {"speedup": {"median": med, "min": lo, "max": med + (med - lo)}, "tau": tau}
+
+    res = {"calibration": {}, "auto_choices": {},
+           "results": {"T=0": {"ar": mode(1.0, 1.0), "ar-again": mode(1.03, 0.97), "auto": mode(0.95, 0.9),
+                               "ngram": mode(0.9, 0.8, 1.5)},
+                       "T=1": {"ar": mode(1.0, 1.0), "ar-again": mode(1.01, 0.93), "auto": mode(0.95, 0.9)},
+                       "T=2": {"ar": mode(1.0, 1.0), "ar-again": mode(1.2, 1.1), "ngram": mode(0.9, 0.8, 1.5)}}}
+    t0, t1, t2 = verdict(res)
+    assert t0.startswith("T=0: plain decoding is the fastest mode here")
+    assert t0.endswith("auto 0.95× plain — below plain by more than this sitting's noise (plain against itself "
+                       "0.97–1.09×)")
+    assert t1.endswith("auto 0.95× plain — within this sitting's noise (plain against itself 0.93–1.09×)")
+    assert t2.startswith("T=2: plain decoding is the fastest mode here")  # not ar-again at 1.20x
+    assert t2.endswith("; plain against itself 1.10–1.30× (this sitting's noise)")

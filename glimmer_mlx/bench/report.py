@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .settings import CONTROL
+
 
 def _fmt(x, spec=".2f", none="–"):
     return none if x is None else format(x, spec)
@@ -21,7 +23,8 @@ def _speed_cell(d: dict) -> str:
 def verdict(res: dict) -> list[str]:
     """One plain-language line per temperature: which mode is fastest here and why — what a round of the best
     speculative mode commits (τ) against what it costs in plain steps (τ / speedup, as measured), next to the
-    calibrated cost of a verify — and how often `auto` drafted."""
+    calibrated cost of a verify — how often `auto` drafted, and whether `auto` fell below plain by more than this
+    sitting's noise: below the worst repeat of plain decoding against itself (`CONTROL`), the promise it keeps."""
     ratio = {int(k): v for k, v in ((res.get("calibration") or {}).get("verify_cost_ratio") or {}).items()}
     lines = []
     for tkey, modes in res["results"].items():
@@ -31,7 +34,7 @@ def verdict(res: dict) -> list[str]:
         # plainly: whatever its ratio, it is plain decoding measured twice, not a mode that wins
         plainly = sorted(m for m in speed if m != "ar" and modes[m].get("tau") is not None
                          and modes[m]["tau"] <= 1.0 + 1e-9)
-        best = max((m for m in speed if m not in plainly), key=speed.get)
+        best = max((m for m in speed if m not in plainly and m != CONTROL), key=speed.get)
         if best == "ar":
             line = f"{tkey}: plain decoding is the fastest mode here"
             if plainly and max(speed[m] for m in plainly) > 1.0:
@@ -60,6 +63,13 @@ def verdict(res: dict) -> list[str]:
             total = sum(chosen.values())
             share = f", drafting in {100 * chosen.get(False, 0) / total:.0f} % of its rounds" if total else ""
             line += f"; auto {speed['auto']:.2f}× plain{share}"
+            if CONTROL in speed:
+                lo, hi = low[CONTROL], modes[CONTROL]["speedup"].get("max", speed[CONTROL])
+                line += (f" — {'below plain by more than' if speed['auto'] < lo else 'within'} this sitting's noise "
+                         f"(plain against itself {lo:.2f}–{hi:.2f}×)")
+        elif CONTROL in speed:
+            line += (f"; plain against itself {low[CONTROL]:.2f}–"
+                     f"{modes[CONTROL]['speedup'].get('max', speed[CONTROL]):.2f}× (this sitting's noise)")
         lines.append(line)
     return lines
 
@@ -150,8 +160,8 @@ def write_chart(res: dict, path) -> Path:
     def x_of(v):
         return left + int(width * v / top_val)
 
-    colors = {"ar": (120, 120, 120), "auto": (200, 80, 30), "ngram": (60, 150, 60), "mlx-lm": (90, 90, 160),
-              "mlx-lm-draft": (120, 110, 200)}
+    colors = {"ar": (120, 120, 120), CONTROL: (160, 160, 160), "auto": (200, 80, 30), "ngram": (60, 150, 60),
+              "mlx-lm": (90, 90, 160), "mlx-lm-draft": (120, 110, 200)}
     y0 = pad
     for tkey, ms in panels:
         g.text((pad, y0), f"speedup vs plain decoding, {tkey} ({res['model']['target'][-40:]})", fill="black",

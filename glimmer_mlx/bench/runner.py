@@ -34,7 +34,7 @@ from ..machine import apple_chip, machine_fingerprint, machine_info, package_ver
 from ..strategy import DecodeSpec, Drafters, ModeError, load_drafters
 from .describe import model_desc, summary
 from .report import verdict
-from .settings import BenchSettings, decode_spec, load_prompts
+from .settings import CONTROL, BenchSettings, decode_spec, load_prompts
 
 
 class BenchError(RuntimeError):
@@ -274,6 +274,8 @@ def run_bench(model: str | None = None, settings: BenchSettings | None = None, *
             continue
         runners[m] = ours_runner(target, drafters, spec)
     modes = [m for m in settings.expanded_modes() if m in runners]
+    if set(modes) <= {"ar", CONTROL}:  # every other mode skipped: plain decoding against itself says nothing
+        modes = ["ar"]
     auto = None
     if "auto" in runners:  # built (and calibrated) once, before the runs: their `select` returns this same object
         auto = drafters.auto(calibration_dir=calibration_dir, recalibrate=recalibrate, log=say)

@@ -22,6 +22,11 @@ PROFILES = {
     "m5-max": dict(prompts_per_category=4, max_tokens=256, repeats=5, warmup_tokens=32),
 }
 DEFAULT_MODES = ("ar", "dflash", "mtp", "ngram", "auto", "mlx-lm", "mlx-lm-draft")  # also every mode family
+# plain decoding run a second time in every sitting that runs another mode: its × plain is how far two identical
+# modes drift apart in this sitting, what every other ratio is read against (`report.verdict`: a mode below plain by
+# less than that is within the sitting's noise). On this repository's 2-core VM the A/A pair of a sitting moved by
+# 2-9 %, and the first command's table showed auto 0.95-0.98x plain with nothing to tell a user whether that was auto
+CONTROL = "ar-again"
 DEFAULT_BLOCKS = (4, 8, 16, "auto")
 DEFAULT_DEPTHS = (1, 2, 3)
 
@@ -65,7 +70,8 @@ def split_tree(mode: str) -> tuple[str, int | None]:
 
 def expand_modes(modes: list[str], blocks, depths) -> list[str]:
     """`dflash` → dflash-b<B> per block size (and dflash-auto), `mtp` → mtp-d<D> per depth; variants pass through
-    (a variant of dflash / mtp / ngram may end in `-t<N>`: token trees, `split_tree`)."""
+    (a variant of dflash / mtp / ngram may end in `-t<N>`: token trees, `split_tree`); `ar` first if not listed, and
+    its control (`CONTROL`) after it where any other mode runs."""
     out = []
     for m in modes:
         base, nodes = split_tree(m)
@@ -80,7 +86,7 @@ def expand_modes(modes: list[str], blocks, depths) -> list[str]:
             out += [f"dflash-{'auto' if b == 'auto' else f'b{b}'}" for b in blocks]
         elif m == "mtp":
             out += [f"mtp-d{d}" for d in depths]
-        elif m in DEFAULT_MODES:
+        elif m in DEFAULT_MODES or m == CONTROL:
             out.append(m)
         elif m.startswith("dflash-") and (m == "dflash-auto" or (m[7:8] == "b" and m[8:].isdigit())):
             out.append(m)
@@ -91,15 +97,20 @@ def expand_modes(modes: list[str], blocks, depths) -> list[str]:
                              "dflash-auto, mtp-d<N>, and token trees <variant>-t<nodes> (dflash-b16-t15, ngram-t8)")
     if "ar" not in out:
         out.insert(0, "ar")  # the baseline every speedup is measured against, in the same run
+    if CONTROL not in out and any(m != "ar" for m in out):
+        out.insert(out.index("ar") + 1, CONTROL)  # ... and its control
     return list(dict.fromkeys(out))
 
 
 def decode_spec(mode: str) -> DecodeSpec | None:
-    """An expanded mode of ours → how it decodes: ar, ngram, auto as such, dflash-b<N> → ("dflash", N), dflash-auto →
+    """An expanded mode of ours → how it decodes: ar, ngram, auto as such (`CONTROL`: ar), dflash-b<N> → ("dflash", N),
+    dflash-auto →
     ("dflash", "auto"), mtp-d<N> → ("mtp", N), a `-t<T>` suffix → the same with trees of T nodes; None for mlx-lm's
     own modes."""
     if mode.startswith("mlx-lm"):
         return None
+    if mode == CONTROL:
+        return DecodeSpec("ar")
     base, nodes = split_tree(mode)
     if nodes is not None:
         spec = decode_spec(base)

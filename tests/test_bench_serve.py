@@ -118,6 +118,9 @@ def test_prompt_draw_round_robin():
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert body["glimmer"] == {"mode": "dflash"} and body["seed"] == 3
     assert "glimmer" not in request_body("hi", max_tokens=8, temperature=0.0, seed=None, mode=None)
+    # plain decoding's control: sent as ar, measured as a mode of its own (`ServeBenchSettings.parse` accepts it)
+    assert request_body("hi", max_tokens=8, temperature=0.0, seed=3, mode="ar-again")["glimmer"] == {"mode": "ar"}
+    assert ServeBenchSettings.parse(modes="ar,ar-again,auto").modes == ["ar", "ar-again", "auto"]
 
 
 # -- the SSE parser -----------------------------------------------------------------------------------------------------

@@ -27,8 +27,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
+from .settings import CONTROL
+
 SCHEMA = "glimmer-bench-serve/1"
-OUR_MODES = ("ar", "dflash", "mtp", "ngram", "auto")  # sent as {"glimmer": {"mode": ...}}
+# sent as {"glimmer": {"mode": ...}}; `CONTROL` (ar-again, `--modes ar,ar-again,...`) is plain decoding sent again as
+# ar, side by side with it: its ratio to ar at each N is how far two identical modes drift apart in the sitting, what
+# auto ÷ ar is read against
+OUR_MODES = ("ar", CONTROL, "dflash", "mtp", "ngram", "auto")
 MLX_LM = "mlx-lm"
 KNOWN_TARGETS = (*OUR_MODES, MLX_LM)
 DEFAULT_MODES = ("ar", "dflash", "auto", MLX_LM)
@@ -195,7 +200,7 @@ def request_body(text: str, *, max_tokens: int, temperature: float, seed: int | 
     if seed is not None:
         body["seed"] = seed
     if mode is not None:
-        body["glimmer"] = {"mode": mode}
+        body["glimmer"] = {"mode": "ar" if mode == CONTROL else mode}
     return body
 
 

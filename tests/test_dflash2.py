@@ -509,7 +509,7 @@ def test_bench_label(target, tmp_path):
 
     d = load_drafter(write_checkpoint(tmp_path / "d", tiny_config()), target)
     modes = expand_modes(["dflash", "auto"], [16, "auto"], [1])
-    assert [variant_label(m, d.variant) for m in modes] == ["ar", "dflash2-b16", "dflash2-auto", "auto"]
+    assert [variant_label(m, d.variant) for m in modes] == ["ar", "ar-again", "dflash2-b16", "dflash2-auto", "auto"]
     assert [variant_label(m, "dflash") for m in modes] == modes
 
 

@@ -776,6 +776,27 @@ def test_a_speculative_step_is_priced_in_plain_steps_of_its_rows(ba):
     assert ba.relative[1][9] == pytest.approx(2.4, rel=1e-3)  # (kept in plain steps of its rows)
 
 
+def test_a_row_counts_first_speculative_steps_are_priced_by_the_nearest_row_counts_shapes(ba):
+    """A speculative shape (rows, L) not run yet is priced by the same width's cost in plain steps at the nearest row
+    count that ran it (`BatchAuto._relative_prior`), times this row count's plain price — not by the solo
+    calibration's curve, which knows neither a batch verify's own cost nor the wake a stretch leaves (a server's
+    first 2-row steps after a level at 1 row drafted lone n-gram steps on the curve's price until each width learned
+    its own). Its own steps, once run, price it. Catches: no transfer (a flat curve prices a 2 x 9 verify as a plain
+    step), a prior that overrides the row count's own measure."""
+    ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    for _ in range(40):
+        ba.observe(1, 0.005, spec=False, rows=1)
+        ba.observe(9, 0.015, spec=True, rows=1)  # 3 plain steps of 1 row
+        ba.observe(2, 0.007, spec=False, rows=2)
+    assert ba.step_cost(18, rows=2) == pytest.approx(3 * 0.007, rel=1e-3)
+    assert ba.step_cost(2, rows=2) == pytest.approx(0.007) and ba.step_cost(9, rows=1) == pytest.approx(0.015)
+    for _ in range(40):
+        ba.observe(18, 0.014, spec=True, rows=2)  # its own: 2 plain steps of 2 rows
+    assert ba.step_cost(18, rows=2) == pytest.approx(0.014, rel=1e-3)
+    assert ba.step_cost(9, rows=1) == pytest.approx(0.015, rel=1e-3)
+
+
 def test_a_stretch_chosen_by_a_thin_margin_is_checked_sooner(ba):
     """A check prices plain steps again `STALE_ROUNDS` steps after the latest priced one when the latest speculative
     step was chosen by a margin of 1 + `THIN_MARGIN` or more over the plain step's price, sooner the thinner the

@@ -281,12 +281,26 @@ class BatchAuto:
             shaped = self.by_rows.get(rows)
             if shaped and 1 in shaped:
                 price = shaped[1]
-                m = {rows * L: r * price for L, r in self.relative.get(rows, {}).items()}
+                own = self.relative.get(rows, {})
+                m = {rows * L: r * price for L, r in self._relative_prior(rows).items() if L not in own}
+                m.update((rows * L, r * price) for L, r in own.items())
                 m[rows] = price
             elif n == rows and m and n not in m:  # (no step of n positions measured either)
                 return self._unpriced_plain(rows)
         floor = max((t for k, t in m.items() if k < n), default=0.0)  # more positions never cost less
         return max(floor, self._interpolated(n, m))
+
+    def _relative_prior(self, rows: int) -> dict[int, float]:
+        """{L: a speculative shape's cost in plain steps} measured at the nearest other row count, for the widths
+        `rows` rows have not run yet: what a row count's first speculative steps are priced by, in place of the
+        solo calibration's curve — which knows neither what a batch's verify costs beyond a solo forward over as many
+        positions (~1.8 plain steps here where the curve says 1.36) nor the wake a stretch leaves (folded into the
+        measured shapes: `charge`). A server's first steps at 2 rows, after a level at 1, drafted lone n-gram steps
+        at 4-9 a level, each ~20 ms with its wake, on the curve's price, until each width had learned its own."""
+        others = [b for b, rel in self.relative.items() if rel and b != rows]
+        if not others:
+            return {}
+        return self.relative[min(others, key=lambda b: (abs(b - rows), b))]
 
     def _unpriced_plain(self, rows: int) -> float:
         """A plain step of `rows` rows before any was priced: the priced plain step of the nearest row count, along the

@@ -26,6 +26,7 @@ DEFAULT_MODES = ("ar", "dflash", "mtp", "ngram", "auto", "mlx-lm", "mlx-lm-draft
 # modes drift apart in this sitting, what every other ratio is read against (`report.verdict`: a mode below plain by
 # less than that is within the sitting's noise). On this repository's 2-core VM the A/A pair of a sitting moved by
 # 2-9 %, and the first command's table showed auto 0.95-0.98x plain with nothing to tell a user whether that was auto
+# or the sitting
 CONTROL = "ar-again"
 DEFAULT_BLOCKS = (4, 8, 16, "auto")
 DEFAULT_DEPTHS = (1, 2, 3)

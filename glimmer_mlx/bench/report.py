@@ -35,6 +35,8 @@ def verdict(res: dict) -> list[str]:
         plainly = sorted(m for m in speed if m != "ar" and modes[m].get("tau") is not None
                          and modes[m]["tau"] <= 1.0 + 1e-9)
         best = max((m for m in speed if m not in plainly and m != CONTROL), key=speed.get)
+        # plain decoding against itself: this sitting's noise (the control's worst and best repeat)
+        noise = (low[CONTROL], modes[CONTROL]["speedup"].get("max", speed[CONTROL])) if CONTROL in speed else None
         if best == "ar":
             line = f"{tkey}: plain decoding is the fastest mode here"
             if plainly and max(speed[m] for m in plainly) > 1.0:
@@ -63,13 +65,11 @@ def verdict(res: dict) -> list[str]:
             total = sum(chosen.values())
             share = f", drafting in {100 * chosen.get(False, 0) / total:.0f} % of its rounds" if total else ""
             line += f"; auto {speed['auto']:.2f}× plain{share}"
-            if CONTROL in speed:
-                lo, hi = low[CONTROL], modes[CONTROL]["speedup"].get("max", speed[CONTROL])
-                line += (f" — {'below plain by more than' if speed['auto'] < lo else 'within'} this sitting's noise "
-                         f"(plain against itself {lo:.2f}–{hi:.2f}×)")
-        elif CONTROL in speed:
-            line += (f"; plain against itself {low[CONTROL]:.2f}–"
-                     f"{modes[CONTROL]['speedup'].get('max', speed[CONTROL]):.2f}× (this sitting's noise)")
+            if noise:
+                line += (f" — {'below plain by more than' if speed['auto'] < noise[0] else 'within'} this sitting's "
+                         f"noise (plain against itself {noise[0]:.2f}–{noise[1]:.2f}×)")
+        elif noise:
+            line += f"; plain against itself {noise[0]:.2f}–{noise[1]:.2f}× (this sitting's noise)"
         lines.append(line)
     return lines
 

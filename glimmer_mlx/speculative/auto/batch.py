@@ -73,6 +73,12 @@ THIN_MARGIN = 0.5
 THIN_DIVISOR = 8
 
 
+def nearest(rows: int, counts: list[int]) -> int:
+    """The row count of `counts` nearest `rows` (the smaller on a tie): whose measures price a row count with none of
+    its own (`BatchAuto._unpriced_plain`, `BatchAuto._relative_prior`)."""
+    return min(counts, key=lambda b: (abs(b - rows), b))
+
+
 class BatchAuto:
     """The batch-level chooser over an `AutoDrafter`'s options and cost curve (the solo `auto` of the process)."""
 
@@ -298,9 +304,7 @@ class BatchAuto:
         measured shapes: `charge`). A server's first steps at 2 rows, after a level at 1, drafted lone n-gram steps
         at 4-9 a level, each ~20 ms with its wake, on the curve's price, until each width had learned its own."""
         others = [b for b, rel in self.relative.items() if rel and b != rows]
-        if not others:
-            return {}
-        return self.relative[min(others, key=lambda b: (abs(b - rows), b))]
+        return self.relative[nearest(rows, others)] if others else {}
 
     def _unpriced_plain(self, rows: int) -> float:
         """A plain step of `rows` rows before any was priced: the priced plain step of the nearest row count, along the
@@ -312,7 +316,7 @@ class BatchAuto:
         like a win, and with no plain step ever priced no check came (`check_due`)."""
         priced = [b for b, shaped in self.by_rows.items() if 1 in shaped]
         if priced:
-            b = min(priced, key=lambda b: (abs(b - rows), b))
+            b = nearest(rows, priced)
             return self.by_rows[b][1] * self.calibrated(rows) / self.calibrated(b)
         return self.calibrated(rows) * self.chooser.scale
 

@@ -143,8 +143,11 @@ def test_auto_rows_offer_a_copy_they_follow_as_its_own_option(sess, ids, monkeyp
     """A batch's auto row names its n-gram offers as the solo auto does (`NGramDrafter.offer`): an offer that goes
     on with a copy the row's committed tokens confirmed is "ngram@run", drafted from where its estimate pays, and the
     output stays plain decoding's. Catches: a row's offers named by matched size only (its run never offered), a
-    row's offers compared with another row's."""
+    row's offers compared with another row's. The batch is held open (`BatchAuto.closed`): the session's auto is
+    shared with the tests before, whose timings can leave its ledger barring speculation or a check due, and a closed
+    batch asks its rows nothing (CI once failed this way)."""
     auto = sess.drafters.batch_auto()
+    monkeypatch.setattr(auto, "closed", lambda fixed_width: False)
     offered = []
     real = auto.choose
     monkeypatch.setattr(auto, "choose", lambda rows, *a: (offered.extend(set(row[2]) for row in rows),

@@ -54,7 +54,56 @@ _CACHE: dict = {}
 AUTO_CURVE_ENV = "GLIMMER_TEST_AUTO_CURVE"
 
 
+# GLIMMER_TEST_AUTO_LEDGER=barred: the process's shared autos (a session's `Drafters.auto()` and `batch_auto()`, which
+# every test on that session shares) have ledgers that bar every option throughout — what the tests before one can
+# leave them at, their wall times being this machine's. A test whose outcome needs speculation through a shared auto
+# must pin what it needs; none may pass only because the ledger happened to be open. (A CI run once failed where the
+# tests before one had left the shared batch auto barred or mid-check: `.ci/run` runs the auto tests this way too.)
+AUTO_LEDGER_ENV = "GLIMMER_TEST_AUTO_LEDGER"
+
+
+class _Everything(frozenset):
+    """A barred set holding every ledger entry."""
+
+    def __contains__(self, item) -> bool:
+        return True
+
+    def __bool__(self) -> bool:
+        return True
+
+
+def _bar_shared_autos() -> None:
+    from glimmer_mlx import strategy
+    from glimmer_mlx.speculative.auto.batch import BatchAuto
+
+    solo, batch = strategy.Drafters.auto, strategy.Drafters.batch_auto
+    barred = set()  # ids of the shared batch autos
+
+    def auto(self, *a, **kw):
+        out = solo(self, *a, **kw)
+        ch = out.chooser
+        if not isinstance(ch.barred, _Everything):
+            ch._bar = lambda: None
+            ch.barred = _Everything()
+            ch._forget()
+        return out
+
+    def batch_auto(self):
+        out = batch(self)
+        barred.add(id(out))
+        return out
+
+    real = BatchAuto.barred
+    strategy.Drafters.auto, strategy.Drafters.batch_auto = auto, batch_auto
+    BatchAuto.barred = property(lambda self: id(self) in barred or real.fget(self))
+
+
 def pytest_configure(config):
+    ledger = os.environ.get(AUTO_LEDGER_ENV)
+    if ledger:
+        if ledger != "barred":
+            raise pytest.UsageError(f"{AUTO_LEDGER_ENV} must be barred, got {ledger!r}")
+        _bar_shared_autos()
     mode = os.environ.get(AUTO_CURVE_ENV)
     if not mode:
         return

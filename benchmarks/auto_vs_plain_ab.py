@@ -21,7 +21,10 @@ before the ninth session); noshadow (greedy n-gram offers passed over are not sc
 eighth (all six: the eighth session's rules; its catch-ups still run only what the chunks miss); nophase (one set of
 acceptance estimates and ledger entries for a whole response, as before the tenth session, not one per phase:
 `chooser.PHASES`); dfauto, dfauto_nophase (auto over the DFlash drafter alone: plain, its chains or its trees per
-round; and the same without phases); ngauto (auto over n-gram lookup alone: plain or n-gram per round); nowarm
+round; and the same without phases); dfforced (auto over the DFlash drafter alone, made to draft every round it can:
+what auto's own machinery costs against DFlash alone); ngauto (auto over n-gram lookup alone: plain or n-gram per
+round); ngdf, ngdf_never (auto over n-gram lookup and the DFlash drafter; and the same with the drafter's ledger
+entries barred throughout: what carrying it costs where it never drafts); nowarm
 (auto whose plain forwards never yield the model drafters' taps); norun, ngnorun (auto, and auto over n-gram lookup
 alone, whose n-gram offers are named by matched size only: no "ngram@run", as before the twelfth session); nowake,
 ngnowake (auto, and auto over n-gram lookup alone, charging a stretch the first plain token after it only, the slow
@@ -193,6 +196,49 @@ def no_phase(auto):
     return auto
 
 
+def forced_dflash(auto):
+    """auto over the DFlash drafter alone that drafts with its chain every round it can (never plain, never a tree,
+    no check of the speed scale): its own bookkeeping and measures run as ever."""
+    ch = auto.chooser
+
+    def pick(available, regime="greedy", remaining=None):
+        ch.set_horizon(remaining)
+        cap = available.get("dflash", 0)
+        return ("dflash", min(cap, ch.options["dflash"].max_k), False) if cap >= 1 else (None, 0, False)
+
+    ch.pick = pick
+    ch.keep = lambda name, available, regime="greedy", remaining=None: pick(available, regime, remaining)
+    ch.relevant = lambda regime="greedy", remaining=None: None
+    ch.check_due = lambda: False
+    return auto
+
+
+class _Every(frozenset):
+    """A barred set holding every ledger entry of the options named (`never_models`)."""
+
+    def __new__(cls, names):
+        names = frozenset(names)
+        out = super().__new__(cls, names)  # (listed as the options' names)
+        out.names = names
+        return out
+
+    def __contains__(self, entry) -> bool:
+        return entry.split("#", 1)[0] in self.names
+
+    def __bool__(self) -> bool:
+        return True
+
+
+def never_models(auto):
+    """auto whose model drafters' ledger entries (chains and trees, every phase) are barred throughout: they are
+    carried and offered, and never drafted."""
+    ch = auto.chooser
+    ch._bar = lambda: None
+    ch.barred = _Every(n for n in ch.options if not n.startswith("ngram"))
+    ch.rescore()
+    return auto
+
+
 def no_warm(auto):
     """auto whose plain forwards never yield the model drafters' taps (`AutoDrafter._warm` always False): a drafter
     it tries catches up on its backlog then."""
@@ -257,6 +303,9 @@ make = {
     "noshadow": lambda: no_shadow(second_auto()), "nophase": lambda: no_phase(second_auto()),
     "eighth": lambda: no_shadow(mean_taps(surplus(no_wide(shrunk(all_servable(second_auto()))), 0.25))),
     "dfauto": lambda: make_auto(m, dflash=copy.copy(d.dflash), ngram=False),
+    "dfforced": lambda: forced_dflash(make_auto(m, dflash=copy.copy(d.dflash), ngram=False)),
+    "ngdf": lambda: make_auto(m, dflash=copy.copy(d.dflash), ngram=8),
+    "ngdf_never": lambda: never_models(make_auto(m, dflash=copy.copy(d.dflash), ngram=8)),
     "dfauto_nophase": lambda: no_phase(make_auto(m, dflash=copy.copy(d.dflash), ngram=False)),
     "ngauto": lambda: make_auto(m, ngram=8),
     "nowarm": lambda: no_warm(second_auto()),

@@ -6,6 +6,7 @@ than a block recomputing its taps (C(L)); the chooser's ledger is kept as AutoDe
 tokens per second relative to plain decoding, averaged over seeds.
 
     python benchmarks/simulate_auto.py --draft-ms 3 [--future-tokens 128] [--requests 10 --tokens 96] [--spread 0.3]
+        [--phased 0.85,1.12,0.87]   (acceptance per phase of a response; adds the oracle policy)
 """
 
 from __future__ import annotations
@@ -26,28 +27,39 @@ ALPHAS = [0.508, 0.717, 0.627, 0.676, 0.669, 0.798, 0.46]
 
 
 def simulate(policy: str, draft: float, *, requests: int, tokens: int, seed: int, prior_tau: float = 2.2,
-             regime: str = "sampling", spread: float = 0.0) -> tuple[float, int]:
-    """(tokens per second, exploration rounds) of `policy` ("plain", "dflash": every round at 7 drafts, "auto").
-    spread: each request's acceptance is ALPHAS × (1 − spread) or × (1 + spread), at random (prompts differ)."""
+             regime: str = "sampling", spread: float = 0.0, phased: tuple | None = None) -> tuple[float, int]:
+    """(tokens per second, exploration rounds) of `policy` ("plain", "dflash": every round at 7 drafts, "auto",
+    "oracle": the drafter in the phases where it pays by its true acceptance, plain in the others).
+    spread: each request's acceptance is ALPHAS × (1 − spread) or × (1 + spread), at random (prompts differ).
+    phased: (f0, f1, f2): the acceptance × f_p in phase p of a response (`chooser.PHASES`; auto is told them), as
+    the trained tiny set's DFlash at T = 1 does (driven alone there: ~0.92x plain in the opening and after 64 tokens,
+    ~1.16x between)."""
     rng = random.Random(seed)
     kinds = random.Random(seed + 10**6)  # the requests' draws, the same for every policy
     ch = AutoChooser(COSTS, plain_cost=PLAIN)
     ch.add("dflash", 7, "block", draft_prior=draft,
            measured_tau={"width": 7, "greedy": prior_tau, "sampling": prior_tau})
+    if phased is None:
+        ch.phases = None
+    bounds = chooser_mod.PHASES
     seconds, done = 0.0, 0
     for _ in range(requests):
         left, spec_last, lag = tokens - 1, False, 0
         seconds, done = seconds + PLAIN, done + 1  # the prefill's token
         factor = 1.0 + spread * kinds.choice((-1.0, 1.0))
-        alphas = [min(a * factor, 0.98) for a in ALPHAS]
         ch.new_context()
         while left > 0:
+            generated = tokens - left
+            phase = sum(generated >= b for b in bounds)
+            f = factor * (phased[phase] if phased is not None else 1.0)
+            alphas = [min(a * f, 0.98) for a in ALPHAS]
             k = min(7, left - 1)
             name, kk = None, 0
-            if k >= 1 and policy == "dflash":
+            if k >= 1 and (policy == "dflash" or policy == "oracle" and pays(alphas, draft)):
                 name, kk = "dflash", k
             elif k >= 1 and policy == "auto":
                 ch.set_lag("dflash", lag, fill=lag > 8)  # a drafter in step since its last round has its taps
+                ch.set_phase(generated if phased is not None else None)
                 name, kk = ch.choose({"dflash": k}, regime, left)
             if name is None:
                 seconds += PLAIN * (1.9 if spec_last else 1.0)
@@ -73,6 +85,11 @@ def simulate(policy: str, draft: float, *, requests: int, tokens: int, seed: int
     return done / seconds, sum(ch.explored.values())
 
 
+def pays(alphas: list[float], draft: float) -> bool:
+    """Whether a round of 7 drafts at these true acceptances beats plain tokens (the oracle's rule)."""
+    return chooser_mod.expected_tokens(alphas) / (draft + COSTS[8]) > 1.0 / PLAIN
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--draft-ms", type=float, default=3.0, help="the drafter's seconds per round, in ms")
@@ -86,6 +103,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=16)
     ap.add_argument("--spread", type=float, default=0.0, help="requests' acceptance × (1 ± spread), at random")
     ap.add_argument("--here-weight", type=float, default=None, help="override chooser.HERE_WEIGHT")
+    ap.add_argument("--phased", default=None, help="f0,f1,f2: acceptance × f_p in phase p of a response")
     a = ap.parse_args()
     if a.future_tokens is not None:
         chooser_mod.FUTURE_TOKENS = a.future_tokens
@@ -97,15 +115,17 @@ def main() -> None:
         chooser_mod.HERE_WEIGHT = a.here_weight
     if a.ledger_floor is not None:
         chooser_mod.LEDGER_FLOOR = a.ledger_floor
+    phased = tuple(float(x) for x in a.phased.split(",")) if a.phased else None
     res = {p: [simulate(p, a.draft_ms * MS, requests=a.requests, tokens=a.tokens, seed=s, prior_tau=a.prior_tau,
-                        spread=a.spread)
+                        spread=a.spread, phased=phased)
                 for s in range(a.seeds)]
-           for p in ("plain", "dflash", "auto")}
+           for p in ("plain", "dflash", "auto") + (("oracle",) if phased else ())}
     base = statistics.mean(r for r, _ in res["plain"])
     rel = {p: round(statistics.mean(r for r, _ in v) / base, 3) for p, v in res.items()}
     print(f"draft {a.draft_ms} ms, prior τ {a.prior_tau}, FUTURE_TOKENS {chooser_mod.FUTURE_TOKENS}, PRIOR_WEIGHT "
           f"{chooser_mod.PRIOR_WEIGHT}, LOSS_BUDGET {chooser_mod.LOSS_BUDGET}, LEDGER_FLOOR "
-          f"{chooser_mod.LEDGER_FLOOR}, HERE_WEIGHT {chooser_mod.HERE_WEIGHT}, spread {a.spread}: × plain {rel}, "
+          f"{chooser_mod.LEDGER_FLOOR}, HERE_WEIGHT {chooser_mod.HERE_WEIGHT}, spread {a.spread}, phased {phased}: "
+          f"× plain {rel}, "
           f"auto explored "
           f"{statistics.mean(e for _, e in res['auto']):.1f} rounds a run")
 

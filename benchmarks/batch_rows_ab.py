@@ -58,8 +58,7 @@ def ema_observe(self, n, seconds, spec, rows=None):
         rel[n // rows] = auto_batch.robust_ema(rel.get(n // rows), seconds / self.step_cost(rows, rows=rows),
                                                auto_batch.EMA)
     elif rows:
-        shaped = self.by_rows.setdefault(rows, {})
-        shaped[1] = auto_batch.robust_ema(shaped.get(1), seconds, auto_batch.EMA)
+        self.plain_by_rows[rows] = auto_batch.robust_ema(self.plain_by_rows.get(rows), seconds, auto_batch.EMA)
     self.ratio = auto_batch.robust_ema(self.ratio, seconds / self.calibrated(n), auto_batch.EMA)
     if not spec:
         self._priced_at = self.stepped

@@ -514,7 +514,7 @@ def test_auto_speculates_when_verification_is_nearly_free(ba):
     each row with its best option, never more drafts than its budget allows. Catches: choose always plain, the
     budget cap ignored, the worse option picked."""
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
-    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}
     pin(ba, "dflash", "greedy", 0.8)
     pin(ba, "mtp", "greedy", 0.3)
     rows = [("greedy", 100, {"dflash": 15, "mtp": 1}), ("greedy", 100, {"dflash": 15}), ("greedy", 3, {"dflash": 15})]
@@ -533,7 +533,7 @@ def test_auto_plain_when_compute_bound(ba):
     Catches: choose ignoring the step cost of B·L positions (speculating whenever drafts are accepted), step_cost
     preferring the calibration over a measured n."""
     ba.curve = {n: 0.001 * n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
-    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}
     pin(ba, "dflash", "greedy", 0.9)
     pin(ba, "mtp", "greedy", 0.9)
     rows = [("greedy", 100, {"dflash": 15, "mtp": 1})] * 4
@@ -541,7 +541,7 @@ def test_auto_plain_when_compute_bound(ba):
     assert k == 0 and plan == [(None, 0)] * 4
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
     assert ba.choose(rows, 0, 1, 0.0, 15)[0] > 0  # the same rows speculate when verification is free
-    ba.measured, ba.by_rows = {n: 0.001 * n for n in range(1, 257)}, {}
+    ba.measured, ba.plain_by_rows = {n: 0.001 * n for n in range(1, 257)}, {}
     k, plan = ba.choose(rows, 0, 1, 0.0, 15)
     assert k == 0 and plan == [(None, 0)] * 4
 
@@ -554,7 +554,7 @@ def test_a_rows_own_rounds_scale_its_estimates_and_a_row_drafting_at_a_loss_step
     drafting, the lone row plain), every row of a speculative step drafting whatever its drafting costs, a row's
     measure noted after the estimates learned from its round or under the wrong option."""
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # verification free: drafting is the cost
-    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}
     ba.draft_cost = lambda name, k: 2e-3
     pin(ba, "dflash", "greedy", 0.7)
     dflash = ba.chooser.options["dflash"]
@@ -588,7 +588,7 @@ def test_auto_never_speculates_without_drafts(ba):
     """No row has drafts (no option available: an n-gram row whose suffix never occurred; or budget 1), even with
     drafting free and acceptance 1. Catches: a plan drafting for a row with no option, a width past the budget."""
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
-    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}
     pin(ba, "dflash", "greedy", 0.99)
     k, plan = ba.choose([("greedy", 100, {}), ("greedy", 50, {})], 0, 1, 0.0, 15)
     assert k == 0 and plan == [(None, 0)] * 2
@@ -623,7 +623,7 @@ def test_the_batch_ledger_turns_speculation_off_once_it_lost_its_budget(sess, ba
     from glimmer_mlx.speculative.auto.chooser import LEDGER_FLOOR, LEDGER_ROUND_CAP, LEDGER_ROUNDS, LOSS_BUDGET
 
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
-    ba.measured, ba.ratio, ba.by_rows, ba.saved, ba.elapsed = {2: 0.01}, None, {}, 0.0, 0.0
+    ba.measured, ba.ratio, ba.plain_by_rows, ba.saved, ba.elapsed = {2: 0.01}, None, {}, 0.0, 0.0
     ba.span_after = 2
     pin(ba, "dflash", "greedy", 0.8)
     rows = [("greedy", 100, {"dflash": 15})] * 2
@@ -679,7 +679,7 @@ def test_a_stretchs_span_is_measured_whole_and_its_plain_steps_price_nothing(ses
     per stretch where there is none), the broken chain's steps priced."""
 
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
-    ba.measured, ba.ratio, ba.by_rows, ba.saved, ba.elapsed = {2: 0.010, 18: 0.030}, 1.0, {}, 0.0, 0.0
+    ba.measured, ba.ratio, ba.plain_by_rows, ba.saved, ba.elapsed = {2: 0.010, 18: 0.030}, 1.0, {}, 0.0, 0.0
     ba.span_after = 3
     gen = BatchGenerator(sess.model, auto=ba)
     for shape in ((2, 9), (2, 1)):
@@ -718,7 +718,7 @@ def test_plain_steps_are_priced_again_when_stretches_leave_none(sess, ba):
     from glimmer_mlx.speculative.auto.chooser import CHECK_SAMPLES, STALE_ROUNDS
 
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
-    ba.measured, ba.ratio, ba.by_rows, ba.saved, ba.elapsed = {2: 0.014}, None, {2: {1: 0.014}}, 0.0, 0.0
+    ba.measured, ba.ratio, ba.plain_by_rows, ba.saved, ba.elapsed = {2: 0.014}, None, {2: 0.014}, 0.0, 0.0
     ba.span_after = 2
     pin(ba, "dflash", "greedy", 0.8)
     rows = [("greedy", 100, {"dflash": 8})] * 2
@@ -739,11 +739,11 @@ def test_plain_steps_are_priced_again_when_stretches_leave_none(sess, ba):
     assert ba.choose(rows, 0, 1, 0.0, 15) == (0, [(None, 0)] * 2) and ba.checks == 1
     step(1, 0.010, chained=False)  # the span's steps: not prices
     step(1, 0.010)
-    assert ba.choose(rows, 0, 1, 0.0, 15)[0] == 0 and ba.by_rows[2][1] == pytest.approx(0.014)
+    assert ba.choose(rows, 0, 1, 0.0, 15)[0] == 0 and ba.plain_by_rows[2] == pytest.approx(0.014)
     for _ in range(CHECK_SAMPLES):
         assert ba.choose(rows, 0, 1, 0.0, 15)[0] == 0
         step(1, 0.010)
-    assert ba.by_rows[2][1] == pytest.approx(0.010)  # the check's own steps only
+    assert ba.plain_by_rows[2] == pytest.approx(0.010)  # the check's own steps only
     assert ba.choose(rows, 0, 1, 0.0, 15)[0] > 0 and ba.checks == 1
 
 
@@ -758,7 +758,7 @@ def test_a_speculative_step_is_priced_in_plain_steps_of_its_rows(ba):
     from glimmer_mlx.speculative.auto.chooser import ENTER_GAIN, PRICE_WINDOW
 
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
-    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}
     pin(ba, "dflash", "greedy", 0.5)  # ~2 tokens a round at any width
     rows = [("greedy", 100, {"dflash": 8})]
     for _ in range(PRICE_WINDOW):
@@ -787,7 +787,7 @@ def test_a_row_counts_first_speculative_steps_are_priced_by_the_nearest_row_coun
     its own). Its own steps, once run, price it. Catches: no transfer (a flat curve prices a 2 x 9 verify as a plain
     step), a prior that overrides the row count's own measure."""
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
-    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}
     for _ in range(40):
         ba.observe(1, 0.005, spec=False, rows=1)
         ba.observe(9, 0.015, spec=True, rows=1)  # 3 plain steps of 1 row
@@ -811,7 +811,7 @@ def test_a_stretch_chosen_by_a_thin_margin_is_checked_sooner(ba):
     from glimmer_mlx.speculative.auto.chooser import STALE_ROUNDS
 
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
-    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}
     pin(ba, "dflash", "greedy", 0.8)
     rows = [("greedy", 100, {"dflash": 8})]
     ba.observe(1, 0.010, spec=False, rows=1)
@@ -843,7 +843,7 @@ def test_a_check_prices_the_ledger_credits_of_the_stretches_before_it_again(sess
     from glimmer_mlx.speculative.auto.chooser import LEDGER_ROUNDS
 
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
-    ba.measured, ba.ratio, ba.by_rows, ba.saved, ba.elapsed = {2: 0.014}, None, {}, 0.0, 0.0
+    ba.measured, ba.ratio, ba.plain_by_rows, ba.saved, ba.elapsed = {2: 0.014}, None, {}, 0.0, 0.0
     ba.span_after = 2
     gen = BatchGenerator(sess.model, auto=ba)
     for shape in ((2, 9), (2, 1)):
@@ -891,7 +891,7 @@ def test_a_plain_step_is_priced_by_the_median_of_the_latest_ones(sess, ba):
     from glimmer_mlx.speculative.auto.chooser import SCALE_WINDOW
 
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
-    ba.measured, ba.ratio, ba.by_rows, ba.saved, ba.elapsed = {}, None, {}, 0.0, 0.0
+    ba.measured, ba.ratio, ba.plain_by_rows, ba.saved, ba.elapsed = {}, None, {}, 0.0, 0.0
     gen = BatchGenerator(sess.model, auto=ba)
     ba.first_of(2, 1)
     step = stepper(gen)
@@ -921,7 +921,7 @@ def test_a_plain_step_never_priced_is_not_priced_from_the_speculative_steps(ba):
     9.4 ms, where plain steps took ~4.5), each such step looking like a win. Catches: the price moving with
     speculative steps; a priced row count's plain step ignored."""
     ba.curve = {n: 0.01 * (1 + 0.1 * (n - 1)) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
-    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}
     ba.first_of(1, 9)
     for seconds in (0.02, 0.03, 0.04):  # 1-row verify steps, ever slower
         ba.observe(9, seconds, spec=True, rows=1)
@@ -942,7 +942,7 @@ def test_speculating_on_a_plain_price_never_measured_soon_checks_it(ba):
     from glimmer_mlx.speculative.auto.chooser import CHECK_SAMPLES
 
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
-    ba.measured, ba.ratio, ba.by_rows, ba.saved, ba.elapsed = {}, None, {}, 0.0, 0.0
+    ba.measured, ba.ratio, ba.plain_by_rows, ba.saved, ba.elapsed = {}, None, {}, 0.0, 0.0
     pin(ba, "dflash", "greedy", 0.8)
     rows = [("greedy", 100, {"dflash": 15})]
     for i in range(UNPRICED_STEPS):
@@ -970,7 +970,7 @@ def test_a_check_prices_on_its_own_steps_bounded_by_the_long_window(ba):
     from glimmer_mlx.speculative.auto.chooser import CHECK_SAMPLES
 
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
-    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}
     for _ in range(20):
         ba.observe(2, 0.006, spec=False, rows=2)
     ba._start_check()
@@ -989,7 +989,7 @@ def test_auto_cost_model_observe_and_interpolate(ba):
     """observe: an EMA per n and a measured/calibrated ratio applied to unmeasured n; calibrated extends the curve
     linearly. Catches: a ratio never applied, interpolation between the wrong points."""
     ba.curve = {1: 1.0, 4: 4.0, 8: 6.0}
-    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}
     assert ba.calibrated(2) == pytest.approx(2.0) and ba.calibrated(6) == pytest.approx(5.0)
     assert ba.calibrated(12) == pytest.approx(8.0)  # the last slope: 0.5 per position
     ba.observe(4, 8.0, spec=True)
@@ -1041,7 +1041,7 @@ def test_auto_choice_equals_scoring_every_width_on_random_tables(ba):
     for trial in range(300):
         slope = rng.choice([0.0, 0.02, 0.1, 0.5, 1.0])
         ba.curve = {n: 0.01 * (1 + slope * (n - 1)) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
-        ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+        ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}
         ba.draft_cost = (lambda c: lambda name, k: c * (1 + 0.1 * k))(rng.choice([0.0, 1e-4, 2e-3]))
         for name in names:
             for regime in ("greedy", "sampling"):
@@ -1111,7 +1111,7 @@ def test_could_pay_equals_pricing_every_width_on_random_tables(ba):
     for trial in range(400):
         slope = rng.choice([0.0, 0.02, 0.1, 0.5, 1.0])
         ba.curve = {n: 0.01 * (1 + slope * (n - 1)) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
-        ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+        ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}
         if rng.random() < 0.5:
             ba.measured = {n: 0.01 * rng.uniform(0.5, 2.0) * (1 + slope * (n - 1)) for n in (2, 4, 8, 16)}
         ba.draft_cost = (lambda c, d: lambda name, k: c + d * k)(rng.choice([0.0, 1e-4, 2e-3]),
@@ -1142,7 +1142,7 @@ def test_auto_prices_an_unmeasured_wide_step_from_the_largest_measured_one(ba):
     8 rows x 5 positions at 2/3 of what they cost, and auto drafted n-gram blocks that lost (agg 359 vs 444 tok/s).
     Catches: the proportional floor dropped (the test's choice flips to speculation)."""
     ba.curve = {1: 0.00686, 4: 0.00701, 8: 0.0099, 16: 0.01266, 128: 0.04528}
-    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}
     for n, t in ((1, 0.0045), (2, 0.0045), (4, 0.0050), (7, 0.0110), (8, 0.0109)):  # 7 vs 8 rows: noise
         ba.observe(n, t, spec=False)
     ba.ratio = 0.69  # the EMA after many more cheap 1-row steps than 8-row ones (the server's figure)
@@ -1192,7 +1192,7 @@ def test_a_fixed_mode_rows_drafting_is_not_priced_as_the_step(sess, ids, ba):
 
     walls = []
     for _ in range(2):  # the first run's steps are each the first of their shape, which is not priced (`first_of`)
-        ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+        ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}
         req = request(sess, ids[0], "dflash", params(), 0, 6)
         real = req.drafter.propose
 
@@ -1213,13 +1213,13 @@ def test_a_fixed_mode_rows_drafting_is_not_priced_as_the_step(sess, ids, ba):
 
 
 def test_a_step_is_priced_by_its_shape_not_only_its_position_count(ba):
-    """`BatchAuto.by_rows`: a plain step of 8 rows and a verify of 8 positions in one row both feed 8 positions and
+    """`BatchAuto.plain_by_rows`: a plain step of 8 rows and a verify of 8 positions in one row both feed 8 positions and
     cost different things (each row attends over its own keys). Priced by the count alone, a server that had batched
     eight requests priced a lone request's verify at the 8-row step and left its drafters out (`could_pay`): auto
     0.91x plain at one client where DFlash rows alone ran 1.29x. A shape's own table is used once it has a plain
     step (before, the position counts'). Catches: step_cost ignoring rows; a shape priced from another's steps."""
     ba.curve = {n: 0.01 * (1 + 0.05 * (n - 1)) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # verify nearly free
-    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}
     pin(ba, "mtp", "greedy", 0.8)
     ba.draft_cost = lambda name, k: 0.003
     for _ in range(5):
@@ -1230,11 +1230,11 @@ def test_a_step_is_priced_by_its_shape_not_only_its_position_count(ba):
     assert 0.010 < alone < 0.0125
     assert ba.step_cost(2) > 0.016  # by the position count alone: between the 1-row and the 8-row plain steps
     assert ba.could_pay("mtp", "greedy", 1)
-    shaped, relative, ba.by_rows, ba.relative = ba.by_rows, ba.relative, {}, {}
+    shaped, relative, ba.plain_by_rows, ba.relative = ba.plain_by_rows, ba.relative, {}, {}
     assert not ba.could_pay("mtp", "greedy", 1)  # what it said before
-    ba.by_rows, ba.relative = {1: {}}, {1: {4: 1.2}}  # a shape measured only speculating: its plain price is not
+    ba.plain_by_rows, ba.relative = {}, {1: {4: 1.2}}  # a shape measured only speculating: its plain price is not
     assert ba.step_cost(1, rows=1) == ba.step_cost(1)  # extrapolated from that
-    ba.by_rows, ba.relative = shaped, relative
+    ba.plain_by_rows, ba.relative = shaped, relative
     ba.observe(9, 0.050, spec=True, rows=1)  # a verify of 9 positions that measured slow is its own shape's price
     assert ba.step_cost(9, rows=1) == pytest.approx(0.050)
     assert ba.step_cost(8, rows=8) == pytest.approx(0.060)
@@ -1246,7 +1246,7 @@ def test_an_auto_row_is_sized_for_the_batch_it_joins_counting_the_rows_queued_wi
     — sized at `add`, the first ones saw an empty batch and carried the drafter, its taps every step); one request
     alone carries it."""
     ba.curve = {n: 0.01 * (1 + 0.4 * (n - 1)) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # each row +40 %
-    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}
     pin(ba, "dflash", "greedy", 0.6)
     pin(ba, "mtp", "greedy", 0.6)
     assert ba.could_pay("mtp", "greedy", 1)
@@ -1257,7 +1257,7 @@ def test_an_auto_row_is_sized_for_the_batch_it_joins_counting_the_rows_queued_wi
     while gen.waiting:
         gen.step()
     assert [set(r.options) for r in rows] == [{"ngram"}] * 4
-    ba.measured, ba.ratio, ba.by_rows = {}, None, {}  # what the steps above measured: the curve alone again
+    ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}  # what the steps above measured: the curve alone again
     assert ba.could_pay("mtp", "greedy", 1)
     alone = BatchGenerator(sess.model, auto=ba)
     row = alone.add(request(sess, ids[0], "auto", params(), 0, 8))
@@ -1569,7 +1569,7 @@ def test_a_new_auto_row_carries_the_drafters_the_batch_s_choice_could_take(ba):
     that cannot pay in any scenario, nor one only exploring could make pay on a short request (it would never
     draft and would cost the row its taps and bookkeeping every step). n-gram lookup always joins."""
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # flat: verification is free
-    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}
     pin(ba, "dflash", "greedy", 0.6)
     pin(ba, "mtp", "greedy", 0.6)
     assert set(ba.options("greedy", 4)) == {"ngram", "dflash", "mtp"}
@@ -1596,7 +1596,7 @@ def test_a_carries_answer_holds_a_few_steps_while_its_estimates_stand(ba, monkey
     from glimmer_mlx.speculative.auto.batch import EXPLORE_EVERY
 
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # flat: verification is free
-    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}
     pin(ba, "mtp", "greedy", 0.0)
     pin(ba, "dflash", "greedy", 0.6)
     asked = []
@@ -1645,7 +1645,7 @@ def test_a_drafter_that_pays_only_at_widths_beyond_a_row_s_budget_is_not_carried
     does not carry it and one with 64 does. Catches: the widest block priced for every row (a 2-token request
     carried DFlash, computing its taps every step, for drafts it could never make)."""
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # flat: verification is free
-    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}
     ba.draft_cost = lambda name, k: 0.005  # a round costs half a step, whatever k
     pin(ba, "mtp", "greedy", 0.0)
     pin(ba, "dflash", "greedy", 0.5)  # 1 draft: 1.5 tokens in 1.5 steps; 8: ~2 tokens in 1.5 steps
@@ -1661,7 +1661,7 @@ def test_a_refill_for_a_drafter_s_state_pays_only_what_the_drafter_is_worth(ba):
     for a drafter that cannot pay, a prompt whose prefill costs more than the drafter saves, or a row with little
     left to generate."""
     ba.curve = {n: 0.01 * (1 + 0.4 * (n - 1)) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # each position +40 %
-    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}
     pin(ba, "mtp", "greedy", 0.0)
     pin(ba, "dflash", "greedy", 0.8)
     assert ba.refill_pays("dflash", "greedy", 1, 256, 64)
@@ -1708,7 +1708,7 @@ def test_the_batch_explores_a_drafter_whose_estimate_says_it_does_not_pay(ba, ro
     (the weak drafter drafted throughout). (slope: each position's cost over the first's, so that a mean of 0.3
     does not pay at that many rows and 0.8 pays clearly.)"""
     ba.curve = {n: 0.01 * (1 + slope * (n - 1)) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
-    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}
     pin(ba, "mtp", "greedy", 0.0)
     ba.decoded = 0
     unknown(ba, "dflash", "greedy", 0.3, tried=2.0)
@@ -1734,7 +1734,7 @@ def test_a_row_drafts_by_the_estimates_of_its_phase_of_the_response(sess, ids, b
     plain decoding's. Catches: pooled estimates (drafting throughout, or not at all), rounds counted in the phase
     after the tokens they committed."""
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # flat: verification is free
-    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}
     ba.observe = lambda n, seconds, spec, rows=None: None  # keep the curve as told
     for name in ba.chooser.options:
         pin(ba, name, "greedy", 0.0)
@@ -1761,7 +1761,7 @@ def test_the_batch_does_not_explore_for_a_short_request_or_a_used_option(ba):
     from glimmer_mlx.speculative.auto.batch import StepChoice
 
     ba.curve = {n: 0.01 * (1 + 0.25 * (n - 1)) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
-    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}
     pin(ba, "mtp", "greedy", 0.0)
     unknown(ba, "dflash", "greedy", 0.3, tried=2.0)
     ba.decoded = 0
@@ -1779,7 +1779,7 @@ def test_the_batch_s_answer_not_to_explore_holds_while_only_n_gram_offers_move(b
     from glimmer_mlx.speculative.auto.batch import EXPLORE_EVERY, BatchAuto
 
     ba.curve = {n: 0.01 * (1 + 0.4 * (n - 1)) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # each position +40 %
-    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}
     pin(ba, "mtp", "greedy", 0.0)
     pin(ba, "dflash", "greedy", 0.05)  # known well and weak: never worth exploring
     ba.decoded = 0
@@ -1953,7 +1953,7 @@ def test_the_slow_plain_steps_after_a_speculative_step_are_its_cost(sess):
 
     auto = sess.drafters.batch_auto()
     auto.measured, auto.ratio, auto.saved, auto.elapsed = {2: 0.010, 10: 0.020}, 1.0, 0.0, 0.0
-    auto.by_rows = {2: {1: 0.010}}  # the same steps by shape: 2 rows x 1 (its price), x 5, x 3 positions (in plain
+    auto.plain_by_rows = {2: 0.010}  # the same steps by shape: 2 rows x 1 (its price), x 5, x 3 positions (in plain
     auto.relative = {2: {5: 2.0, 3: 1.5}}  # steps of 2 rows)
     span_after = auto.span_after
     auto.span_after = 4
@@ -1975,11 +1975,11 @@ def test_the_slow_plain_steps_after_a_speculative_step_are_its_cost(sess):
         # every width's (in plain steps)
         assert auto.relative[2][3] == pytest.approx(1.5 + 0.2 * (0.005 + 0.009 + 0.008 - 0.002) / 0.010)
         assert auto.saved == pytest.approx(0.010 - 0.005 - 0.009 - 0.008 + 0.002)
-        assert auto.measured[2] == 0.010 and auto.by_rows[2][1] == 0.010
+        assert auto.measured[2] == 0.010 and auto.plain_by_rows[2] == 0.010
         step(1, 0.019)  # after the span: a slow step is a plain step's measure
         assert auto.measured[2] == pytest.approx(0.8 * 0.010 + 0.2 * 0.019)
 
-        auto.measured[2] = auto.by_rows[2][1] = 0.010
+        auto.measured[2] = auto.plain_by_rows[2] = 0.010
         saved = auto.saved
         step(5, 0.020, chained=False, queued=False, committed=6)
         step(1, 0.010, chained=False)
@@ -2009,7 +2009,7 @@ def test_the_first_step_of_each_shape_is_neither_priced_nor_charged(sess, ba):
     taken as its launch-to-landing time less the prefills before it (negative: never measured)."""
     from glimmer_mlx.speculative.batch import Launched
 
-    ba.measured, ba.ratio, ba.by_rows, ba.saved, ba.elapsed = {2: 0.010}, 1.0, {2: {1: 0.010}}, 0.0, 0.0
+    ba.measured, ba.ratio, ba.plain_by_rows, ba.saved, ba.elapsed = {2: 0.010}, 1.0, {2: 0.010}, 0.0, 0.0
     ba.first_of(2, 1)  # plain steps of 2 rows ran before
     gen = BatchGenerator(sess.model, auto=ba)
     step = stepper(gen)
@@ -2065,7 +2065,7 @@ def test_a_kernel_build_on_a_shapes_first_step_does_not_stop_speculation(sess, i
     speculative step, and its tokens are plain decoding's. Before, that step was charged to the ledger (~9 plain
     steps, past its floor) and every later step was plain."""
     ba.curve = {n: 0.07 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # what a step costs this target, about
-    ba.measured, ba.ratio, ba.by_rows, ba.saved, ba.elapsed = {}, None, {}, 0.0, 0.0
+    ba.measured, ba.ratio, ba.plain_by_rows, ba.saved, ba.elapsed = {}, None, {}, 0.0, 0.0
     pin(ba, "dflash", "greedy", 0.8)
     model = ShapeStalls(sess.model, 0.6, 0.06)
     gen = BatchGenerator(model, auto=ba)
@@ -2089,7 +2089,7 @@ def test_an_auto_row_left_without_options_steps_plainly(sess, ids):
     auto = make_auto(sess.model, dflash=sess.drafters.dflash, ngram=False)
     ba = BatchAuto(auto)
     ba.curve = {n: 0.01 * n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # compute-bound: nothing can pay
-    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}
     assert ba.options("greedy", 2) == {}
     gen = BatchGenerator(sess.model, prefill_step=16, auto=ba)
     plan = [(0, request(sess, ids[0], "auto", params(), 0, 20)), (0, request(sess, ids[1], "ar", params(), 0, 20)),
@@ -2100,7 +2100,7 @@ def test_an_auto_row_left_without_options_steps_plainly(sess, ids):
     assert rows[0].options == {} and gen.steps >= 16  # a prune step came and went
     # a row whose only option, a model drafter, is pruned (it could pay when the row joined, not at the prune)
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # flat: verification is free
-    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}
     ba.draft_cost = lambda name, k: 1e-5 * k
     pin(ba, "dflash", "greedy", 0.6)
     gen = BatchGenerator(sess.model, prefill_step=16, auto=ba)
@@ -2108,7 +2108,7 @@ def test_an_auto_row_left_without_options_steps_plainly(sess, ids):
     gen.step()
     assert set(row.options) == {"dflash"}
     ba.curve = {n: 0.01 * n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
-    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}
     ba.observe = lambda n, seconds, spec, rows=None: None  # keep the compute-bound curve as told
     while len(gen):
         gen.step()
@@ -2124,7 +2124,7 @@ def test_a_row_carries_a_model_drafter_only_where_the_batch_s_choice_could_take_
     from glimmer_mlx.speculative.auto.chooser import ENTER_GAIN
 
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # flat: only acceptance decides
-    ba.measured, ba.ratio, ba.by_rows = {}, None, {}
+    ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}
     for alpha, carried in ((0.6 * ENTER_GAIN, False), (3 * ENTER_GAIN, True)):
         pin(ba, "mtp", "greedy", alpha)
         pin(ba, "dflash", "greedy", 0.0)

@@ -90,12 +90,12 @@ class BatchAuto:
         if wide and wide["rows"] > max(self.curve):
             self.curve[int(wide["rows"])] = max(float(wide["seconds"]), self.curve[max(self.curve)])
         self.measured: dict[int, float] = {}  # n positions -> EMA seconds of a step
-        # B rows -> {1: the price of a plain step of B rows} (`observe`), and `relative` below: what a step of each
-        # shape costs. n = B·L alone conflates shapes: on the embedded server a plain step of 8 rows took 19.8 ms
+        # B rows -> the price of a plain step of B rows (`observe`), and `relative` below: what a step of each shape
+        # costs. n = B·L alone conflates shapes: on the embedded server a plain step of 8 rows took 19.8 ms
         # and a 1-row verify of 8 positions ~9; priced by n, a server that had ever batched 8 requests priced a lone
         # request's verify at the 8-row step and never drafted for it again (DFlash rows alone ran 1.29x plain there,
         # auto 0.91x)
-        self.by_rows: dict[int, dict[int, float]] = {}
+        self.plain_by_rows: dict[int, float] = {}
         # B rows -> {L positions per row > 1 -> EMA of a step's seconds in plain steps of B rows, priced when it ran}:
         # what a speculative step costs is priced at the plain step's price now (`step_cost`). In seconds, a slow
         # moment raised the plain price (the median of its latest steps) and left the speculative shapes' EMAs at the
@@ -281,15 +281,13 @@ class BatchAuto:
         the calibrated one; below the smallest, the smallest scaled down along the calibrated curve; nothing
         measured yet, the calibrated curve (x the measured ratio) — and never less than a smaller count measured
         (the times are noisy; the cost is not decreasing in positions). rows: a step of that many rows (n / rows
-        positions each), from the steps measured with as many rows (`by_rows`) once a plain one is among them."""
+        positions each), from the steps measured with as many rows (`plain_by_rows`) once a plain one is among them."""
         m = self.measured
         if rows:
-            shaped = self.by_rows.get(rows)
-            if shaped and 1 in shaped:
-                price = shaped[1]
-                own = self.relative.get(rows, {})
-                m = {rows * L: r * price for L, r in self._relative_prior(rows).items() if L not in own}
-                m.update((rows * L, r * price) for L, r in own.items())
+            price = self.plain_by_rows.get(rows)
+            if price is not None:
+                rel = {**self._relative_prior(rows), **self.relative.get(rows, {})}  # its own widths over the prior's
+                m = {rows * L: r * price for L, r in rel.items()}
                 m[rows] = price
             elif n == rows and m and n not in m:  # (no step of n positions measured either)
                 return self._unpriced_plain(rows)
@@ -314,10 +312,9 @@ class BatchAuto:
         1-row plain step, priced from their DFlash steps (which cost 1.8 plain steps here where the solo calibration
         says 1.36), rose from 4.4 to 9.4 ms while the plain steps it stood for took ~4.5 — every DFlash step looked
         like a win, and with no plain step ever priced no check came (`check_due`)."""
-        priced = [b for b, shaped in self.by_rows.items() if 1 in shaped]
-        if priced:
-            b = nearest(rows, priced)
-            return self.by_rows[b][1] * self.calibrated(rows) / self.calibrated(b)
+        if self.plain_by_rows:
+            b = nearest(rows, list(self.plain_by_rows))
+            return self.plain_by_rows[b] * self.calibrated(rows) / self.calibrated(b)
         return self.calibrated(rows) * self.chooser.scale
 
     def _interpolated(self, n: int, m: dict[int, float]) -> float:
@@ -366,11 +363,10 @@ class BatchAuto:
             return
         self.measured[n] = robust_ema(self.measured.get(n), seconds, EMA)
         if rows:
-            shaped = self.by_rows.setdefault(rows, {})
             if spec or n != rows:
                 rel = self.relative.setdefault(rows, {})
                 rel[n // rows] = robust_ema(rel.get(n // rows), seconds / self.step_cost(rows, rows=rows), EMA)
-                if spec and 1 not in shaped and not self._check:
+                if spec and rows not in self.plain_by_rows and not self._check:
                     # speculating on a plain price never measured for these rows (`_unpriced_plain`): a check after a
                     # few such steps (`UNPRICED_STEPS`), not `STALE_ROUNDS` — with no plain step ever priced, none was
                     # ever due
@@ -388,7 +384,7 @@ class BatchAuto:
                 # ... and the long one still bounds it: a check's steps come right after a stretch's span, and where
                 # the stretch's wake outlasts the span they run slow (a check priced 2-row plain steps at 7.5 ms
                 # where they took ~6.0 and the batch went on drafting DFlash at 3.3 ms a token against plain's 3.0)
-                shaped[1] = plain_price(list(window), fresh)
+                self.plain_by_rows[rows] = plain_price(list(window), fresh)
                 self._confirm(rows, fresh)
         self.ratio = robust_ema(self.ratio, seconds / self.calibrated(n), EMA)
         if not spec:
@@ -409,7 +405,7 @@ class BatchAuto:
             del self._unconfirmed[rows]
         elif fresh >= CHECK_SAMPLES:
             del self._unconfirmed[rows]
-            extra = u[0] - u[1] * self.by_rows[rows][1]
+            extra = u[0] - u[1] * self.plain_by_rows[rows]
             if extra > 0.0:
                 self.saved -= extra
 
@@ -710,7 +706,7 @@ class BatchAuto:
                 "step_seconds": {int(n): round(s, 6) for n, s in sorted(self.measured.items())},
                 "step_seconds_by_rows": {int(b): {int(L): round(self.step_cost(b * L, rows=b), 6)
                                                   for L in sorted({1, *self.relative.get(b, {})})}
-                                         for b in sorted(set(self.by_rows) | set(self.relative))}}
+                                         for b in sorted(set(self.plain_by_rows) | set(self.relative))}}
 
 
 class StepChoice:

@@ -1,7 +1,8 @@
 """Where a batch step's host time goes, by method (issue 24): N rows of the embedded model (the shipped prompts under the
 chat template, 64 tokens, greedy), 2 warm-up runs then RUNS runs of one mode, every listed method wrapped in a timer
 (µs per call and per step; the timers add ~1 µs a call). Modes: ar (plain rows), auto (auto rows), barred (auto rows
-in a batch whose ledger bars speculation throughout: what the auto rows cost where the choice cannot speculate).
+in a batch whose ledger bars speculation throughout: what the auto rows cost where the choice cannot speculate),
+eager (auto rows whose batch asks its choice every step, as before the thirtieth session: `BatchAuto.asks`).
 Times are measured in place, right after the step's forward (on this 2-core machine BLAS threads still spin then, so
 a method costs 2-4x what it does alone): compare modes and commits, not absolute figures.
 
@@ -48,6 +49,8 @@ s = load_session(None)
 m, tok = s.model, s.tokenizer
 ids = batch_prompts(tok)
 ba = s.drafters.batch_auto()
+if MODE == "eager":
+    ba.asks = lambda: True
 
 
 def run():

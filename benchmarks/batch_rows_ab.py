@@ -10,7 +10,10 @@ row's model drafters priced by the estimates pooled over rows and requests alone
 option drafting at the step's width whatever its drafting costs; a plain step priced by an EMA of the plain steps, not
 their latest `SCALE_WINDOW`'s median; speculative shapes priced as today, in plain steps); ema (auto with only the last
 of those: the EMA plain price); ar2 (plain rows again: an A/A control); plainauto (auto rows whose every step is plain:
-what the rows' bookkeeping and the choice cost); ngauto (auto rows carrying n-gram lookup only, no model drafter:
+what the rows' bookkeeping and the choice cost); nochoice (auto rows the batch never asks anything: their
+bookkeeping alone, the n-gram index kept); eager (auto asking its choice every step, as before the thirtieth
+session, however seldom it speculates: `BatchAuto.asks`); quietplain (auto whose every answer is plain, asked as
+seldom as such a batch asks: what asking costs it); ngauto (auto rows carrying n-gram lookup only, no model drafter:
 `BatchAuto.carries` always no); plainngauto (both); stale (auto as before the twenty-eighth session: a check after
 `STALE_ROUNDS` steps whatever the margin a stretch was chosen by, `BatchAuto.stale_after`, and no credit re-priced by a
 check, `BatchAuto._confirm`).
@@ -105,6 +108,13 @@ auto_batch.BatchAuto._confirm = lambda self, *a: None if self.variant == "stale"
 auto_batch.BatchAuto.choose, auto_batch.BatchAuto.observe = variant_choose, noted_observe
 auto_batch.BatchAuto.carries = lambda self, *a, **k: (
     False if self.variant in ("ngauto", "plainngauto") else carries(self, *a, **k))
+asks, pick = auto_batch.BatchAuto.asks, auto_batch.BatchAuto._pick
+auto_batch.BatchAuto._pick = lambda self, rows, *a: (
+    (0, [(None, 0)] * len(rows)) if self.variant == "quietplain" else pick(self, rows, *a))
+auto_batch.BatchAuto.asks = lambda self: True if self.variant == "eager" else asks(self)
+engine_choose = BatchGenerator._choose
+BatchGenerator._choose = lambda self, rows: (
+    {} if getattr(self.auto, "variant", None) == "nochoice" else engine_choose(self, rows))
 PLAIN = ("ar", "ar2")
 chooser = {}
 for mode in MODES:

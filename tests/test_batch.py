@@ -143,11 +143,13 @@ def test_auto_rows_offer_a_copy_they_follow_as_its_own_option(sess, ids, monkeyp
     """A batch's auto row names its n-gram offers as the solo auto does (`NGramDrafter.offer`): an offer that goes
     on with a copy the row's committed tokens confirmed is "ngram@run", drafted from where its estimate pays, and the
     output stays plain decoding's. Catches: a row's offers named by matched size only (its run never offered), a
-    row's offers compared with another row's. The batch is held open (`BatchAuto.closed`): the session's auto is
-    shared with the tests before, whose timings can leave its ledger barring speculation or a check due, and a closed
-    batch asks its rows nothing (CI once failed this way)."""
+    row's offers compared with another row's. The batch is held open (`BatchAuto.closed`) and asking every step
+    (`BatchAuto.asks`): the session's auto is shared with the tests before, whose timings can leave its ledger barring
+    speculation or a check due, or its asks quiet, and a closed batch asks its rows nothing (CI once failed this
+    way)."""
     auto = sess.drafters.batch_auto()
     monkeypatch.setattr(auto, "closed", lambda fixed_width: False)
+    monkeypatch.setattr(auto, "asks", lambda: True)
     offered = []
     real = auto.choose
     monkeypatch.setattr(auto, "choose", lambda rows, *a: (offered.extend(set(row[2]) for row in rows),
@@ -1637,6 +1639,67 @@ def test_a_batch_closed_to_speculation_asks_its_rows_nothing(sess, ids, ba, monk
     assert not ba.closed(1)
     gen._choose(gen.rows)
     assert sorted(map(id, asked)) == sorted(map(id, gen.rows))
+
+
+def test_a_batch_that_seldom_speculates_asks_its_choice_every_few_steps(sess, ids, ba, monkeypatch):
+    """`BatchAuto.asks`: while fewer than `QUIET_RATE` of its latest answers took a speculative step (`hits`, an EMA
+    from 1 over answers), the batch asks its rows and its choice only every `QUIET_EVERY`th step; right after a
+    speculative answer, and while they often are speculative, every step. Unasked steps are plain for every auto row
+    and the output stays plain decoding's. Catches: a quiet batch asking every step (at 8 rows the asks were ~1.4 %
+    of every step, auto rows 3.5-4.5 % behind plain ones), a stretch the quiet rule interrupts, a batch that never
+    asks again once quiet."""
+    from glimmer_mlx.speculative.auto.batch import QUIET_EMA, QUIET_EVERY, QUIET_RATE
+    from glimmer_mlx.speculative.batch import Row
+
+    ba.hits = 1.0
+    ba.choose([("greedy", 100, {}), ("greedy", 50, {})], 0, 1, 0.0, 15)  # a plain answer
+    assert ba.hits == pytest.approx(1.0 - QUIET_EMA) and not ba._spec_last
+    gen = BatchGenerator(sess.model, auto=ba)
+    rows = [gen.add(request(sess, ids[i], "auto", params(), 0, 48)) for i in (3, 4)]
+    while gen.waiting or any(r.first_pending for r in rows):
+        gen.step()
+    monkeypatch.setattr(ba, "closed", lambda fixed_width: False)
+    asked = []
+    real = Row.available
+    monkeypatch.setattr(Row, "available", lambda self, k: asked.append(self) or real(self, k))
+    answers = []
+    monkeypatch.setattr(ba, "_pick", lambda rows, *a: answers.pop(0))
+
+    def asks(n, answer=(0, None)):
+        """Which of the next n choices asked the rows (each answered `answer` when asked)."""
+        out = []
+        for _ in range(n):
+            answers.append((answer[0], answer[1] or [(None, 0)] * len(gen.rows)))
+            before = len(asked)
+            gen._choose(gen.rows)
+            out.append(len(asked) > before)
+            if not out[-1]:
+                answers.pop()
+        return out
+
+    ba.hits = 0.5  # half the answers speculative: every step
+    assert asks(3) == [True] * 3 and ba.hits == pytest.approx(0.5 * (1 - QUIET_EMA) ** 3)
+    ba.hits, ba._quiet = QUIET_RATE, 0  # at the rate: asked; its plain answer takes it under
+    assert asks(2) == [True, False] and ba.hits < QUIET_RATE
+    ba.hits, ba._quiet = 0.0, 0
+    pattern = [False] * (QUIET_EVERY - 1) + [True]
+    assert asks(2 * QUIET_EVERY) == pattern * 2
+    spec = (3, [("ngram@1", 2), (None, 0)])
+    assert asks(QUIET_EVERY, spec) == pattern  # quiet: the next ask finds a speculative step...
+    assert asks(3, spec) == [True] * 3  # ... and the stretch is asked about every step while it goes on
+    assert asks(2) == [True, True] and ba.hits >= QUIET_RATE  # its answers raised the rate: every step still
+
+    monkeypatch.undo()
+    ba.hits, ba._quiet = 0.0, 0
+    asked_now = []
+    monkeypatch.setattr(ba, "_pick", lambda rows, *a: asked_now.append(1) or (0, [(None, 0)] * len(rows)))
+    monkeypatch.setattr(ba, "closed", lambda fixed_width: False)
+    gen = BatchGenerator(sess.model, auto=ba)
+    plan = [(0, request(sess, ids[i], "auto", params(), 0, 40)) for i in (1, 2)]
+    out, _ = run(gen, plan)
+    for j, i in enumerate((1, 2)):
+        assert out[j][0] == solo(sess, ids[i], "ar", params(), 0, 40)[0]
+    assert 0 < len(asked_now) <= gen.steps // QUIET_EVERY + 2  # (the prefills' steps ask nothing)
 
 
 def test_a_drafter_that_pays_only_at_widths_beyond_a_row_s_budget_is_not_carried(ba):

@@ -486,13 +486,14 @@ class BatchGenerator:
             autos = [b for b in autos if rows[b].options]
             if not autos:
                 return {}
-        k_max = max(d.max_drafts for b in autos for d in rows[b].options.values())
         chosen = set(autos)
         fixed = [r for b, r in enumerate(rows) if b not in chosen]  # a row's first token: a plain round
         fixed_width = max((1 + min(r.req.width, r.out.budget - 1) if r.drafter is not None and not r.first_pending
                            else 1 for r in fixed), default=1)
-        if self.auto.closed(fixed_width):
+        # (a fixed row that feeds a block makes the step speculative anyway: the auto rows are asked what to add)
+        if self.auto.closed(fixed_width) or fixed_width == 1 and not self.auto.asks():
             return {}
+        k_max = max(d.max_drafts for b in autos for d in rows[b].options.values())
         fixed_tokens = sum(r.tau() for r in fixed)
         _, plan = self.auto.choose([(self.auto.key(r.regime, r.out.n), r.out.budget, r.available(k_max),
                                      self.auto.rhos(r.here, r.regime)) for r in (rows[b] for b in autos)],

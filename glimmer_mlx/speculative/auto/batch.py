@@ -74,10 +74,10 @@ THIN_DIVISOR = 8
 # a batch whose choice keeps coming out plain asks it only every QUIET_EVERY steps (`BatchAuto.asks`): while fewer
 # than QUIET_RATE of its asks (an EMA over asks, weight QUIET_EMA, from 1) found a speculative step worth taking, and
 # not right after one that did. Asking is the rows' n-gram offers, their phases and measures, the step's bounds and
-# widths scored: at 8 rows of the embedded model ~165 µs of an ~11.7 ms step here, for a step that speculated in 1 of
-# ~400 — and auto rows ran 3.5-4.5 % behind plain rows at 1-8 rows over three sittings (rows that ask nothing ~1 %). An
-# opportunity (a copy n-gram lookup can follow) waits at most QUIET_EVERY − 1 steps; one that pays is asked about
-# every step again
+# widths scored: at 8 rows of the embedded model ~150 µs of an ~11 ms step here, for a step that speculated in 1 of
+# ~400 (auto rows ran ~3.5 % behind plain rows at 1-8 rows in three sittings; at 8 rows, asked nothing, ~1-2 %;
+# `benchmarks/batch_rows_ab.py`). An opportunity (a copy n-gram lookup can follow) waits at most QUIET_EVERY − 1
+# steps; one that pays is asked about every step again
 QUIET_RATE = 0.05
 QUIET_EVERY = 4
 QUIET_EMA = 1 / 32

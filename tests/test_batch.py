@@ -1683,7 +1683,9 @@ def test_a_batch_that_seldom_speculates_asks_its_choice_every_few_steps(sess, id
     assert asks(2) == [True, False] and ba.hits < QUIET_RATE
     ba.hits, ba._quiet = 0.0, 0
     pattern = [False] * (QUIET_EVERY - 1) + [True]
+    unasked = ba.unasked
     assert asks(2 * QUIET_EVERY) == pattern * 2
+    assert ba.unasked - unasked == 2 * (QUIET_EVERY - 1) and ba.counts()["unasked_steps"] == ba.unasked  # (/health)
     spec = (3, [("ngram@1", 2), (None, 0)])
     assert asks(QUIET_EVERY, spec) == pattern  # quiet: the next ask finds a speculative step...
     assert asks(3, spec) == [True] * 3  # ... and the stretch is asked about every step while it goes on

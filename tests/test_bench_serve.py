@@ -296,6 +296,7 @@ def test_load_generator_against_in_process_server(monkeypatch, tmp_path):
     add_steps(steps, box["before auto"], box["after auto"])
     tokens = box["auto"]["completion_tokens"]
     assert 1 <= steps["plain"] + steps["spec"] <= tokens and isinstance(steps["explored"], dict), steps
+    assert 0 <= steps["unasked"] <= steps["plain"], steps
 
 
 def test_batch_step_deltas_hand_computed():
@@ -307,6 +308,11 @@ def test_batch_step_deltas_hand_computed():
               {"auto_steps": {"plain": 12, "spec": 6}, "explored_steps": {"dflash": 3, "mtp": 1}})
     add_steps(into, {"auto_steps": {"plain": 12, "spec": 6}}, None)
     assert into == {"plain": 8, "spec": 6, "explored": {"dflash": 3, "mtp": 1}}
+    # a server that reports the steps a quiet batch did not ask its choice (`BatchAuto.asks`): their delta too
+    add_steps(into, {"auto_steps": {"plain": 12, "spec": 6}, "unasked_steps": 40},
+              {"auto_steps": {"plain": 30, "spec": 6}, "unasked_steps": 52})
+    add_steps(into, None, {"auto_steps": {"plain": 4}, "unasked_steps": 3})
+    assert into == {"plain": 30, "spec": 6, "explored": {"dflash": 3, "mtp": 1}, "unasked": 15}
 
 
 # -- the server subprocess wrapper ------------------------------------------------------------------------------------
@@ -367,6 +373,11 @@ def test_json_png_and_table_writers(tmp_path):
     for part in render_serve_table(dict(res, results={**res["results"], "auto": auto})):
         con.print(part)
     assert "auto's speculative batch steps (of all its steps): N=1 3/13, N=2 1/11, N=4 0/10" in con.export_text()
+    auto["1"]["batch_steps"]["unasked"] = 6  # a quiet batch's unasked steps, where the server reports them
+    con = Console(record=True, width=200)
+    for part in render_serve_table(dict(res, results={**res["results"], "auto": auto})):
+        con.print(part)
+    assert "N=1 3/13 (6 unasked), N=2 1/11, N=4 0/10; unasked: plain steps a quiet batch" in con.export_text()
     one = dict(res, results={"ar": {"1": res["results"]["ar"]["1"]}})  # one point: no line, still a chart
     with Image.open(write_serve_chart(one, tmp_path / "one.png")) as im:
         assert im.size == CHART_SIZE

@@ -561,14 +561,17 @@ def batch_steps(host: str, port: int, timeout: float) -> dict | None:
 
 
 def add_steps(into: dict, before: dict | None, after: dict | None) -> None:
-    """Add to `into` ({"plain": n, "spec": n, "explored": {option: n}}) the steps between two `batch_steps`
-    readings (none before the chooser existed: from 0; an unreadable one after: nothing counted)."""
+    """Add to `into` ({"plain": n, "spec": n, "explored": {option: n}[, "unasked": n]}) the steps between two
+    `batch_steps` readings (none before the chooser existed: from 0; an unreadable one after: nothing counted;
+    "unasked": the steps a quiet batch did not ask its choice, where the server reports them)."""
     if after is None:
         return
     before = before or {}
     b_steps, a_steps = before.get("auto_steps", {}), after.get("auto_steps", {})
     for k in ("plain", "spec"):
         into[k] = into.get(k, 0) + int(a_steps.get(k, 0)) - int(b_steps.get(k, 0))
+    if "unasked_steps" in after:
+        into["unasked"] = into.get("unasked", 0) + int(after["unasked_steps"]) - int(before.get("unasked_steps", 0))
     b_ex, explored = before.get("explored_steps", {}), into.setdefault("explored", {})
     for name, v in after.get("explored_steps", {}).items():
         d = int(v) - int(b_ex.get(name, 0))
@@ -856,9 +859,12 @@ def render_serve_table(res: dict) -> list:
         lm_line = ratio_line(res, "ar", MLX_LM)
         notes += [x for x in lines if x] + ([lm_line + " (mlx-lm's passes ran after ours)"] if lm_line else [])
     spec = [f"N={n} {st.get('spec', 0)}/{st.get('spec', 0) + st.get('plain', 0)}"
+            + (f" ({st['unasked']} unasked)" if "unasked" in st else "")
             for n, st in ((n, d.get("batch_steps")) for n, d in res["results"].get("auto", {}).items()) if st]
     if spec:
-        notes.append("auto's speculative batch steps (of all its steps): " + ", ".join(spec))
+        notes.append("auto's speculative batch steps (of all its steps): " + ", ".join(spec)
+                     + ("; unasked: plain steps a quiet batch took without asking its choice"
+                        if any("unasked" in x for x in spec) else ""))
     errs = [(mode, n, d["error_messages"]) for mode, lv in res["results"].items() for n, d in lv.items()
             if d["error_messages"]]
     for mode, n, msgs in errs[:4]:

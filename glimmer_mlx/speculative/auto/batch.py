@@ -146,6 +146,7 @@ class BatchAuto:
         self.hits = 1.0  # the share of the latest asks of `choose` that took a speculative step (`asks`), EMA
         self._quiet = 0  # steps since the latest ask, while quiet
         self._spec_last = False  # whether the latest ask took a speculative step
+        self.unasked = 0  # steps a quiet batch did not ask (`asks`)
 
     def key(self, regime: str, generated: int) -> str:
         """The acceptance estimates a row of `regime` that has generated `generated` tokens drafts by: the regime's in
@@ -576,6 +577,7 @@ class BatchAuto:
             self._quiet = 0
             return True
         self._quiet += 1
+        self.unasked += 1
         return False
 
     def choose(self, rows, fixed_rows: int, fixed_width: int, fixed_tokens: float, k_max: int) -> tuple[int, list]:
@@ -725,9 +727,9 @@ class BatchAuto:
         return tuple(sorted((n, r) for n in here if (r := self.rho(n, regime, here)) is not None))
 
     def counts(self) -> dict:
-        """The batch's steps so far, plain and speculative, and those that explored each option (copies: safe to
-        read from another thread while the batch steps)."""
-        return {"auto_steps": dict(self.steps), "explored_steps": dict(self.explored)}
+        """The batch's steps so far, plain and speculative, those that explored each option, and those a quiet batch
+        did not ask its choice (`asks`) (copies: safe to read from another thread while the batch steps)."""
+        return {"auto_steps": dict(self.steps), "explored_steps": dict(self.explored), "unasked_steps": self.unasked}
 
     def stats(self) -> dict:
         return {**self.counts(),

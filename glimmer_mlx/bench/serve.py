@@ -858,13 +858,13 @@ def render_serve_table(res: dict) -> list:
         lines = [ratio_line(res, m, "ar") for m in res["results"] if m not in ("ar", MLX_LM)]
         lm_line = ratio_line(res, "ar", MLX_LM)
         notes += [x for x in lines if x] + ([lm_line + " (mlx-lm's passes ran after ours)"] if lm_line else [])
+    steps = [(n, st) for n, st in ((n, d.get("batch_steps")) for n, d in res["results"].get("auto", {}).items()) if st]
     spec = [f"N={n} {st.get('spec', 0)}/{st.get('spec', 0) + st.get('plain', 0)}"
-            + (f" ({st['unasked']} unasked)" if "unasked" in st else "")
-            for n, st in ((n, d.get("batch_steps")) for n, d in res["results"].get("auto", {}).items()) if st]
+            + (f" ({st['unasked']} unasked)" if "unasked" in st else "") for n, st in steps]
     if spec:
         notes.append("auto's speculative batch steps (of all its steps): " + ", ".join(spec)
                      + ("; unasked: plain steps a quiet batch took without asking its choice"
-                        if any("unasked" in x for x in spec) else ""))
+                        if any("unasked" in st for _, st in steps) else ""))
     errs = [(mode, n, d["error_messages"]) for mode, lv in res["results"].items() for n, d in lv.items()
             if d["error_messages"]]
     for mode, n, msgs in errs[:4]:

@@ -162,6 +162,29 @@ def test_sse_well_formed():
     assert rec.tps == pytest.approx(4.0)  # (5 - 1) / (2 - 1)
 
 
+def test_sse_keeps_our_servers_word_on_its_prompt_cache():
+    """Our server's last chunk says what its prompt cache did for the request (`glimmer.cache`); the record keeps it,
+    a level counts the requests prefilled afresh by reason, and the table says where any were. Anything else in that
+    field (mlx-lm sends none) is not a reason."""
+    def last(glimmer):
+        return "data: " + json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+                                      "glimmer": glimmer})
+
+    why = "fresh: prefilled again for the states of its model drafters"
+    recs = []
+    for i, g in enumerate([{"cache": "reused"}, {"cache": why}, {"cache": why}, {"cache": "fresh: no cached prefix"},
+                           {"cache": 5}, "not an object", {}]):
+        rec = parse_sse(_lines(_chunk("a"), last(g), USAGE, "data: [DONE]"), RequestRecord(index=i, sent=0.0),
+                        clock=Clock())
+        assert rec.ok, rec.error
+        recs.append(rec)
+    assert [r.cache for r in recs] == ["reused", why, why, "fresh: no cached prefix", None, None, None]
+    lv = summarize(recs, clients=1)
+    assert lv["fresh_prefills"] == {"prefilled again for the states of its model drafters": 2, "no cached prefix": 1}
+    assert [r["cache"] for r in lv["runs"]][:2] == ["reused", why]
+    assert summarize(recs[:1] + recs[4:], clients=1)["fresh_prefills"] == {}
+
+
 def test_sse_without_usage_counts_deltas():
     rec = parse_sse(_lines(_chunk("a"), _chunk("b"), _chunk("c", finish="stop"), "data: [DONE]"),
                     RequestRecord(), clock=Clock())
@@ -279,6 +302,7 @@ def test_load_generator_against_in_process_server(monkeypatch, tmp_path):
     assert (lv["requests"], lv["ok"], lv["errors"]) == (4, 4, 0), lv["error_messages"]
     assert [r["index"] for r in lv["runs"]] == [0, 1, 2, 3]
     assert [r["category"] for r in lv["runs"]] == ["code", "math", "chat", "json"]  # round robin
+    assert all(r["cache"] == "reused" or r["cache"].startswith("fresh") for r in lv["runs"])  # the server's word
     for r in lv["runs"]:
         assert r["tokens_from"] == "usage" and 1 <= r["completion_tokens"] <= 8
         assert r["done"] and r["finish_reason"] in ("length", "stop")
@@ -378,6 +402,14 @@ def test_json_png_and_table_writers(tmp_path):
     for part in render_serve_table(dict(res, results={**res["results"], "auto": auto})):
         con.print(part)
     assert "N=1 3/13 (6 unasked), N=2 1/11, N=4 0/10; unasked: plain steps a quiet batch" in con.export_text()
+    assert "prefilled afresh" not in con.export_text()  # every prompt found cached (or no word on it): no line
+    auto["1"]["fresh_prefills"] = {"prefilled again for the states of its model drafters": 1}
+    auto["2"]["fresh_prefills"] = {"no cached prefix": 2}
+    con = Console(record=True, width=300)
+    for part in render_serve_table(dict(res, results={**res["results"], "auto": auto})):
+        con.print(part)
+    assert ("prompts our server prefilled afresh (of the requests): auto N=1 1/1, auto N=2 2/2 — no cached prefix; "
+            "prefilled again for the states of its model drafters") in con.export_text()
     one = dict(res, results={"ar": {"1": res["results"]["ar"]["1"]}})  # one point: no line, still a chart
     with Image.open(write_serve_chart(one, tmp_path / "one.png")) as im:
         assert im.size == CHART_SIZE

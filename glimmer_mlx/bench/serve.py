@@ -86,6 +86,7 @@ class RequestRecord:
     tokens_from: str | None = None  # "usage" (the usage chunk) | "deltas" (no usage sent: content deltas counted)
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    cache: str | None = None  # our server's word on its prompt cache for it (`glimmer.cache`: "reused", "fresh: ...")
     content_deltas: int = 0
     chunks: int = 0
     finish_reason: str | None = None
@@ -163,6 +164,9 @@ def parse_sse(lines: Iterable[bytes], rec: RequestRecord, clock: Callable[[], fl
                     rec.content_deltas += 1
                 if ch.get("finish_reason") is not None:
                     rec.finish_reason = ch["finish_reason"]
+            g = chunk.get("glimmer")
+            if isinstance(g, dict) and isinstance(g.get("cache"), str):
+                rec.cache = g["cache"][:200]
             u = chunk.get("usage")
             if isinstance(u, dict) and u.get("completion_tokens") is not None:
                 rec.completion_tokens, rec.tokens_from = int(u["completion_tokens"]), "usage"
@@ -323,9 +327,21 @@ def summarize(records: list[RequestRecord], clients: int, passes: list[list[Requ
         "tokens_from": src,
         "prompt_tokens": sum(r.prompt_tokens or 0 for r in ok),
         "cached_prompt_tokens": sum(r.cached_tokens or 0 for r in ok),  # the servers' prompt caches (as reported)
+        "fresh_prefills": fresh_prefills(ok),
         "runs": [r.as_dict() for r in records],
         **({"pass_tps": [pass_tps(p) for p in passes]} if passes else {}),
     }
+
+
+def fresh_prefills(records: list[RequestRecord]) -> dict[str, int]:
+    """{why: requests} of the requests our server prefilled without its prompt cache, by the reason it gave
+    (`glimmer.cache`, "fresh: ..."); mlx-lm's server gives none."""
+    out: dict[str, int] = {}
+    for r in records:
+        if r.cache and r.cache.startswith("fresh"):
+            why = r.cache.split(":", 1)[1].strip() if ":" in r.cache else r.cache
+            out[why] = out.get(why, 0) + 1
+    return out
 
 
 def pass_tps(records: list[RequestRecord]) -> float | None:
@@ -865,6 +881,12 @@ def render_serve_table(res: dict) -> list:
         notes.append("auto's speculative batch steps (of all its steps): " + ", ".join(spec)
                      + ("; unasked: plain steps a quiet batch took without asking its choice"
                         if any("unasked" in st for _, st in steps) else ""))
+    fresh = [f"{mode} N={n} {sum(d['fresh_prefills'].values())}/{d['ok']}" for mode, lv in res["results"].items()
+             for n, d in lv.items() if d.get("fresh_prefills")]
+    if fresh:  # a mode that prefilled prompts the others found cached started its requests behind theirs
+        whys = sorted({w for lv in res["results"].values() for d in lv.values() for w in d.get("fresh_prefills") or {}})
+        notes.append("prompts our server prefilled afresh (of the requests): " + ", ".join(fresh) + " — "
+                     + "; ".join(whys))
     errs = [(mode, n, d["error_messages"]) for mode, lv in res["results"].items() for n, d in lv.items()
             if d["error_messages"]]
     for mode, n, msgs in errs[:4]:

@@ -618,12 +618,14 @@ def warm_prompts(host: str, port: int, settings: ServeBenchSettings, prompts: di
 
 
 def warm_order(modes: list[str]) -> list[str]:
-    """Our modes in the order their prompts are warmed (`warm_prompts`): `ar` last. One server serves every mode
-    from one prompt cache: an entry a plain request leaves serves every mode's prefix, but only a drafting mode's
-    request leaves its drafters' states with it (an entry with states is never replaced by the same tokens without
-    them). Warmed plainly first, every prompt's entry lacked them, and every auto request on it prefilled it again
-    for them or went without them — which a server running auto alone never sees."""
-    return sorted(modes, key=lambda m: m == "ar")
+    """Our modes in the order their prompts are warmed (`warm_prompts`): the plain ones (`ar` and its control
+    `CONTROL`, sent as ar) last. One server serves every mode from one prompt cache: an entry a plain request leaves
+    serves every mode's prefix, but only a drafting mode's request leaves its drafters' states with it (an entry with
+    states is never replaced by the same tokens without them). Warmed plainly first, every prompt's entry lacked
+    them, and every auto request on it prefilled it again for them or went without them — which a server running
+    auto alone never sees. (With `ar-again` warmed first, as until the thirty-first session, auto's first request
+    in a sitting prefilled its prompt again in one of three sittings.)"""
+    return sorted(modes, key=lambda m: m in ("ar", CONTROL))
 
 
 def run_serve_bench(settings: ServeBenchSettings, *, model: str | None = None, draft_model: str | None = None,

@@ -1155,9 +1155,41 @@ def test_auto_prices_an_unmeasured_wide_step_from_the_largest_measured_one(ba):
     rows = [("greedy", 100, {"dflash": 4})] * 8
     assert ba.choose(rows, 0, 1, 0.0, 4)[0] == 0  # 8 rows x 2..5 positions: plain
     real = ba._interpolated
-    ba._interpolated = lambda n, m: (lambda b: m[b] + ba.ratio * (ba.calibrated(n) - ba.calibrated(b)))(
-        max(k for k in m if k <= n)) if n > max(m) else real(n, m)
+    ba._interpolated = lambda n, m, plain=None: (lambda b: m[b] + ba.ratio * (ba.calibrated(n) - ba.calibrated(b)))(
+        max(k for k in m if k <= n)) if n > max(m) else real(n, m, plain)
     assert ba.choose(rows, 0, 1, 0.0, 4)[0] > 0  # the additive estimate alone speculates
+
+
+def test_a_speculative_shape_is_priced_in_its_rows_own_plain_steps_and_its_wake_is_no_slope(ba):
+    """A fresh server's first steps: a 1-row speculative step of 2 positions measured before any 1-row plain step
+    was priced teaches no price in plain steps (it would be read against the stand-in price, the calibration at the
+    solo chooser's scale, and then against the real one); once the plain step is priced, a shape's price is its time
+    over that price. Past the widest measured shape a step costs that shape scaled along the calibrated curve (or
+    more by the calibrated slope), never the slope from the plain step up to it: a 2-position step's price holds the
+    stretch's wake, which does not grow with the positions. Hand-computed numbers. Catches: the stand-in price as the
+    divisor (1.6 where the step costs 1.06 plain steps), the plain-to-speculative slope (a 9-position step at 6 plain
+    steps: a fresh server's lone auto rows then never carried a model drafter)."""
+    ba.curve = {1: 0.006, 2: 0.0064, 8: 0.0077, 9: 0.0085, 16: 0.0108, 128: 0.047}
+    ba.measured, ba.ratio, ba.plain_by_rows, ba.relative = {}, None, {}, {}
+    ba.chooser.scale = 0.55  # the solo chooser's: the stand-in price 3.3 ms where plain steps take 5.1
+    ba.observe(2, 0.0054, spec=True, rows=1)
+    assert ba.relative.get(1, {}) == {}  # nothing priced in plain steps yet
+    ba.observe(1, 0.0051, spec=False, rows=1)
+    assert ba.plain_by_rows[1] == pytest.approx(0.0051)
+    ba.observe(2, 0.0054, spec=True, rows=1)
+    assert ba.relative[1] == {2: pytest.approx(0.0054 / 0.0051)}
+    ba.relative[1][2] = 1.6  # a stretch's wake charged to it (`charge`)
+    p2 = 1.6 * 0.0051
+    proportional = p2 * ba.calibrated(9) / ba.calibrated(2)
+    additive = p2 + ba.ratio * (ba.calibrated(9) - ba.calibrated(2))
+    assert ba.step_cost(9, rows=1) == pytest.approx(max(proportional, additive))
+    assert ba.step_cost(9, rows=1) < 0.5 * (p2 + 7 * (p2 - 0.0051))  # the plain-to-2 slope: 6.4 plain steps
+    # two speculative widths measured: their own slope bounds the steps past them
+    ba.relative[1][8] = 3.0
+    p8 = 3.0 * 0.0051
+    slope = (p8 - p2) / 6
+    assert ba.step_cost(16, rows=1) == pytest.approx(max(p8 + 8 * slope, p8 * ba.calibrated(16) / ba.calibrated(8),
+                                                         p8 + ba.ratio * (ba.calibrated(16) - ba.calibrated(8))))
 
 
 @pytest.mark.parametrize("mode, batched", [("dflash", "dflash_propose_batch"), ("mtp", "mtp_propose_batch")])

@@ -306,7 +306,7 @@ class BatchAuto:
             elif n == rows and m and n not in m:  # (no step of n positions measured either)
                 return self._unpriced_plain(rows)
         floor = max((t for k, t in m.items() if k < n), default=0.0)  # more positions never cost less
-        return max(floor, self._interpolated(n, m))
+        return max(floor, self._interpolated(n, m, plain=rows if rows and price is not None else None))
 
     def _relative_prior(self, rows: int) -> dict[int, float]:
         """{L: a speculative shape's cost in plain steps} measured at the nearest other row count, for the widths
@@ -331,7 +331,9 @@ class BatchAuto:
             return self.plain_by_rows[b] * self.calibrated(rows) / self.calibrated(b)
         return self.calibrated(rows) * self.chooser.scale
 
-    def _interpolated(self, n: int, m: dict[int, float]) -> float:
+    def _interpolated(self, n: int, m: dict[int, float], plain: int | None = None) -> float:
+        """`step_cost`'s estimate at n from the measured steps `m` ({positions: seconds}); plain: the key of m that is
+        a plain step (its rows' price), if one is."""
         if n in m:
             return m[n]
         ratio = self.ratio if self.ratio is not None else 1.0
@@ -344,8 +346,13 @@ class BatchAuto:
         if below is None:
             return m[above] * self.calibrated(n) / self.calibrated(above)
         slope = ratio * (self.calibrated(n) - self.calibrated(below)) / (n - below)
-        lower = [k for k in m if k < below]
-        if lower:
+        # the measured slope between two speculative widths, never from the plain step up: a speculative shape's price
+        # holds what a stretch costs beyond its steps (its wake, charged to every shape: `charge`), which does not grow
+        # with the positions — taken as a slope from the plain step, one 1-row step of 2 positions priced at 1.6 plain
+        # steps priced a 9-position one at 6 (the calibration says 1.4), and a fresh server's lone auto rows never
+        # carried a model drafter again
+        lower = [k for k in m if k < below and k != plain]
+        if lower and below != plain:
             k2 = max(lower)
             slope = max(slope, (m[below] - m[k2]) / (below - k2))
         # ... and at least the largest measured step scaled along the calibrated curve: the ratio that matters is the
@@ -378,8 +385,13 @@ class BatchAuto:
         self.measured[n] = robust_ema(self.measured.get(n), seconds, EMA)
         if rows:
             if spec or n != rows:
-                rel = self.relative.setdefault(rows, {})
-                rel[n // rows] = robust_ema(rel.get(n // rows), seconds / self.step_cost(rows, rows=rows), EMA)
+                if rows in self.plain_by_rows:  # in plain steps of these rows: what `step_cost` multiplies them by
+                    rel = self.relative.setdefault(rows, {})
+                    rel[n // rows] = robust_ema(rel.get(n // rows), seconds / self.plain_by_rows[rows], EMA)
+                # (before one is priced, a step measured against the stand-in price, `_unpriced_plain` — the
+                # calibration at the solo chooser's scale, 0.55-0.7 of what a fresh server's first plain steps then
+                # took — went on being read against the real price once one came: a 1-row 2-position step costing
+                # 1.06 plain steps kept 1.5-1.6)
                 if spec and rows not in self.plain_by_rows and not self._check:
                     # speculating on a plain price never measured for these rows (`_unpriced_plain`): a check after a
                     # few such steps (`UNPRICED_STEPS`), not `STALE_ROUNDS` — with no plain step ever priced, none was

@@ -1554,9 +1554,10 @@ def test_a_conversation_continued_without_a_drafter_keeps_its_fuller_entry(sess,
 @pytest.mark.parametrize("ordered", [True, False], ids=["warm_order", "plain_first"])
 def test_the_serve_bench_s_warm_up_leaves_auto_the_states_it_would_have_alone(sess, ids, monkeypatch, ordered):
     """`glimmer bench serve` warms every prompt once per mode (one token each) on one server: in `warm_order` (the
-    plain modes, ar and its control ar-again, last) the auto request that follows continues its prompt's entry with its model drafters' states, as on a
-    server running auto alone; warmed plainly first, the entry has none and auto goes without them. Catches: the
-    bench warming ar (or ar-again) first (auto's cells measured a server no auto user runs)."""
+    plain modes, ar and its control ar-again, last) the auto request that follows continues its prompt's entry with
+    its model drafters' states, as on a server running auto alone; warmed plainly first, the entry has none and auto
+    goes without them. Catches: the bench warming ar (or ar-again) first (auto's cells measured a server no auto user
+    runs)."""
     from glimmer_mlx.bench.serve import warm_order
     from glimmer_mlx.serve.worker import Worker
     from glimmer_mlx.speculative.auto.batch import BatchAuto

@@ -352,7 +352,7 @@ class BatchAuto:
         # steps priced a 9-position one at 6 (the calibration says 1.4), and a fresh server's lone auto rows never
         # carried a model drafter again
         lower = [k for k in m if k < below and k != plain]
-        if lower and below != plain:
+        if lower:
             k2 = max(lower)
             slope = max(slope, (m[below] - m[k2]) / (below - k2))
         # ... and at least the largest measured step scaled along the calibrated curve: the ratio that matters is the

@@ -17,15 +17,20 @@ seldom as such a batch asks: what asking costs it); ngauto (auto rows carrying n
 `BatchAuto.carries` always no); plainngauto (both); stale (auto as before the twenty-eighth session: a check after
 `STALE_ROUNDS` steps whatever the margin a stretch was chosen by, `BatchAuto.stale_after`, and no credit re-priced by a
 check, `BatchAuto._confirm`).
+With AB_SET=DIR the trained tiny set (`bench_tiny_set.py`: its target, DFlash drafter and MTP layers; the prompts
+byte-encoded as `glimmer bench` does, no EOS: every row runs its 64 tokens) instead of the embedded model.
 
     python benchmarks/batch_rows_ab.py N RUNS MODES [T]        e.g. 2 30 ar,auto,before,ema
 """
+import os
 import statistics
 import sys
 import time
 
 from ab_setup import batch_prompts, second_auto
 
+from glimmer_mlx.bench.runner import encode_prompts
+from glimmer_mlx.bench.settings import load_prompts
 from glimmer_mlx.sampling import Sampler, SamplingParams
 from glimmer_mlx.session import load_session
 from glimmer_mlx.speculative.auto import batch as auto_batch
@@ -33,9 +38,17 @@ from glimmer_mlx.speculative.batch import BatchGenerator, BatchRequest
 
 N, RUNS, MODES = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(",")
 T = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
-s = load_session(None)
-m, tok = s.model, s.tokenizer
-ids = batch_prompts(tok)
+TINY = os.environ.get("AB_SET")
+if TINY:
+    s = load_session(f"{TINY}/target", draft_model=f"{TINY}/dflash", mtp_model=f"{TINY}/mtp")
+    m, tok, EOS = s.model, None, set()
+    encoded, _ = encode_prompts(load_prompts(), None, m.args.vocab_size)
+    ids = [encoded[c][0] for c in encoded] + [encoded[c][1 % len(encoded[c])] for c in encoded]
+else:
+    s = load_session(None)
+    m, tok = s.model, s.tokenizer
+    EOS = set(tok.eos_token_ids)
+    ids = batch_prompts(tok)
 
 
 def every_row_drafts(self, k, shift=None):
@@ -127,7 +140,7 @@ def run(mode, r):
     g = BatchGenerator(m, auto=chooser.get(mode))
     for j in range(N):
         g.add(BatchRequest(ids[(r + j) % len(ids)], Sampler(SamplingParams(temperature=T), 100 * r + j), 64,
-                           set(tok.eos_token_ids), tok, auto=mode not in PLAIN))
+                           EOS, tok, auto=mode not in PLAIN))
     while g.waiting:
         g.step()
     t, n = time.perf_counter(), 0

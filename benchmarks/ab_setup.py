@@ -19,13 +19,20 @@ def args() -> tuple[float, int, int]:
             int(sys.argv[3]) if len(sys.argv) > 3 else 96)
 
 
+def tiny_set(tiny: str):
+    """(session, {category: its prompts' ids}) of the trained tiny set in `tiny` (`bench_tiny_set.py`): its target,
+    DFlash drafter and MTP layers; the shipped prompts byte-encoded as `glimmer bench` does."""
+    s = load_session(f"{tiny}/target", draft_model=f"{tiny}/dflash", mtp_model=f"{tiny}/mtp")
+    encoded, _ = encode_prompts(load_prompts(), None, s.model.args.vocab_size)
+    return s, encoded
+
+
 def session_and_prompts():
     """(session, {category: prompt ids}, AB_SET or None)."""
     tiny = os.environ.get("AB_SET")
     prompts = load_prompts()
     if tiny:
-        s = load_session(f"{tiny}/target", draft_model=f"{tiny}/dflash", mtp_model=f"{tiny}/mtp")
-        encoded, _ = encode_prompts(prompts, None, s.model.args.vocab_size)
+        s, encoded = tiny_set(tiny)
         return s, {c: encoded[c][0] for c in prompts}, tiny
     s = load_session(None)
     return s, {c: s.tokenizer.apply_chat_template([{"role": "user", "content": p[0]}], add_generation_prompt=True,

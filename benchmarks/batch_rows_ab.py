@@ -27,10 +27,8 @@ import statistics
 import sys
 import time
 
-from ab_setup import batch_prompts, second_auto
+from ab_setup import batch_prompts, second_auto, tiny_set
 
-from glimmer_mlx.bench.runner import encode_prompts
-from glimmer_mlx.bench.settings import load_prompts
 from glimmer_mlx.sampling import Sampler, SamplingParams
 from glimmer_mlx.session import load_session
 from glimmer_mlx.speculative.auto import batch as auto_batch
@@ -40,9 +38,8 @@ N, RUNS, MODES = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(",")
 T = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
 TINY = os.environ.get("AB_SET")
 if TINY:
-    s = load_session(f"{TINY}/target", draft_model=f"{TINY}/dflash", mtp_model=f"{TINY}/mtp")
+    s, encoded = tiny_set(TINY)
     m, tok, EOS = s.model, None, set()
-    encoded, _ = encode_prompts(load_prompts(), None, m.args.vocab_size)
     ids = [encoded[c][0] for c in encoded] + [encoded[c][1 % len(encoded[c])] for c in encoded]
 else:
     s = load_session(None)

@@ -177,6 +177,13 @@ def test_quick_bench_end_to_end_on_a_tiny_model(tiny_set, tmp_path, monkeypatch)
     modes = res["settings"]["modes_run"]
     tasks = [runs[i:i + len(modes)] for i in range(0, len(runs), len(modes))]
     assert all(t == task_order(modes, j) for j, t in enumerate(tasks)), tasks
+    # what auto learned is kept (`speculative.auto.learned`): the next sitting starts from it and says so
+    assert res["calibration"]["learned"]["restored"] == 0 and "from its drafters' own estimates" in r.output
+    r = CliRunner().invoke(app, ["bench", "--quick", "--model", str(path), "--draft-model", str(dflash),
+                                 "--modes", "ar,auto", "--max-tokens", "10", "--repeats", "1", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    learned = json.loads((out / "results.json").read_text())["calibration"]["learned"]
+    assert learned["restored"] > 0 and "auto started from what earlier runs learned" in " ".join(r.output.split())
 
 
 def test_task_order_balances_first_places_and_predecessors():

@@ -466,8 +466,10 @@ def test_client_gone_mid_stream(served):
     over_http(server, client)
 
 
-def test_cli_serve_subprocess(tiny_checkpoint, tmp_path):
-    """`glimmer serve --port 0` in a subprocess: prints its address, answers, stops cleanly on Ctrl-C (SIGINT)."""
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_cli_serve_subprocess(tiny_checkpoint, tmp_path, stop):
+    """`glimmer serve --port 0` in a subprocess: prints its address, answers, stops cleanly on Ctrl-C (SIGINT) and
+    on SIGTERM (a service manager's stop), keeping what its `auto` learned (`speculative.auto.learned`)."""
     path, _ = tiny_checkpoint(seed=22, tokenizer=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", GLIMMER_MLX_CACHE_DIR=str(tmp_path / "cache"),
                PYTHONFAULTHANDLER="1")  # a hang below is aborted with every thread's stack on stderr
@@ -488,7 +490,15 @@ def test_cli_serve_subprocess(tiny_checkpoint, tmp_path):
         status, _, text = call(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                               "glimmer": {"mode": "dflash"}})
         assert status == 400 and "no DFlash drafter loaded" in json.loads(text)["error"]["message"]
-        p.send_signal(signal.SIGINT)
+        status, _, _ = call(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "a b a b a b"}],
+                                                           "max_tokens": 8, "glimmer": {"mode": "auto"}})
+        assert status == 200
+        t0 = time.time()  # written as it served (every few seconds: when the request's row finished) ...
+        while not list((tmp_path / "cache").glob("learned-*.json")) and time.time() - t0 < 30:
+            time.sleep(0.05)
+        (kept,) = (tmp_path / "cache").glob("learned-*.json")
+        kept.unlink()  # ... and again at exit
+        p.send_signal(stop)
         # communicate() drains both pipes while waiting (a full pipe must not look like a hang); a loaded CI
         # machine gets a generous limit
         try:
@@ -496,12 +506,16 @@ def test_cli_serve_subprocess(tiny_checkpoint, tmp_path):
         except subprocess.TimeoutExpired:
             p.send_signal(signal.SIGABRT)  # faulthandler prints where each thread is stuck
             out, err = p.communicate(timeout=30)
-            raise AssertionError("glimmer serve did not stop within 90 s of SIGINT:\n" + err[-6000:]) from None
+            raise AssertionError(f"glimmer serve did not stop within 90 s of {stop!r}:\n" + err[-6000:]) from None
         assert p.returncode == 0, err[-2000:]
         assert "stopped" in err
+        kept = list((tmp_path / "cache").glob("learned-*.json"))
+        assert len(kept) == 1 and json.loads(kept[0].read_text())["options"], err[-2000:]
     finally:
         if p.poll() is None:
             p.kill()
+    if stop != signal.SIGINT:
+        return
     bad = subprocess.run([sys.executable, "-m", "glimmer_mlx.cli", "serve", "--model", str(path), "--mode", "mtp",
                           "--port", "0"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "mode 'mtp' is not available" in bad.stderr

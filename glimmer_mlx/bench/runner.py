@@ -352,7 +352,7 @@ def run_bench(model: str | None = None, settings: BenchSettings | None = None, *
     if auto is not None:
         s = auto.chooser.summary()
         calib = {**auto.calibration, "verify_cost_ms": s["verify_cost_ms"], "verify_cost_ratio": s["verify_cost_ratio"],
-                 "taps": list(auto.taps)}
+                 "taps": list(auto.taps), "learned": auto.memory.stats() if auto.memory is not None else None}
     res = {
         "schema": "glimmer-bench/1",
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

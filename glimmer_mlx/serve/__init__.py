@@ -100,26 +100,29 @@ class GlimmerServer:
         return self._http
 
     def serve_forever(self) -> None:
-        """Serve until Ctrl-C (SIGINT) or `shutdown()`; generations run in this thread.
+        """Serve until Ctrl-C (SIGINT), SIGTERM or `shutdown()`; generations run in this thread.
 
         In the main thread Ctrl-C is a flag, not an exception: a KeyboardInterrupt raised inside the job queue's
         condition wait can leave the queue's lock held, and `shutdown()` then blocks on it forever. The flag stops
-        the job loop and cancels the running generation at its next token; a second Ctrl-C raises as usual."""
+        the job loop and cancels the running generation at its next token; a second Ctrl-C raises as usual. SIGTERM
+        (a service manager's or a bench's stop) does the same, so the process exits as it would by itself (what
+        `auto` learned is kept: `speculative.auto.learned`); a second one ends it at once."""
         self.start_http()
-        previous = None
+        previous = {}
         if threading.current_thread() is threading.main_thread():
-            def on_sigint(signum, frame):
-                signal.signal(signal.SIGINT, previous)
+            def on_signal(signum, frame):
+                signal.signal(signum, previous[signum])
                 self.worker.interrupt()
 
-            previous = signal.signal(signal.SIGINT, on_sigint)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                previous[sig] = signal.signal(sig, on_signal)
         try:
             self.run_jobs()
         except KeyboardInterrupt:
             pass
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGINT, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             self.shutdown()
 
     def run_jobs(self, until: threading.Event | None = None) -> None:

@@ -663,6 +663,8 @@ class BatchGenerator:
             self.auto.book(span.steps, span.n, span.rows, span.credited)
 
     def _finish(self, row: Row) -> None:
+        if row.req.auto:  # what its rounds taught, for the next process (`AutoDrafter.remember`: every few seconds)
+            self.auto.auto.remember()
         row.stats.generation_tokens = row.out.n
         if row.t_first is not None:
             row.stats.generation_time = time.perf_counter() - row.t_first

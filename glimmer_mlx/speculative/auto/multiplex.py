@@ -4,7 +4,10 @@ measurably accepts and costs on this machine. `engine.AutoDecoder` drives it."""
 
 from __future__ import annotations
 
+import atexit
 import time
+import weakref
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -15,6 +18,7 @@ from ..ngram import NGramDrafter
 from ..protocol import Drafter
 from .calibrate import load_or_calibrate, measure_draft_costs
 from .chooser import AutoChooser, alpha_from_tau
+from .learned import Memory, drafter_fingerprint, option_fingerprint
 
 _KINDS = ("dflash", "mtp", "ngram")
 # the first draft's acceptance after an n-gram match of each size (greedy, sampling), as measured with n-gram lookup
@@ -89,7 +93,8 @@ class AutoDrafter:
         return next(iter(self.drafters)) if len(self.drafters) == 1 and "ngram" not in self.drafters else "auto"
 
     def __init__(self, target, drafters: list, *, verify_costs: dict[int, float] | None = None,
-                 calibration_dir=None, recalibrate: bool = False, log=None, trees: bool = True):
+                 calibration_dir=None, recalibrate: bool = False, log=None, trees: bool = True,
+                 remember: bool = True):
         if not drafters:
             raise ValueError("auto needs at least one drafter (DFlash, MTP or n-gram)")
         self.target = target
@@ -143,6 +148,16 @@ class AutoDrafter:
         if tree_drafter is not None:
             self._add_trees(tree_drafter, widest)
         self._ngram_options = frozenset(o for o, n in self._kind_of.items() if n == "ngram")
+        # what earlier processes learned of these options (`learned`), beside the cost curve's file; not with a cost
+        # curve given (synthetic tables, tests) or remember=False (a bench's cold start)
+        self.memory = None
+        if remember and self.calibration.get("path") and self.calibration.get("model"):
+            by_kind = {n: drafter_fingerprint(d) for n, d in self.drafters.items()}
+            self.memory = Memory(Path(self.calibration["path"]).parent, self.calibration["model"],
+                                 {o: option_fingerprint(by_kind[k], self.chooser.options[o])
+                                  for o, k in self._kind_of.items()})
+            self.memory.load(self.chooser, log)
+            atexit.register(remember_at_exit, weakref.ref(self))
         self._model = [n for n in self.drafters if n != "ngram"]  # the drafters that read the target's taps
         self._model_options = frozenset(self._kind_of) - self._ngram_options  # theirs (`_warm` asks about no other)
         # set by the decoder that drives it: fill(a) recomputes the target's taps over positions [a, now) (rewinding
@@ -323,7 +338,13 @@ class AutoDrafter:
             return None
         return pos - c
 
+    def remember(self, force: bool = False) -> bool:
+        """Keep what was learned for the next process (`learned.Memory.remember`: at most every few seconds unless
+        forced). Whether it wrote."""
+        return self.memory is not None and self.memory.remember(self.chooser, force)
+
     def start(self, taps: list[mx.array] | None, ids: list[int]) -> None:
+        self.remember()  # what the requests before this one taught
         self._started = True
         self._at = dict.fromkeys(self.drafters, 0)
         self._how = dict.fromkeys(self.drafters, "start")
@@ -683,7 +704,15 @@ class AutoDrafter:
 
     def stats(self) -> dict:
         return {"auto": {**self.chooser.summary(), "drafters": sorted(self.drafters),
-                         "calibration": self.calibration}}
+                         "calibration": self.calibration,
+                         "learned": None if self.memory is None else self.memory.stats()}}
+
+
+def remember_at_exit(ref) -> None:
+    """At exit: an AutoDrafter still alive keeps what it learned (`AutoDrafter.remember`)."""
+    auto = ref()
+    if auto is not None:
+        auto.remember(force=True)
 
 
 def make_auto(target, *, dflash=None, mtp=None, ngram: bool | int = True, calibration_dir=None, log=None,

@@ -12,6 +12,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# every auto the suite builds starts cold, whatever an earlier run kept in the cache folder (the tests of keeping it
+# turn it on: tests/test_auto_learned.py, test_cli_serve_subprocess, the quick bench's)
+os.environ["GLIMMER_MLX_AUTO_LEARNED"] = "off"
 
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot|>", "<|start|>", "<|message|>", "<|patch|>",
                   "<|image_start|>", "<|image_end|>", "<|mask|>"]

@@ -32,6 +32,12 @@ def _auto(tiny, folder, drafter=None, **kw):
     return make_auto(model, dflash=d, ngram=4, calibration_dir=folder, **kw)
 
 
+@pytest.fixture(autouse=True)
+def keeping(monkeypatch):
+    """What a user's process does (the suite turns it off elsewhere: tests/conftest.py)."""
+    monkeypatch.delenv(learned.ENV, raising=False)
+
+
 def _teach(auto):
     """Rounds the way decoding reports them: DFlash greedy rounds of 3 drafts mostly rejected, a 2-gram's offers in
     the opening phase mostly accepted."""
@@ -153,9 +159,9 @@ def test_a_bad_file_is_named_in_one_line_and_not_used(tiny, tmp_path, damage, fi
     assert _auto(tiny, tmp_path).memory.restored == 2
 
 
-def test_no_file_without_a_cost_curve_folder(tiny, tmp_path):
+def test_no_file_without_a_cost_curve_folder(tiny, tmp_path, monkeypatch):
     """A cost curve given (synthetic tables) keeps nothing; a folder removed before exit gets nothing written; nor
-    does a cold start asked for (remember=False)."""
+    does a cold start asked for (remember=False, or `GLIMMER_MLX_AUTO_LEARNED=off`)."""
     model, dpath = tiny
     curve = {L: 0.001 * L for L in range(1, 17)}
     given = make_auto(model, dflash=glimmer_mlx.load_drafter(dpath, model), ngram=4, verify_costs=curve)
@@ -163,6 +169,11 @@ def test_no_file_without_a_cost_curve_folder(tiny, tmp_path):
     cold = _auto(tiny, tmp_path, remember=False)
     _teach(cold)
     assert cold.memory is None and not cold.remember(force=True)
+    for off in ("off", "0", "No", "false"):
+        monkeypatch.setenv(learned.ENV, off)
+        assert _auto(tiny, tmp_path).memory is None
+    monkeypatch.setenv(learned.ENV, "on")
+    assert _auto(tiny, tmp_path).memory is not None
     gone = tmp_path / "gone"
     auto = _auto(tiny, gone)
     _teach(auto)

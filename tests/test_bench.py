@@ -158,6 +158,7 @@ def tiny_set(tiny_checkpoint, tmp_path_factory):
 def test_quick_bench_end_to_end_on_a_tiny_model(tiny_set, tmp_path, monkeypatch):
     path, dflash = tiny_set
     monkeypatch.setenv("GLIMMER_MLX_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("GLIMMER_MLX_AUTO_LEARNED", "on")  # as a user's (the suite's autos start cold: conftest.py)
     out = tmp_path / "out"
     r = CliRunner().invoke(app, ["bench", "--quick", "--model", str(path), "--draft-model", str(dflash),
                                  "--modes", "ar,dflash,mtp,ngram,auto,mlx-lm", "--dflash-blocks", "4,16,auto",

@@ -472,7 +472,8 @@ def test_cli_serve_subprocess(tiny_checkpoint, tmp_path, stop):
     on SIGTERM (a service manager's stop), keeping what its `auto` learned (`speculative.auto.learned`)."""
     path, _ = tiny_checkpoint(seed=22, tokenizer=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", GLIMMER_MLX_CACHE_DIR=str(tmp_path / "cache"),
-               PYTHONFAULTHANDLER="1")  # a hang below is aborted with every thread's stack on stderr
+               PYTHONFAULTHANDLER="1",  # a hang below is aborted with every thread's stack on stderr
+               GLIMMER_MLX_AUTO_LEARNED="on")  # as a user's (the suite's own autos start cold: tests/conftest.py)
     p = subprocess.Popen([sys.executable, "-m", "glimmer_mlx.cli", "serve", "--model", str(path), "--port", "0"],
                          stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:

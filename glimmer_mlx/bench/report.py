@@ -112,7 +112,7 @@ def render_table(res: dict) -> list:
         learned = cal.get("learned")
         if learned:
             notes.append(f"auto started from what earlier runs learned ({learned['restored']} estimates, "
-                         f"{learned['path']}; delete it for a cold start)" if learned["restored"] else
+                         f"{learned['path']}; GLIMMER_MLX_AUTO_LEARNED=off for a cold start)" if learned["restored"] else
                          f"auto started from its drafters' own estimates (kept for the next run: {learned['path']})")
     for tkey, per_cat in res.get("auto_choices", {}).items():
         parts = []

@@ -13,13 +13,16 @@ Each option's entry names the drafter it was measured with (`option_fingerprint`
 and checkpoint files): an option whose drafter changed starts from its prior again, the others keep what they
 learned. The file is written atomically (`files.write_atomic`) at most every `REMEMBER_EVERY` seconds when a request
 starts or a batch row finishes, and at exit; two processes serving the same target each write their own estimates,
-the last one's stays. A file that cannot be read as such is reported in one line and not used."""
+the last one's stays. A file that cannot be read as such is reported in one line and not used.
+`GLIMMER_MLX_AUTO_LEARNED=off` (or 0, no, false) makes a process neither read nor write it: a cold start, for a
+benchmark of what a fresh process does."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -30,6 +33,14 @@ FORMAT = 1
 RESTORE_WEIGHT = 0.5  # the share of a saved estimate's evidence (beyond its prior) a new process starts with
 REMEMBER_EVERY = 10.0  # seconds between two writes of the file while decoding (`Memory.remember`)
 MAX_BYTES = 1 << 20  # a larger file is not ours (a saved state is a few kB)
+
+
+ENV = "GLIMMER_MLX_AUTO_LEARNED"
+
+
+def enabled() -> bool:
+    """Whether this process keeps what auto learns (`ENV`; on unless it says off)."""
+    return os.environ.get(ENV, "").strip().lower() not in ("0", "off", "no", "false")
 
 
 class LearnedError(ValueError):

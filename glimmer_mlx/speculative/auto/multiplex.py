@@ -18,7 +18,7 @@ from ..ngram import NGramDrafter
 from ..protocol import Drafter
 from .calibrate import load_or_calibrate, measure_draft_costs
 from .chooser import AutoChooser, alpha_from_tau
-from .learned import Memory, drafter_fingerprint, option_fingerprint
+from .learned import Memory, drafter_fingerprint, enabled, option_fingerprint
 
 _KINDS = ("dflash", "mtp", "ngram")
 # the first draft's acceptance after an n-gram match of each size (greedy, sampling), as measured with n-gram lookup
@@ -94,7 +94,7 @@ class AutoDrafter:
 
     def __init__(self, target, drafters: list, *, verify_costs: dict[int, float] | None = None,
                  calibration_dir=None, recalibrate: bool = False, log=None, trees: bool = True,
-                 remember: bool = True):
+                 remember: bool | None = None):
         if not drafters:
             raise ValueError("auto needs at least one drafter (DFlash, MTP or n-gram)")
         self.target = target
@@ -149,9 +149,9 @@ class AutoDrafter:
             self._add_trees(tree_drafter, widest)
         self._ngram_options = frozenset(o for o, n in self._kind_of.items() if n == "ngram")
         # what earlier processes learned of these options (`learned`), beside the cost curve's file; not with a cost
-        # curve given (synthetic tables, tests) or remember=False (a bench's cold start)
+        # curve given (synthetic tables, tests) or remember=False (None: unless `learned.ENV` says off)
         self.memory = None
-        if remember and self.calibration.get("path") and self.calibration.get("model"):
+        if (enabled() if remember is None else remember) and self.calibration.get("path") and self.calibration.get("model"):
             by_kind = {n: drafter_fingerprint(d) for n, d in self.drafters.items()}
             self.memory = Memory(Path(self.calibration["path"]).parent, self.calibration["model"],
                                  {o: option_fingerprint(by_kind[k], self.chooser.options[o])

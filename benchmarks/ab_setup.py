@@ -3,10 +3,14 @@
 embedded model with the first prompt of each shipped category under the chat template, or with AB_SET=DIR the
 trained tiny set (`bench_tiny_set.py`: its target, DFlash drafter and MTP layers; the prompts byte-encoded as `glimmer
 bench` does); a second `auto` built as the session's, and the variants of auto these scripts compare; the time spent in
-the verify forwards."""
+the verify forwards; `warm`, an auto started from what another one learned. Every auto these scripts build starts
+cold (`GLIMMER_MLX_AUTO_LEARNED=off`, set on import), whatever earlier processes kept, unless `warm` gives it what a
+teacher learned."""
 import os
 import sys
 import time
+
+os.environ["GLIMMER_MLX_AUTO_LEARNED"] = "off"
 
 from glimmer_mlx.bench.runner import encode_prompts
 from glimmer_mlx.bench.settings import load_prompts
@@ -94,3 +98,21 @@ def time_verifies() -> list[float]:
 
     engine.verify_greedy = timed
     return spent
+
+
+def taught(teacher, learn) -> dict:
+    """What `teacher` (an AutoDrafter) kept after `learn()` ran: a learned-estimates file's content (`warm`)."""
+    from glimmer_mlx.speculative.auto import learned
+
+    learn()
+    fps = {o: "ab" for o in teacher.chooser.options}
+    return {"format": learned.FORMAT, "options": learned.snapshot(teacher.chooser, fps)}
+
+
+def warm(student, kept: dict, weight: float | None = None) -> int:
+    """Start `student` (an AutoDrafter) from `taught`'s `kept`, as a new process starts from what the last one kept
+    (`speculative.auto.learned`, at `learned.RESTORE_WEIGHT` unless `weight`). Returns the estimates restored."""
+    from glimmer_mlx.speculative.auto import learned
+
+    entries = learned.parse(kept, student.chooser, {o: "ab" for o in student.chooser.options})
+    return learned.restore(student.chooser, entries, learned.RESTORE_WEIGHT if weight is None else weight)

@@ -34,7 +34,10 @@ rounds are priced by the estimates carried across requests alone, as before the 
 `chooser.HERE_WEIGHT`); pooled (auto whose ledger bars every option that lost once the losses exceed the budget, as
 before the seventeenth session, not the largest losers until the rest fits); emaoverhead (auto whose round overhead
 is an EMA of samples capped at two plain steps only, as before the eighteenth session: `chooser.OVERHEAD_CLIP`);
-dflash, ngram, mtp (fixed, dflash at block 8).
+dflash, ngram, mtp (fixed, dflash at block 8); warm (auto started from what a teacher auto learned over AB_LEARN
+repeats of the prompts, default 2, other seeds, before the A/B: as a new process starts from what the last one kept,
+`speculative.auto.learned`; every other auto starts cold, `ab_setup`); warmfull (the same at the whole weight of
+what the teacher measured).
 
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
     AB_OUT=FILE ...   also appends the sitting to FILE as one JSON line (every run, each auto's summary)
@@ -313,6 +316,28 @@ make = {
     "nowake": lambda: no_wake(second_auto()), "ngnowake": lambda: no_wake(make_auto(m, ngram=8)),
     "dflash": lambda: d.dflash, "ngram": d.ngram, "mtp": lambda: d.mtp,
 }
+
+
+kept = None
+
+
+def warmed(weight=None):
+    global kept
+    if kept is None:
+        teacher = second_auto()
+
+        def learn():
+            for r in range(int(os.environ.get("AB_LEARN", "2"))):
+                for c in cats:
+                    glimmer_mlx.generate(m, ids[c], max_tokens=maxt, temperature=T, seed=1000 + r, drafter=teacher)
+
+        kept = ab_setup.taught(teacher, learn)
+    student = second_auto()
+    print("warm:", ab_setup.warm(student, kept, weight), "estimates restored", flush=True)
+    return student
+
+
+make["warm"], make["warmfull"] = warmed, lambda: warmed(1.0)
 drafter = {mo: make[mo]() for mo in modes}
 seconds = {mo: [] for mo in modes}
 toks = {}

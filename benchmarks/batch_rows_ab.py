@@ -17,8 +17,9 @@ seldom as such a batch asks: what asking costs it); ngauto (auto rows carrying n
 `BatchAuto.carries` always no); plainngauto (both); stale (auto as before the twenty-eighth session: a check after
 `STALE_ROUNDS` steps whatever the margin a stretch was chosen by, `BatchAuto.stale_after`, and no credit re-priced by a
 check, `BatchAuto._confirm`); warm (auto started from what another auto learned over AB_LEARN runs, default 16, of
-the same rows before the A/B — as a process does from what the last one kept, `speculative.auto.learned`). Every other
-auto starts cold (the script sets `GLIMMER_MLX_AUTO_LEARNED=off`).
+the same rows before the A/B — as a process does from what the last one kept, `speculative.auto.learned`); warmfull
+(the same at the whole weight of what the teacher measured, not half). Every other
+auto starts cold (`ab_setup`).
 With AB_SET=DIR the trained tiny set (`bench_tiny_set.py`: its target, DFlash drafter and MTP layers; the prompts
 byte-encoded as `glimmer bench` does, no EOS: every row runs its 64 tokens) instead of the embedded model.
 
@@ -29,15 +30,12 @@ import statistics
 import sys
 import time
 
-os.environ["GLIMMER_MLX_AUTO_LEARNED"] = "off"  # before any auto is built: each variant starts cold (but `warm`)
+from ab_setup import batch_prompts, second_auto, taught, tiny_set, warm
 
-from ab_setup import batch_prompts, second_auto, tiny_set  # noqa: E402
-
-from glimmer_mlx.sampling import Sampler, SamplingParams  # noqa: E402
-from glimmer_mlx.session import load_session  # noqa: E402
-from glimmer_mlx.speculative.auto import batch as auto_batch  # noqa: E402
-from glimmer_mlx.speculative.auto import learned  # noqa: E402
-from glimmer_mlx.speculative.batch import BatchGenerator, BatchRequest  # noqa: E402
+from glimmer_mlx.sampling import Sampler, SamplingParams
+from glimmer_mlx.session import load_session
+from glimmer_mlx.speculative.auto import batch as auto_batch
+from glimmer_mlx.speculative.batch import BatchGenerator, BatchRequest
 
 N, RUNS, MODES = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(",")
 T = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
@@ -152,16 +150,17 @@ def run(mode, r):
     return 1e3 * (time.perf_counter() - t) / n
 
 
-if "warm" in MODES:  # a teacher learns over AB_LEARN runs; `warm` starts from what it kept, as a new process would
+if {"warm", "warmfull"} & set(MODES):  # a teacher learns over AB_LEARN runs; they start from what it kept
+    LEARN = int(os.environ.get("AB_LEARN", "16"))
     chooser["teacher"] = auto_batch.BatchAuto(second_auto(s))
     chooser["teacher"].variant = "teacher"
-    for r in range(int(os.environ.get("AB_LEARN", "16"))):
-        run("teacher", RUNS + r)  # other seeds and row orders than the A/B's
-    fps = {o: "ab" for o in chooser["teacher"].chooser.options}
-    kept = {"format": learned.FORMAT, "options": learned.snapshot(chooser.pop("teacher").chooser, fps)}
-    restored = learned.restore(chooser["warm"].chooser, learned.parse(kept, chooser["warm"].chooser, fps))
-    print(f"warm: {restored} estimates restored from a teacher's "
-          f"{os.environ.get('AB_LEARN', '16')} runs", flush=True)
+    kept = taught(chooser["teacher"].auto,  # other seeds and row orders than the A/B's
+                  lambda: [run("teacher", RUNS + r) for r in range(LEARN)])
+    del chooser["teacher"]
+    for mode, weight in (("warm", None), ("warmfull", 1.0)):
+        if mode in chooser:
+            print(f"{mode}: {warm(chooser[mode].auto, kept, weight)} estimates restored from a teacher's {LEARN} "
+                  "runs", flush=True)
 res = {mode: [] for mode in MODES}
 for r in range(RUNS):
     for mode in MODES if r % 2 == 0 else MODES[::-1]:

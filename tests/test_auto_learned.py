@@ -81,6 +81,28 @@ def test_a_new_auto_starts_where_the_last_one_left_off(tiny, tmp_path):
     assert second.chooser.options["ngram@3"].stats == {}
 
 
+def test_what_a_process_did_not_touch_is_written_back_as_the_file_had_it(tiny, tmp_path):
+    """An estimate restored and never updated is written back at the file's counts (a restart does not halve it
+    again); an option this process does not have keeps its entry."""
+    first = _auto(tiny, tmp_path)
+    _teach(first)
+    first.remember(force=True)
+    kept = json.loads(first.memory.path.read_text())["options"]
+    model, _ = tiny
+    second = make_auto(model, ngram=4, calibration_dir=tmp_path)  # no DFlash drafter this time
+    assert second.memory.restored == 1
+    second.chooser.options["ngram@3"].acceptance("greedy").update(2, 1)  # something new, so it writes
+    assert second.remember(force=True)
+    now = json.loads(second.memory.path.read_text())["options"]
+    assert now["dflash"] == kept["dflash"] and now["ngram@2"] == kept["ngram@2"] and "ngram@3" in now
+    third = _auto(tiny, tmp_path)  # so the next one restores DFlash at half of what the first one measured
+    assert third.memory.restored == 3
+    got = third.chooser.options["dflash"].acceptance("greedy").alphas()
+    want = _halfway(_auto(tiny, tmp_path / "none").chooser.options["dflash"].acceptance("greedy"),
+                    first.chooser.options["dflash"].acceptance("greedy"))
+    assert got == pytest.approx(want, abs=1e-12)
+
+
 def test_written_when_changed_at_most_every_few_seconds(tiny, tmp_path, monkeypatch):
     clock = [1000.0]
     monkeypatch.setattr(learned.time, "monotonic", lambda: clock[0])

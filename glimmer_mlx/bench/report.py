@@ -109,11 +109,12 @@ def render_table(res: dict) -> list:
         notes.append("verify cost vs one plain step, k drafts: " + ", ".join(
             f"k={k} {v:.2f}×" for k, v in list(cal["verify_cost_ratio"].items())[:17]) +
             f" ({'cached' if cal.get('cached') else 'measured now'}: {cal.get('path')})")
-        learned = cal.get("learned")
-        if learned:
-            notes.append(f"auto started from what earlier runs learned ({learned['restored']} estimates, "
-                         f"{learned['path']}; GLIMMER_MLX_AUTO_LEARNED=off for a cold start)" if learned["restored"] else
-                         f"auto started from its drafters' own estimates (kept for the next run: {learned['path']})")
+        kept = cal.get("learned")
+        if kept and kept["restored"]:
+            notes.append(f"auto started from what earlier runs learned ({kept['restored']} estimates, {kept['path']}; "
+                         "GLIMMER_MLX_AUTO_LEARNED=off for a cold start)")
+        elif kept:
+            notes.append(f"auto started from its drafters' own estimates (kept for the next run: {kept['path']})")
     for tkey, per_cat in res.get("auto_choices", {}).items():
         parts = []
         for c, ch in per_cat.items():

@@ -146,6 +146,13 @@ class Memory:
         self.saved_at: float | None = None  # time.monotonic() of the latest write
         self.writes = 0
         self._last: dict | None = None  # what the latest write (or the load) held: unchanged estimates are not written
+        # (option, key) -> (the counts restored, the file's own): an estimate this process left as it restored it is
+        # written back as the file had it, not at `RESTORE_WEIGHT` again (else every restart would halve what an
+        # option never chosen since had shown, until it was explored afresh)
+        self._kept: dict[tuple[str, str], tuple] = {}
+        # the file's entries of options this process does not have (or has with another drafter): written back as
+        # they were unless it learns that option itself (a chat without MTP does not erase what a server with it kept)
+        self._foreign: dict[str, dict] = {}
 
     def load(self, chooser: AutoChooser, log=None) -> int:
         """Start `chooser` from the file, if there is one that fits; a bad one is reported (`log`) and left unused."""
@@ -160,20 +167,39 @@ class Memory:
             if log:
                 log(f"auto: {self.path}: not used ({e}); starting from the drafters' own estimates")
             return 0
+        self._foreign = {name: entry for name, entry in raw["options"].items()
+                         if name not in chooser.options or entry.get("fingerprint") != self.fingerprints.get(name)}
         self.restored = restore(chooser, entries)
-        self._last = snapshot(chooser, self.fingerprints)
+        for (name, key), (acc, tried, shrink) in entries.items():
+            st = chooser.options[name].stats[key]
+            self._kept[(name, key)] = ((list(st.acc), list(st.tried), st.shrink),
+                                       {"acc": acc, "tried": tried, "shrink": shrink})
+        self._last = self.state(chooser)
         if log and self.restored:
             log(f"auto: starting from what earlier runs learned ({self.restored} estimates, {self.path})")
         return self.restored
 
+    def state(self, chooser: AutoChooser) -> dict:
+        """What the file should hold now: the chooser's estimates (`snapshot`), those it left as restored as the
+        file had them, and the file's entries of options it does not have."""
+        out = snapshot(chooser, self.fingerprints)
+        for name, entry in self._foreign.items():
+            out.setdefault(name, entry)
+        for (name, key), (restored, original) in self._kept.items():
+            got = out.get(name, {}).get("stats", {}).get(key)
+            if got is not None and (got["acc"], got["tried"], got["shrink"]) == restored:
+                out[name]["stats"][key] = original
+        return out
+
     def remember(self, chooser: AutoChooser, force: bool = False) -> bool:
-        """Write the chooser's estimates if they changed (or the file is gone) and `REMEMBER_EVERY` seconds passed
-        since the latest write (force: whenever they changed). Never creates the folder: a process whose cost curve's folder is gone (a
-        test's temporary one, removed before exit) writes nothing. Whether it wrote."""
+        """Write the chooser's estimates (`state`) if they changed (or the file is gone) and `REMEMBER_EVERY`
+        seconds passed since the latest write (force: whenever they changed). Never creates the folder: a process
+        whose cost curve's folder is gone (a test's temporary one, removed before exit) writes nothing. Whether it
+        wrote."""
         now = time.monotonic()
         if not force and self.saved_at is not None and now - self.saved_at < REMEMBER_EVERY:
             return False
-        state = snapshot(chooser, self.fingerprints)
+        state = self.state(chooser)
         if not state or not self.path.parent.is_dir() or (state == self._last and self.path.is_file()):
             return False
         try:

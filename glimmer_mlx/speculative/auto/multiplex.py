@@ -151,7 +151,8 @@ class AutoDrafter:
         # what earlier processes learned of these options (`learned`), beside the cost curve's file; not with a cost
         # curve given (synthetic tables, tests) or remember=False (None: unless `learned.ENV` says off)
         self.memory = None
-        if (enabled() if remember is None else remember) and self.calibration.get("path") and self.calibration.get("model"):
+        keep = enabled() if remember is None else remember
+        if keep and self.calibration.get("path") and self.calibration.get("model"):
             by_kind = {n: drafter_fingerprint(d) for n, d in self.drafters.items()}
             self.memory = Memory(Path(self.calibration["path"]).parent, self.calibration["model"],
                                  {o: option_fingerprint(by_kind[k], self.chooser.options[o])

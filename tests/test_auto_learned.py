@@ -161,6 +161,7 @@ def _valid(tmp_path, tiny) -> dict:
     (lambda raw: {**raw, "options": {"dflash": {**raw["options"]["dflash"], "stats": {
         "greedy": {**raw["options"]["dflash"]["stats"]["greedy"], "acc": ["1", 0, 0]}}}}}, "acc"),
     (lambda raw: {**raw, "options": {"dflash": {**raw["options"]["dflash"], "stats": {"beam": {}}}}}, "beam"),
+    (lambda raw: {**raw, "options": {"dflash": {**raw["options"]["dflash"], "stats": {"greedy#9": {}}}}}, "greedy#9"),
     (lambda raw: b" " * (learned.MAX_BYTES + 1), "larger than"),
 ])
 def test_a_bad_file_is_named_in_one_line_and_not_used(tiny, tmp_path, damage, field):
@@ -204,3 +205,42 @@ def test_no_file_without_a_cost_curve_folder(tiny, tmp_path, monkeypatch):
     gone.rmdir()
     assert not auto.remember(force=True) and not gone.exists()
     assert not list(tmp_path.glob("learned-*"))
+
+
+def test_processes_writing_at_once_never_leave_a_torn_file(tiny, tmp_path):
+    """Two autos on one target writing over each other (two servers) while a third reads: every read is a whole file,
+    one writer's or the other's (`files.write_atomic`), and the last writer's stays."""
+    import threading
+
+    a, b = _auto(tiny, tmp_path), _auto(tiny, tmp_path)
+    _teach(a)
+    for _ in range(3):
+        b.chooser.options["ngram@3"].acceptance("greedy").update(2, 2)
+    errors, reads = [], []
+
+    def write(auto, name):
+        try:
+            for i in range(40):
+                auto.chooser.options[name].acceptance("greedy").update(2, i % 3)
+                assert auto.remember(force=True)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    def read():
+        try:
+            for _ in range(300):
+                if a.memory.path.exists():
+                    reads.append(set(json.loads(a.memory.path.read_text())["options"]))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=write, args=(a, "dflash")), threading.Thread(target=write, args=(b, "ngram@3")),
+               threading.Thread(target=read)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and reads
+    assert all(r in ({"dflash", "ngram@2"}, {"ngram@3"}) for r in reads), reads
+    last = json.loads(a.memory.path.read_text())["options"]
+    assert set(last) in ({"dflash", "ngram@2"}, {"ngram@3"})

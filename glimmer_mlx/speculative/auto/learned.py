@@ -110,8 +110,10 @@ def parse(raw, chooser: AutoChooser, fingerprints: dict[str, str]) -> dict[tuple
             continue  # an option this process does not have, or measured with another drafter
         for key, s in entry["stats"].items():
             where = f"options.{name}.stats.{key}"
-            if not isinstance(key, str) or key.split("#", 1)[0] not in ("greedy", "sampling"):
-                raise LearnedError(f"{where}: not a regime")
+            regime, _, phase = key.partition("#")
+            if regime not in ("greedy", "sampling") or (
+                    phase and not (phase.isdigit() and int(phase) <= len(chooser.phases or ()))):
+                raise LearnedError(f"{where}: not a regime (greedy or sampling, #0-#{len(chooser.phases or ())})")
             if not isinstance(s, dict):
                 raise LearnedError(f"{where}: not an object")
             acc = _counts(s.get("acc"), f"{where}.acc", opt.max_k)

@@ -7,6 +7,9 @@ tokens per second relative to plain decoding, averaged over seeds.
 
     python benchmarks/simulate_auto.py --draft-ms 3 [--future-tokens 128] [--requests 10 --tokens 96] [--spread 0.3]
         [--phased 0.85,1.12,0.87]   (acceptance per phase of a response; adds the oracle policy)
+        [--warm 10]   (adds `warm`: auto started from what another auto kept after that many requests of its own,
+                       other draws, as a new process starts from the last one's file: `speculative.auto.learned`)
+        [--age 0.9995]   (the chooser's fade of an idle option's evidence a round; default `AutoChooser`'s 0.998)
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import random
 import statistics
 
 import glimmer_mlx.speculative.auto.chooser as chooser_mod
+from glimmer_mlx.speculative.auto import learned
 from glimmer_mlx.speculative.auto.chooser import AutoChooser
 
 MS = 1e-3
@@ -24,23 +28,45 @@ COSTS = {1: 3.2 * MS, 2: 3.2 * MS, 3: 3.2 * MS, 4: 3.63 * MS, 5: 3.63 * MS, 6: 3
 PLAIN = 3.2 * MS
 # DFlash's conditional acceptance per position on the trained tiny set at T = 1 (issue20-tiny-trained-r0.json)
 ALPHAS = [0.508, 0.717, 0.627, 0.676, 0.669, 0.798, 0.46]
+AGE = None  # --age: the chooser's fade of idle evidence per round (`AutoChooser` age; None: its default)
+
+
+def new_chooser(draft: float, prior_tau: float, phased: tuple | None) -> AutoChooser:
+    ch = AutoChooser(COSTS, plain_cost=PLAIN, **({} if AGE is None else {"age": AGE}))
+    ch.add("dflash", 7, "block", draft_prior=draft,
+           measured_tau={"width": 7, "greedy": prior_tau, "sampling": prior_tau})
+    if phased is None:
+        ch.phases = None
+    return ch
+
+
+def warmed(draft: float, *, teach: int, seed: int, prior_tau: float, phased: tuple | None, **kw) -> AutoChooser:
+    """A chooser started from what a first one kept after `teach` requests of its own (other draws)."""
+    teacher = new_chooser(draft, prior_tau, phased)
+    simulate("auto", draft, requests=teach, seed=seed + 2 * 10**6, prior_tau=prior_tau, phased=phased, ch=teacher,
+             **kw)
+    fps = {"dflash": "sim"}
+    student = new_chooser(draft, prior_tau, phased)
+    kept = {"format": learned.FORMAT, "options": learned.snapshot(teacher, fps)}
+    learned.restore(student, learned.parse(kept, student, fps))
+    return student
 
 
 def simulate(policy: str, draft: float, *, requests: int, tokens: int, seed: int, prior_tau: float = 2.2,
-             regime: str = "sampling", spread: float = 0.0, phased: tuple | None = None) -> tuple[float, int]:
+             regime: str = "sampling", spread: float = 0.0, phased: tuple | None = None,
+             ch: AutoChooser | None = None) -> tuple[float, int]:
     """(tokens per second, exploration rounds) of `policy` ("plain", "dflash": every round at 7 drafts, "auto",
     "oracle": the drafter in the phases where it pays by its true acceptance, plain in the others).
     spread: each request's acceptance is ALPHAS × (1 − spread) or × (1 + spread), at random (prompts differ).
     phased: (f0, f1, f2): the acceptance × f_p in phase p of a response (`chooser.PHASES`; auto is told them), as
     the trained tiny set's DFlash at T = 1 does (driven alone there: ~0.92x plain in the opening and after 64 tokens,
-    ~1.16x between)."""
+    ~1.16x between). ch: the chooser auto decides with (default: a fresh one; "warm": `warmed`'s)."""
     rng = random.Random(seed)
     kinds = random.Random(seed + 10**6)  # the requests' draws, the same for every policy
-    ch = AutoChooser(COSTS, plain_cost=PLAIN)
-    ch.add("dflash", 7, "block", draft_prior=draft,
-           measured_tau={"width": 7, "greedy": prior_tau, "sampling": prior_tau})
-    if phased is None:
-        ch.phases = None
+    if policy == "warm":
+        policy = "auto"
+    if ch is None:
+        ch = new_chooser(draft, prior_tau, phased)
     bounds = chooser_mod.PHASES
     seconds, done = 0.0, 0
     for _ in range(requests):
@@ -104,7 +130,11 @@ def main() -> None:
     ap.add_argument("--spread", type=float, default=0.0, help="requests' acceptance × (1 ± spread), at random")
     ap.add_argument("--here-weight", type=float, default=None, help="override chooser.HERE_WEIGHT")
     ap.add_argument("--phased", default=None, help="f0,f1,f2: acceptance × f_p in phase p of a response")
+    ap.add_argument("--age", type=float, default=None, help="override AutoChooser's age (idle evidence's fade a round)")
+    ap.add_argument("--warm", type=int, default=0, help="add `warm`: auto started from what one kept after N requests")
     a = ap.parse_args()
+    global AGE
+    AGE = a.age
     if a.future_tokens is not None:
         chooser_mod.FUTURE_TOKENS = a.future_tokens
     if a.prior_weight is not None:
@@ -116,10 +146,11 @@ def main() -> None:
     if a.ledger_floor is not None:
         chooser_mod.LEDGER_FLOOR = a.ledger_floor
     phased = tuple(float(x) for x in a.phased.split(",")) if a.phased else None
-    res = {p: [simulate(p, a.draft_ms * MS, requests=a.requests, tokens=a.tokens, seed=s, prior_tau=a.prior_tau,
-                        spread=a.spread, phased=phased)
+    kw = dict(tokens=a.tokens, prior_tau=a.prior_tau, spread=a.spread, phased=phased)
+    res = {p: [simulate(p, a.draft_ms * MS, requests=a.requests, seed=s, **kw,
+                        ch=warmed(a.draft_ms * MS, teach=a.warm, seed=s, **kw) if p == "warm" else None)
                 for s in range(a.seeds)]
-           for p in ("plain", "dflash", "auto") + (("oracle",) if phased else ())}
+           for p in ("plain", "dflash", "auto") + (("oracle",) if phased else ()) + (("warm",) if a.warm else ())}
     base = statistics.mean(r for r, _ in res["plain"])
     rel = {p: round(statistics.mean(r for r, _ in v) / base, 3) for p, v in res.items()}
     print(f"draft {a.draft_ms} ms, prior τ {a.prior_tau}, FUTURE_TOKENS {chooser_mod.FUTURE_TOKENS}, PRIOR_WEIGHT "
@@ -127,7 +158,8 @@ def main() -> None:
           f"{chooser_mod.LEDGER_FLOOR}, HERE_WEIGHT {chooser_mod.HERE_WEIGHT}, spread {a.spread}, phased {phased}: "
           f"× plain {rel}, "
           f"auto explored "
-          f"{statistics.mean(e for _, e in res['auto']):.1f} rounds a run")
+          f"{statistics.mean(e for _, e in res['auto']):.1f} rounds a run"
+          + (f", warm {statistics.mean(e for _, e in res['warm']):.1f}" if a.warm else ""))
 
 
 if __name__ == "__main__":

@@ -321,6 +321,7 @@ def test_load_generator_against_in_process_server(monkeypatch, tmp_path):
     tokens = box["auto"]["completion_tokens"]
     assert 1 <= steps["plain"] + steps["spec"] <= tokens and isinstance(steps["explored"], dict), steps
     assert 0 <= steps["unasked"] <= steps["plain"], steps
+    assert box["after auto"]["learned_restored"] is None  # the suite's autos keep nothing (tests/conftest.py)
 
 
 def test_batch_step_deltas_hand_computed():
@@ -337,6 +338,11 @@ def test_batch_step_deltas_hand_computed():
               {"auto_steps": {"plain": 30, "spec": 6}, "unasked_steps": 52})
     add_steps(into, None, {"auto_steps": {"plain": 4}, "unasked_steps": 3})
     assert into == {"plain": 30, "spec": 6, "explored": {"dflash": 3, "mtp": 1}, "unasked": 15}
+    # where the server's auto started from (`speculative.auto.learned`): the estimates it restored, when it keeps any
+    add_steps(into, {"auto_steps": {}}, {"auto_steps": {}, "learned_restored": None})
+    assert "learned_restored" not in into
+    add_steps(into, {"auto_steps": {}}, {"auto_steps": {}, "learned_restored": 12})
+    assert into["learned_restored"] == 12
 
 
 # -- the server subprocess wrapper ------------------------------------------------------------------------------------
@@ -403,6 +409,15 @@ def test_json_png_and_table_writers(tmp_path):
         con.print(part)
     assert "N=1 3/13 (6 unasked), N=2 1/11, N=4 0/10; unasked: plain steps a quiet batch" in con.export_text()
     assert "prefilled afresh" not in con.export_text()  # every prompt found cached (or no word on it): no line
+    assert "started from" not in con.export_text()  # a server that keeps no learned estimates: no line
+    for n, said in ((0, "started from its drafters' own estimates"), (48, "started from what earlier runs learned "
+                                                                          "(48 estimates;")):
+        auto["1"]["batch_steps"]["learned_restored"] = n
+        con = Console(record=True, width=300)
+        for part in render_serve_table(dict(res, results={**res["results"], "auto": auto})):
+            con.print(part)
+        assert said in con.export_text()
+    del auto["1"]["batch_steps"]["learned_restored"]
     auto["1"]["fresh_prefills"] = {"prefilled again for the states of its model drafters": 1}
     auto["2"]["fresh_prefills"] = {"no cached prefix": 2}
     con = Console(record=True, width=300)

@@ -582,6 +582,8 @@ def add_steps(into: dict, before: dict | None, after: dict | None) -> None:
     "unasked": the steps a quiet batch did not ask its choice, where the server reports them)."""
     if after is None:
         return
+    if after.get("learned_restored") is not None:
+        into["learned_restored"] = int(after["learned_restored"])
     before = before or {}
     b_steps, a_steps = before.get("auto_steps", {}), after.get("auto_steps", {})
     for k in ("plain", "spec"):
@@ -883,6 +885,12 @@ def render_serve_table(res: dict) -> list:
         notes.append("auto's speculative batch steps (of all its steps): " + ", ".join(spec)
                      + ("; unasked: plain steps a quiet batch took without asking its choice"
                         if any("unasked" in st for _, st in steps) else ""))
+    restored = {st["learned_restored"] for _, st in steps if "learned_restored" in st}
+    if restored:  # `speculative.auto.learned`: a server starts from the estimates the last process on its model kept
+        n = max(restored)
+        notes.append(f"our auto server started from what earlier runs learned ({n} estimates; "
+                     "GLIMMER_MLX_AUTO_LEARNED=off for a cold start)" if n else
+                     "our auto server started from its drafters' own estimates (no earlier runs kept)")
     fresh = [f"{mode} N={n} {sum(d['fresh_prefills'].values())}/{d['ok']}" for mode, lv in res["results"].items()
              for n, d in lv.items() if d.get("fresh_prefills")]
     if fresh:  # a mode that prefilled prompts the others found cached started its requests behind theirs

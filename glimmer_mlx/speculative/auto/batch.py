@@ -740,8 +740,11 @@ class BatchAuto:
 
     def counts(self) -> dict:
         """The batch's steps so far, plain and speculative, those that explored each option, and those a quiet batch
-        did not ask its choice (`asks`) (copies: safe to read from another thread while the batch steps)."""
-        return {"auto_steps": dict(self.steps), "explored_steps": dict(self.explored), "unasked_steps": self.unasked}
+        did not ask its choice (`asks`) (copies: safe to read from another thread while the batch steps); and where
+        the process's auto started from (`AutoDrafter.memory`: the estimates it restored, None with no file kept)."""
+        memory = self.auto.memory
+        return {"auto_steps": dict(self.steps), "explored_steps": dict(self.explored), "unasked_steps": self.unasked,
+                "learned_restored": None if memory is None else memory.restored}
 
     def stats(self) -> dict:
         return {**self.counts(),

@@ -5,6 +5,7 @@ independent of the machine's load. Usage: python benchmarks/auto_plan_count.py o
 import sys
 from collections import Counter
 
+import ab_setup  # noqa: F401  (sets GLIMMER_MLX_AUTO_LEARNED=off: every auto here starts cold)
 from glimmer_mlx.bench.settings import load_prompts
 from glimmer_mlx.session import load_session
 from glimmer_mlx.speculative.auto import chooser as ch

@@ -11,6 +11,7 @@ import sys
 import time
 from collections import defaultdict
 
+import ab_setup  # noqa: F401  (sets GLIMMER_MLX_AUTO_LEARNED=off: every auto here starts cold)
 import glimmer_mlx
 from glimmer_mlx.bench.settings import load_prompts
 from glimmer_mlx.session import load_session

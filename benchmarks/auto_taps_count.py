@@ -3,6 +3,7 @@ per category, chat template, 64 tokens, seed 1), T = 0 and 1, one session; `old`
 plain stretch kept a drafter's taps warm at 1 % over plain). Counts, not times: independent of the machine's load.
 Usage: python benchmarks/auto_taps_count.py old|new"""
 import sys
+import ab_setup  # noqa: F401  (sets GLIMMER_MLX_AUTO_LEARNED=off: every auto here starts cold)
 from glimmer_mlx.session import load_session
 from glimmer_mlx.speculative.auto import chooser as ch
 from glimmer_mlx.bench.settings import load_prompts

@@ -6,6 +6,7 @@ the process with the server: absolute figures are below `glimmer bench serve`'s;
     python benchmarks/serve_inprocess_ab.py 1,4,8,16
 """
 import threading, sys
+import ab_setup  # noqa: F401  (sets GLIMMER_MLX_AUTO_LEARNED=off: every auto here starts cold)
 from glimmer_mlx.bench.settings import load_prompts
 from glimmer_mlx.bench.serve import run_level
 from glimmer_mlx.serve import GlimmerServer

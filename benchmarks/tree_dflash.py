@@ -32,6 +32,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
+import ab_setup  # noqa: F401  (sets GLIMMER_MLX_AUTO_LEARNED=off: every auto here starts cold)
 from glimmer_mlx.cache import rewind_cache
 from glimmer_mlx.runtime.loop import GenerationStats, collect, stop_ids, stream
 from glimmer_mlx.sampling import Sampler, SamplingParams

@@ -26,15 +26,23 @@ CALIBRATION_CONTEXT = 128  # prompt tokens in the cache while the verify cost cu
 WIDE_ROWS = CALIBRATION_CONTEXT
 
 
+def hash_checkpoint(h, folder, names: tuple[str, ...] = ("config.json",)) -> None:
+    """Feed `h` a checkpoint folder's identity: the contents of its files `names` (those present, in that order),
+    then each weight file's name and size (cheap: the weights are not read)."""
+    p = Path(folder)
+    for name in names:
+        if (p / name).is_file():
+            h.update((p / name).read_bytes())
+    for f in sorted(p.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+
+
 def model_fingerprint(model) -> str:
     """Short hash of the target: its config and weight files (name, size), or its architecture when not from disk."""
     h = hashlib.sha256()
     path = getattr(model, "path", None)
     if path is not None and (Path(path) / "config.json").exists():
-        p = Path(path)
-        h.update((p / "config.json").read_bytes())
-        for f in sorted(p.glob("*.safetensors")):
-            h.update(f"{f.name}:{f.stat().st_size}".encode())
+        hash_checkpoint(h, path)
     else:
         h.update(repr(sorted(vars(model.args).items(), key=lambda kv: kv[0])).encode())
     h.update(str(model.model.norm.weight.dtype).encode())

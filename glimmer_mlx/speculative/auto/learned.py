@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from ...files import write_atomic
+from .calibrate import hash_checkpoint
 from .chooser import AutoChooser
 
 FORMAT = 1
@@ -55,13 +56,8 @@ def drafter_fingerprint(drafter) -> str:
     source = getattr(drafter, "source", None)
     if source:
         h.update(str(source).encode())
-        p = Path(str(source))
-        if p.is_dir():
-            for name in ("config.json", "eval.json"):
-                if (p / name).is_file():
-                    h.update((p / name).read_bytes())
-            for f in sorted(p.glob("*.safetensors")):
-                h.update(f"{f.name}:{f.stat().st_size}".encode())
+        if Path(str(source)).is_dir():
+            hash_checkpoint(h, source, ("config.json", "eval.json"))
     return h.hexdigest()[:12]
 
 

@@ -20,6 +20,16 @@ def _speed_cell(d: dict) -> str:
     return f"{s['median']:.2f}×"
 
 
+def learned_line(subject: str, restored: int, path: str | None = None) -> str:
+    """Where `subject` (an auto) started from: the estimates an earlier process kept (`speculative.auto.learned`;
+    `restored` of them) or its drafters' own; `path`: the file, where known."""
+    if restored:
+        return (f"{subject} started from what earlier runs learned ({restored} estimates"
+                + (f", {path}" if path else "") + "; GLIMMER_MLX_AUTO_LEARNED=off for a cold start)")
+    return (f"{subject} started from its drafters' own estimates "
+            + (f"(kept for the next run: {path})" if path else "(no earlier runs kept)"))
+
+
 def verdict(res: dict) -> list[str]:
     """One plain-language line per temperature: which mode is fastest here and why — what a round of the best
     speculative mode commits (τ) against what it costs in plain steps (τ / speedup, as measured), next to the
@@ -110,11 +120,8 @@ def render_table(res: dict) -> list:
             f"k={k} {v:.2f}×" for k, v in list(cal["verify_cost_ratio"].items())[:17]) +
             f" ({'cached' if cal.get('cached') else 'measured now'}: {cal.get('path')})")
         kept = cal.get("learned")
-        if kept and kept["restored"]:
-            notes.append(f"auto started from what earlier runs learned ({kept['restored']} estimates, {kept['path']}; "
-                         "GLIMMER_MLX_AUTO_LEARNED=off for a cold start)")
-        elif kept:
-            notes.append(f"auto started from its drafters' own estimates (kept for the next run: {kept['path']})")
+        if kept:
+            notes.append(learned_line("auto", kept["restored"], kept["path"]))
     for tkey, per_cat in res.get("auto_choices", {}).items():
         parts = []
         for c, ch in per_cat.items():

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
+from .report import learned_line
 from .settings import CONTROL
 
 SCHEMA = "glimmer-bench-serve/1"
@@ -887,10 +888,7 @@ def render_serve_table(res: dict) -> list:
                         if any("unasked" in st for _, st in steps) else ""))
     restored = {st["learned_restored"] for _, st in steps if "learned_restored" in st}
     if restored:  # `speculative.auto.learned`: a server starts from the estimates the last process on its model kept
-        n = max(restored)
-        notes.append(f"our auto server started from what earlier runs learned ({n} estimates; "
-                     "GLIMMER_MLX_AUTO_LEARNED=off for a cold start)" if n else
-                     "our auto server started from its drafters' own estimates (no earlier runs kept)")
+        notes.append(learned_line("our auto server", max(restored)))
     fresh = [f"{mode} N={n} {sum(d['fresh_prefills'].values())}/{d['ok']}" for mode, lv in res["results"].items()
              for n, d in lv.items() if d.get("fresh_prefills")]
     if fresh:  # a mode that prefilled prompts the others found cached started its requests behind theirs

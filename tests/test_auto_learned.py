@@ -217,29 +217,34 @@ def test_processes_writing_at_once_never_leave_a_torn_file(tiny, tmp_path):
     for _ in range(3):
         b.chooser.options["ngram@3"].acceptance("greedy").update(2, 2)
     errors, reads = [], []
+    reading, writers_done = threading.Event(), threading.Event()
 
     def write(auto, name):
         try:
+            assert reading.wait(30)
             for i in range(40):
                 auto.chooser.options[name].acceptance("greedy").update(2, i % 3)
                 assert auto.remember(force=True)
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    def read():
+    def read():  # reads for as long as the writers write (a fixed count of reads could end before the first write)
         try:
-            for _ in range(300):
+            reading.set()
+            while not writers_done.is_set() or not reads:
                 if a.memory.path.exists():
                     reads.append(set(json.loads(a.memory.path.read_text())["options"]))
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=write, args=(a, "dflash")), threading.Thread(target=write, args=(b, "ngram@3")),
-               threading.Thread(target=read)]
-    for t in threads:
+    writers = [threading.Thread(target=write, args=(a, "dflash")), threading.Thread(target=write, args=(b, "ngram@3"))]
+    reader = threading.Thread(target=read)
+    for t in [reader, *writers]:
         t.start()
-    for t in threads:
+    for t in writers:
         t.join()
+    writers_done.set()
+    reader.join()
     assert not errors and reads
     assert all(r in ({"dflash", "ngram@2"}, {"ngram@3"}) for r in reads), reads
     last = json.loads(a.memory.path.read_text())["options"]

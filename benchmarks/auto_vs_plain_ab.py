@@ -37,7 +37,11 @@ is an EMA of samples capped at two plain steps only, as before the eighteenth se
 dflash, ngram, mtp (fixed, dflash at block 8); warm (auto started from what a teacher auto learned over AB_LEARN
 repeats of the prompts, default 2, other seeds, before the A/B: as a new process starts from what the last one kept,
 `speculative.auto.learned`; every other auto starts cold, `ab_setup`); warmfull (the same at the whole weight of
-what the teacher measured).
+what the teacher measured); noquiet (auto whose plain
+stretches ask every round, as before the thirty-fourth session: `chooser.QUIET_RATE`); bare (auto reduced to the
+engine's plain path, no plan and no bookkeeping: a bound for what its plain stretches could cost); forcednoshadow
+(forced without scoring the n-gram offers passed over); noexplore (auto that never explores: an option is drafted only where its mean estimate
+pays — what exploring costs and finds).
 
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
     AB_OUT=FILE ...   also appends the sitting to FILE as one JSON line (every run, each auto's summary)
@@ -284,7 +288,41 @@ def ema_overhead(auto):
     return auto
 
 
+def no_explore(auto):
+    """auto that never explores (`AutoChooser.explore` finds nothing): it drafts only where an option pays by its mean
+    estimate."""
+    auto.chooser.explore = lambda available, regime, incumbent, remaining: None
+    return auto
+
+
+def no_quiet(auto):
+    """auto whose plain stretches ask every round, as before the thirty-fourth session (`chooser.QUIET_RATE`)."""
+    auto._unasked = lambda regime: False
+    return auto
+
+
+def bare(auto):
+    """auto reduced to the engine's plain path: every round plain, no plan, no bookkeeping (an upper bound for what
+    auto's plain stretches could cost)."""
+    def plan(k, regime, remaining):
+        auto.needs_taps = False
+        return True
+
+    def accept(taps, new_tokens):
+        auto._tokens += new_tokens
+
+    auto.plan, auto.accept = plan, accept
+    auto.plain_token = lambda seconds: None
+    auto.chooser.elapse = lambda seconds: None
+    return auto
+
+
 make = {
+    "bare": lambda: bare(second_auto()),
+    "noquiet": lambda: no_quiet(second_auto()),
+    "forcednoshadow": lambda: no_shadow(make_auto(m, dflash=d.dflash, mtp=d.mtp, ngram=8,
+                                                  verify_costs={L: 0.005 * L for L in range(1, 17)})),
+    "noexplore": lambda: no_explore(second_auto()),
     "ar": lambda: None, "ar2": lambda: None, "auto": d.auto,
     "forced": lambda: make_auto(m, dflash=d.dflash, mtp=d.mtp, ngram=8,
                                 verify_costs={L: 0.005 * L for L in range(1, 17)}),

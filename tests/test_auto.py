@@ -4,6 +4,7 @@ AutoDecoder on tiny models (every sub-drafter kept in sync, output identical to 
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -935,6 +936,59 @@ def test_greedy_ngram_offers_passed_over_are_scored(tiny, monkeypatch):
         auto.accept([], [1 if i % 2 == 0 else 2])
     assert plans[-1] is False and len(plans) < 100
     assert auto.chooser.shadowed >= len(plans) - 8
+
+
+def test_a_plain_stretch_that_keeps_answering_plain_asks_every_few_rounds(tiny, monkeypatch):
+    """`chooser.QUIET_RATE`: once fewer than QUIET_RATE of the latest asked rounds found a speculative one (an EMA from
+    1, weight QUIET_EMA), a held plain verdict is kept without asking anything — not the n-gram index, no offer
+    scored — in all but every QUIET_EVERYth round; a copy worth drafting that appears then is taken within
+    QUIET_EVERY − 1 rounds (asked every round: at once), and the rounds after it ask again. Catches: asking every
+    round, never asking once quiet, quiet from the start."""
+    from glimmer_mlx.speculative.auto.chooser import QUIET_EMA, QUIET_EVERY, QUIET_RATE
+
+    model, _, _ = tiny
+    fresh = list(range(10, 330))  # no n-gram of these ever repeats: nothing is offered, nothing learned
+    seen = fresh[100:110]  # ... until these come again: a 4-gram match whose copy is right (pinned at 0.95)
+    loud = math.ceil(math.log(QUIET_RATE) / math.log(1 - QUIET_EMA))  # asks before the EMA falls under the rate
+    taken = []
+    for quiet in (True, False):
+        auto = _ngram_auto(model, {"ngram@4": 0.95, "ngram@run": 0.95})
+        if not quiet:
+            monkeypatch.setattr(auto, "_unasked", lambda regime: False)
+        asked, offers = [], []
+        held, offer = auto._held, auto._ngram_offer
+        monkeypatch.setattr(auto, "_held", lambda k, r: (asked.append(len(auto._tokens)), held(k, r))[1])
+        monkeypatch.setattr(auto, "_ngram_offer", lambda k: (offers.append(1), offer(k))[1])
+        auto.start([], fresh[:2])
+        for t in fresh[2:]:
+            assert auto.plan(4, "greedy", 10_000)
+            auto.accept([], [t])
+        if quiet:
+            assert asked[:loud] == list(range(2, 2 + loud))  # loud: every round
+            late = [a for a in asked if a >= 2 + loud + QUIET_EVERY]
+            gaps = [b - a for a, b in zip(late, late[1:])]
+            # every QUIET_EVERYth round, or sooner where the verdict's chooser version moved (estimates aged)
+            assert gaps and max(gaps) == QUIET_EVERY and gaps.count(QUIET_EVERY) >= 0.9 * len(gaps)
+            assert auto.unasked == len(fresh) - 2 - len(asked) > 0
+            assert len(offers) == len(asked)  # one lookup an asked round: its shadow asks the index no more
+        else:
+            assert auto.unasked == 0 and len(asked) == len(fresh) - 2
+        plans = []
+        for t in seen:
+            plans.append(auto.plan(4, "greedy", 10_000))
+            if not plans[-1]:
+                break
+            auto.accept([], [t])
+        assert plans[-1] is False
+        taken.append(len(plans))
+        before = len(asked)
+        auto.accept([], [seen[len(plans) - 1]])
+        auto.plan(4, "greedy", 10_000)
+        assert len(asked) == before + 1 or auto._verdict is None  # the round after a speculative one asks
+    # asked every round: the third plan drafts (its offer goes on with the copy the previous offer started,
+    # "ngram@run"); quiet: the lookups that would have seen the copy start were not asked, and the 4-gram seen[0:4],
+    # there to the fifth plan, is taken within QUIET_EVERY − 1 rounds of it
+    assert taken[1] == 3 and 5 <= taken[0] <= 5 + QUIET_EVERY - 1
 
 
 def test_sampled_ngram_offers_a_round_looked_up_are_scored_and_no_others(tiny, monkeypatch):

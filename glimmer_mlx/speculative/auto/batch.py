@@ -45,8 +45,8 @@ import bisect
 import collections
 
 from .chooser import (CHECK_SAMPLES, ENTER_GAIN, FUTURE_TOKENS, LEDGER_FLOOR, LEDGER_ROUND_CAP, LEDGER_ROUNDS,
-                      LOSS_BUDGET, MIN_GAIN, PRICE_WINDOW, SCALE_WINDOW, SCENARIOS, SETTLE_TOKEN_CAP, STALE_ROUNDS,
-                      AcceptanceStats, plain_price, robust_ema, scaled_alphas)
+                      LOSS_BUDGET, MIN_GAIN, PRICE_WINDOW, QUIET_EMA, QUIET_EVERY, QUIET_RATE, SCALE_WINDOW, SCENARIOS,
+                      SETTLE_TOKEN_CAP, STALE_ROUNDS, AcceptanceStats, plain_price, robust_ema, scaled_alphas)
 from .multiplex import AutoDrafter
 
 EMA = 0.2  # weight of a new step time in its n's estimate (each sample at most 3x the estimate: `chooser.robust_ema`)
@@ -71,16 +71,6 @@ SPAN_AFTER = 8
 # the price's own error runs on as before: a check ends its stretch for a wake and CHECK_SAMPLES priced steps
 THIN_MARGIN = 0.5
 THIN_DIVISOR = 8
-# a batch whose choice keeps coming out plain asks it only every QUIET_EVERY steps (`BatchAuto.asks`): while fewer
-# than QUIET_RATE of its asks (an EMA over asks, weight QUIET_EMA, from 1) found a speculative step worth taking, and
-# not right after one that did. Asking is the rows' n-gram offers, their phases and measures, the step's bounds and
-# widths scored: at 8 rows of the embedded model ~150 µs of an ~11 ms step here, for a step that speculated in 1 of
-# ~400 (auto rows ran ~3.5 % behind plain rows at 1-8 rows in three sittings; at 8 rows, asked nothing, ~1-2 %;
-# `benchmarks/batch_rows_ab.py`). An opportunity (a copy n-gram lookup can follow) waits at most QUIET_EVERY − 1
-# steps; one that pays is asked about every step again
-QUIET_RATE = 0.05
-QUIET_EVERY = 4
-QUIET_EMA = 1 / 32
 
 
 def nearest(rows: int, counts: list[int]) -> int:

@@ -262,6 +262,20 @@ LEDGER_Z = 1.5
 # offers scored without a round (`observe_offer`) between two refreshes of the memo
 SHADOW_BATCH = 16
 
+# a choice that keeps coming out plain is asked only every QUIET_EVERY rounds (a batch's steps: `batch.BatchAuto.asks`;
+# a lone request's rounds inside a plain stretch: `multiplex.AutoDrafter.plan`): while fewer than QUIET_RATE of its
+# asks (an EMA over asks, weight QUIET_EMA, from 1) found a speculative round worth taking, and not right after one
+# that did. Asking is the n-gram offers (the index brought up to the latest token and looked up, the offers passed
+# over scored), the phases and measures, the bounds and widths scored: at 8 rows of the embedded model ~150 µs of an
+# ~11 ms step here, for a step that speculated in 1 of ~400 (auto rows ran ~3.5 % behind plain rows at 1-8 rows in
+# three sittings; at 8 rows, asked nothing, ~1-2 %; `benchmarks/batch_rows_ab.py`); in a lone greedy request ~30 µs
+# of a ~3.4 ms plain token, where n-gram lookup took 1 round in ~150 (`benchmarks/auto_vs_plain_ab.py`, 2-core CPU:
+# the host's work there is not hidden behind the forward as it is behind a GPU's). An opportunity (a copy n-gram
+# lookup can follow) waits at most QUIET_EVERY − 1 rounds; one that pays is asked about every round again
+QUIET_RATE = 0.05
+QUIET_EVERY = 4
+QUIET_EMA = 1 / 32
+
 
 # a response's phases, by the tokens it has generated: [0, 16), [16, 64), 64 on. A drafter's acceptance is not the
 # same throughout a response, and it moves the same way request after request; each phase keeps its own estimates and

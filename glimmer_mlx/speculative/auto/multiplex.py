@@ -17,7 +17,7 @@ from ..ngram import RUN as NGRAM_RUN
 from ..ngram import NGramDrafter
 from ..protocol import Drafter
 from .calibrate import load_or_calibrate, measure_draft_costs
-from .chooser import AutoChooser, alpha_from_tau
+from .chooser import QUIET_EMA, QUIET_EVERY, QUIET_RATE, AutoChooser, alpha_from_tau
 from .learned import Memory, drafter_fingerprint, enabled, option_fingerprint
 
 _KINDS = ("dflash", "mtp", "ngram")
@@ -182,6 +182,9 @@ class AutoDrafter:
         self._verdict = None  # the plain verdict a plain stretch keeps (`_hold`)
         self._planned = None  # (state, offers, `pick`'s answer) of the latest speculative `plan`, for `propose`
         self._started = True  # the drafters' state is the current context's (a new one's starts with its first token)
+        self.hits = 1.0  # the share of the latest asked rounds that found a speculative round (`_unasked`), EMA
+        self._quiet = 0  # rounds since the plain stretch's latest ask, while quiet
+        self.unasked = 0  # plain rounds that asked nothing (`_unasked`)
         # (option, drafts) of the speculative rounds this process ran: their shapes' kernels are built (`accept`)
         self.built: set[tuple[str, int]] = set()
         self._reset([], None)
@@ -239,6 +242,7 @@ class AutoDrafter:
         self._verdict = None
         self._lost: set[str] = set()  # model drafters whose backlog cannot be recomputed in this context
         self._offer = None  # (position, option, drafts) of the latest n-gram offer (`_ngram_offer`)
+        self._asked_at = None  # ((position, k), answer) of the latest n-gram lookup, whether or not it offered
         # offers not taken, awaiting the tokens (`_shadow`), with the response's phase and the regime they were made in
         self._shadows: list[tuple[int, str, list[int], int | None, str]] = []
         self._opened = len(ids) - 1  # where the response starts in `_tokens` (its first token's position)
@@ -380,12 +384,18 @@ class AutoDrafter:
 
     def _ngram_offer(self, k: int) -> tuple[str, int] | None:
         """(option, drafts) n-gram lookup offers now for a round of at most k drafts (the index brought up to the
-        committed tokens first), or None where the context's suffix did not occur before."""
+        committed tokens first), or None where the context's suffix did not occur before. Asked again at the same
+        position and k (a fresh `plan` after `_held`, `_shadow` after either), it answers from the first asking."""
+        key = (len(self._tokens), k)
+        if self._asked_at is not None and self._asked_at[0] == key:
+            return self._asked_at[1]
         self._sync("ngram")
         d = self.drafters["ngram"]
         drafts, name = d.offer(min(k, d.max_drafts))
-        self._offer = (len(self._tokens), name, drafts) if drafts else None
-        return (name, len(drafts)) if drafts else None
+        self._offer = (key[0], name, drafts) if drafts else None
+        answer = (name, len(drafts)) if drafts else None
+        self._asked_at = (key, answer)
+        return answer
 
     # n-gram offers not taken are scored anyway (`_shadow`): their drafts are known before the round, and the tokens
     # committed after it say how many a verify would have accepted. At greedy, exactly: those are the tokens it would
@@ -406,7 +416,8 @@ class AutoDrafter:
         so a plain stretch where none could asks the index nothing."""
         if "ngram" not in self.drafters:
             return
-        if self._offer is None or self._offer[0] != len(self._tokens):
+        # not asked at this position yet (one that matched nothing at some k matches nothing at any k)
+        if self._asked_at is None or self._asked_at[0][0] != len(self._tokens):
             if regime != "greedy":
                 return
             self._ngram_offer(k)
@@ -435,7 +446,9 @@ class AutoDrafter:
         not see: a decision taken on the n-gram index one token behind would draft from a match the latest token
         may already have broken. Inside a plain stretch only the options that could change a plain choice are asked
         what they offer (`AutoChooser.relevant`), and a plain verdict is kept while nothing it rests on changed
-        (`_held`): then a plain round asks nothing but the n-gram index, and only where a match could matter."""
+        (`_held`): then a plain round asks nothing but the n-gram index, and only where a match could matter — and
+        while asking keeps answering plain, only every `QUIET_EVERY`th round of the stretch asks even that
+        (`chooser.QUIET_RATE`; a round not asked scores no n-gram offer either)."""
         self._phase()
         if not self._started:
             # the round after the prefill's token, planned before that token is read: every drafter's state, the
@@ -446,7 +459,12 @@ class AutoDrafter:
             self.chooser.count_plain()
             self.needs_taps = self._warm(regime, remaining)
             return True
+        if self._unasked(regime):
+            self.chooser.count_plain()
+            self.needs_taps = self._verdict[3]
+            return True
         if self._held(k, regime):
+            self._asked(False)
             self.chooser.count_plain()
             self.needs_taps = self._verdict[3]
             self._shadow(regime, None, k)
@@ -457,6 +475,7 @@ class AutoDrafter:
         picked = None if among is not None and not available else (
             among is None and self._option is not None and self.chooser.keep(self._option, available, regime, remaining)
             or self.chooser.pick(available, regime, remaining))
+        self._asked(picked is not None and picked[0] is not None)
         if picked is None or picked[0] is None:
             key = (self.chooser.version, regime)  # what it was decided on (counting may age the estimates)
             self.chooser.count_plain()
@@ -468,6 +487,23 @@ class AutoDrafter:
         # after a speculative round nothing is pending: `propose` will see this very state and takes this answer
         self._planned = ((self.chooser.version, regime, remaining, k, len(self._tokens)), available, picked)
         return False
+
+    def _unasked(self, regime: str) -> bool:
+        """Whether this round keeps the plain verdict without asking anything (`chooser.QUIET_RATE`): the verdict
+        still stands on this chooser version and regime, fewer than QUIET_RATE of the latest asks found a speculative
+        round, and the stretch's latest ask was less than QUIET_EVERY rounds ago."""
+        v = self._verdict
+        if v is None or v[0] != (self.chooser.version, regime) or self.hits >= QUIET_RATE \
+                or self._quiet + 1 >= QUIET_EVERY:
+            self._quiet = 0
+            return False
+        self._quiet += 1
+        self.unasked += 1
+        return True
+
+    def _asked(self, hit: bool) -> None:
+        """A round was asked (`plan`); hit: it found a speculative round worth taking."""
+        self.hits += QUIET_EMA * (float(hit) - self.hits)
 
     # A plain verdict (`_verdict`): (chooser version, regime), the n-gram options that could change it, the n-gram
     # offers ((option, drafts)) it was taken with, and whether its forwards yield the taps (`_warm`). Within one
@@ -704,7 +740,7 @@ class AutoDrafter:
         return (self, *self.drafters.values())
 
     def stats(self) -> dict:
-        return {"auto": {**self.chooser.summary(), "drafters": sorted(self.drafters),
+        return {"auto": {**self.chooser.summary(), "drafters": sorted(self.drafters), "unasked_rounds": self.unasked,
                          "calibration": self.calibration,
                          "learned": None if self.memory is None else self.memory.stats()}}
 

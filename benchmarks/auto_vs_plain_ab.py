@@ -37,11 +37,10 @@ is an EMA of samples capped at two plain steps only, as before the eighteenth se
 dflash, ngram, mtp (fixed, dflash at block 8); warm (auto started from what a teacher auto learned over AB_LEARN
 repeats of the prompts, default 2, other seeds, before the A/B: as a new process starts from what the last one kept,
 `speculative.auto.learned`; every other auto starts cold, `ab_setup`); warmfull (the same at the whole weight of
-what the teacher measured); noquiet (auto whose plain
-stretches ask every round, as before the thirty-fourth session: `chooser.QUIET_RATE`); bare (auto reduced to the
-engine's plain path, no plan and no bookkeeping: a bound for what its plain stretches could cost); forcednoshadow
-(forced without scoring the n-gram offers passed over); noexplore (auto that never explores: an option is drafted only where its mean estimate
-pays — what exploring costs and finds).
+what the teacher measured); noquiet (auto whose plain stretches ask every round, as before the thirty-fourth session:
+`chooser.QUIET_RATE`); bare (auto reduced to the engine's plain path, no plan and no bookkeeping: a bound for what its
+plain stretches could cost); forcednoshadow (forced without scoring the n-gram offers passed over); noexplore (auto
+that never explores: an option is drafted only where its mean estimate pays — what exploring costs and finds).
 
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
     AB_OUT=FILE ...   also appends the sitting to FILE as one JSON line (every run, each auto's summary)

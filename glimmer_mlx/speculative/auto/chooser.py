@@ -270,9 +270,10 @@ SHADOW_BATCH = 16
 # ~11 ms step here, for a step that speculated in 1 of ~400 (auto rows ran ~3.5 % behind plain rows at 1-8 rows in
 # three sittings; at 8 rows, asked nothing, ~1-2 %; `benchmarks/batch_rows_ab.py`); in a lone greedy request ~20-30
 # µs of a ~3.4 ms plain token, where n-gram lookup took 1 round in ~150 (the embedded model on a 2-core CPU, where the
-# host's work is not hidden behind the forward as it is behind a GPU's; asking every 4th round: +1.0 ± 0.8 % over 10
-# sittings of `benchmarks/auto_vs_plain_ab.py 0 12 32 ar,ar2,auto,noquiet`). An opportunity (a copy n-gram lookup can
-# follow) waits at most QUIET_EVERY − 1 rounds; one that pays is asked about every round again
+# host's work is not hidden behind the forward as it is behind a GPU's; asking every 4th round: +0.9 ± 0.6 % over 14
+# sittings of `benchmarks/auto_vs_plain_ab.py 0 12 32 ar,ar2,auto,noquiet`, +2.9 ± 0.6 % over 5 at T = 1). An
+# opportunity (a copy n-gram lookup can follow) waits at most QUIET_EVERY − 1 rounds; one that pays is asked about
+# every round again
 QUIET_RATE = 0.05
 QUIET_EVERY = 4
 QUIET_EMA = 1 / 32

@@ -969,10 +969,10 @@ def test_a_plain_stretch_that_keeps_answering_plain_asks_every_few_rounds(tiny, 
             gaps = [b - a for a, b in zip(late, late[1:])]
             # every QUIET_EVERYth round, or sooner where the verdict's chooser version moved (estimates aged)
             assert gaps and max(gaps) == QUIET_EVERY and gaps.count(QUIET_EVERY) >= 0.9 * len(gaps)
-            assert auto.unasked == len(fresh) - 2 - len(asked) > 0
+            assert auto.quiet.unasked == len(fresh) - 2 - len(asked) > 0
             assert len(offers) == len(asked)  # one lookup an asked round: its shadow asks the index no more
         else:
-            assert auto.unasked == 0 and len(asked) == len(fresh) - 2
+            assert auto.quiet.unasked == 0 and len(asked) == len(fresh) - 2
         plans = []
         for t in seen:
             plans.append(auto.plan(4, "greedy", 10_000))

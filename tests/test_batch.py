@@ -1677,18 +1677,18 @@ def test_a_batch_closed_to_speculation_asks_its_rows_nothing(sess, ids, ba, monk
 
 
 def test_a_batch_that_seldom_speculates_asks_its_choice_every_few_steps(sess, ids, ba, monkeypatch):
-    """`BatchAuto.asks`: while fewer than `QUIET_RATE` of its latest answers took a speculative step (`hits`, an EMA
-    from 1 over answers), the batch asks its rows and its choice only every `QUIET_EVERY`th step; right after a
+    """`BatchAuto.asks`: while fewer than `QUIET_RATE` of its latest answers took a speculative step (`quiet.hits`,
+    an EMA from 1 over answers), the batch asks its rows and its choice only every `QUIET_EVERY`th step; right after a
     speculative answer, and while they often are speculative, every step. Unasked steps are plain for every auto row
     and the output stays plain decoding's. Catches: a quiet batch asking every step (at 8 rows the asks were ~1.4 %
     of every step, auto rows 3.5-4.5 % behind plain ones), a stretch the quiet rule interrupts, a batch that never
     asks again once quiet."""
-    from glimmer_mlx.speculative.auto.batch import QUIET_EMA, QUIET_EVERY, QUIET_RATE
+    from glimmer_mlx.speculative.auto.chooser import QUIET_EMA, QUIET_EVERY, QUIET_RATE
     from glimmer_mlx.speculative.batch import Row
 
-    ba.hits = 1.0
+    ba.quiet.hits = 1.0
     ba.choose([("greedy", 100, {}), ("greedy", 50, {})], 0, 1, 0.0, 15)  # a plain answer
-    assert ba.hits == pytest.approx(1.0 - QUIET_EMA) and not ba._spec_last
+    assert ba.quiet.hits == pytest.approx(1.0 - QUIET_EMA) and not ba._spec_last
     gen = BatchGenerator(sess.model, auto=ba)
     rows = [gen.add(request(sess, ids[i], "auto", params(), 0, 48)) for i in (3, 4)]
     while gen.waiting or any(r.first_pending for r in rows):
@@ -1712,22 +1712,23 @@ def test_a_batch_that_seldom_speculates_asks_its_choice_every_few_steps(sess, id
                 answers.pop()
         return out
 
-    ba.hits = 0.5  # half the answers speculative: every step
-    assert asks(3) == [True] * 3 and ba.hits == pytest.approx(0.5 * (1 - QUIET_EMA) ** 3)
-    ba.hits, ba._quiet = QUIET_RATE, 0  # at the rate: asked; its plain answer takes it under
-    assert asks(2) == [True, False] and ba.hits < QUIET_RATE
-    ba.hits, ba._quiet = 0.0, 0
+    ba.quiet.hits = 0.5  # half the answers speculative: every step
+    assert asks(3) == [True] * 3 and ba.quiet.hits == pytest.approx(0.5 * (1 - QUIET_EMA) ** 3)
+    ba.quiet.hits, ba.quiet.since = QUIET_RATE, 0  # at the rate: asked; its plain answer takes it under
+    assert asks(2) == [True, False] and ba.quiet.hits < QUIET_RATE
+    ba.quiet.hits, ba.quiet.since = 0.0, 0
     pattern = [False] * (QUIET_EVERY - 1) + [True]
-    unasked = ba.unasked
+    unasked = ba.quiet.unasked
     assert asks(2 * QUIET_EVERY) == pattern * 2
-    assert ba.unasked - unasked == 2 * (QUIET_EVERY - 1) and ba.counts()["unasked_steps"] == ba.unasked  # (/health)
+    assert ba.quiet.unasked - unasked == 2 * (QUIET_EVERY - 1)
+    assert ba.counts()["unasked_steps"] == ba.quiet.unasked  # (/health)
     spec = (3, [("ngram@1", 2), (None, 0)])
     assert asks(QUIET_EVERY, spec) == pattern  # quiet: the next ask finds a speculative step...
     assert asks(3, spec) == [True] * 3  # ... and the stretch is asked about every step while it goes on
-    assert asks(2) == [True, True] and ba.hits >= QUIET_RATE  # its answers raised the rate: every step still
+    assert asks(2) == [True, True] and ba.quiet.hits >= QUIET_RATE  # its answers raised the rate: every step still
 
     monkeypatch.undo()
-    ba.hits, ba._quiet = 0.0, 0
+    ba.quiet.hits, ba.quiet.since = 0.0, 0
     asked_now = []
     monkeypatch.setattr(ba, "_pick", lambda rows, *a: asked_now.append(1) or (0, [(None, 0)] * len(rows)))
     monkeypatch.setattr(ba, "closed", lambda fixed_width: False)

@@ -45,8 +45,8 @@ import bisect
 import collections
 
 from .chooser import (CHECK_SAMPLES, ENTER_GAIN, FUTURE_TOKENS, LEDGER_FLOOR, LEDGER_ROUND_CAP, LEDGER_ROUNDS,
-                      LOSS_BUDGET, MIN_GAIN, PRICE_WINDOW, QUIET_EMA, QUIET_EVERY, QUIET_RATE, SCALE_WINDOW, SCENARIOS,
-                      SETTLE_TOKEN_CAP, STALE_ROUNDS, AcceptanceStats, plain_price, robust_ema, scaled_alphas)
+                      LOSS_BUDGET, MIN_GAIN, PRICE_WINDOW, SCALE_WINDOW, SCENARIOS, SETTLE_TOKEN_CAP, STALE_ROUNDS,
+                      AcceptanceStats, QuietAsks, plain_price, robust_ema, scaled_alphas)
 from .multiplex import AutoDrafter
 
 EMA = 0.2  # weight of a new step time in its n's estimate (each sample at most 3x the estimate: `chooser.robust_ema`)
@@ -133,10 +133,8 @@ class BatchAuto:
         # rows -> [Σ tokens × the plain price they were credited at, Σ tokens] credited since a plain step of that
         # many rows was last priced (`book`): a check re-prices them (`observe`)
         self._unconfirmed: dict[int, list[float]] = {}
-        self.hits = 1.0  # the share of the latest asks of `choose` that took a speculative step (`asks`), EMA
-        self._quiet = 0  # steps since the latest ask, while quiet
+        self.quiet = QuietAsks()  # whether a step asks `choose` (`asks`), the answers' share of speculative steps
         self._spec_last = False  # whether the latest ask took a speculative step
-        self.unasked = 0  # steps a quiet batch did not ask (`asks`)
 
     def key(self, regime: str, generated: int) -> str:
         """The acceptance estimates a row of `regime` that has generated `generated` tokens drafts by: the regime's in
@@ -574,13 +572,8 @@ class BatchAuto:
     def asks(self) -> bool:
         """Whether this step asks `choose` (`speculative.batch.BatchGenerator` asks it before asking the rows what
         they offer; not asked, every auto row steps plainly): always while at least `QUIET_RATE` of the latest asks
-        took a speculative step (`hits`), or right after one that did; else every `QUIET_EVERY`th step."""
-        if self._spec_last or self.hits >= QUIET_RATE or self._quiet + 1 >= QUIET_EVERY:
-            self._quiet = 0
-            return True
-        self._quiet += 1
-        self.unasked += 1
-        return False
+        took a speculative step (`chooser.QuietAsks`), or right after one that did; else every `QUIET_EVERY`th step."""
+        return self.quiet.asks(self._spec_last)
 
     def choose(self, rows, fixed_rows: int, fixed_width: int, fixed_tokens: float, k_max: int) -> tuple[int, list]:
         """rows: the auto rows, each as (regime, budget, {option: most drafts it gives now}[, ((option, ρ), ...): its
@@ -592,7 +585,7 @@ class BatchAuto:
         (`check_due`). Each answer is counted for `asks`."""
         k, plan = self._pick(rows, fixed_rows, fixed_width, fixed_tokens, k_max)
         self._spec_last = k > 0
-        self.hits += QUIET_EMA * (float(k > 0) - self.hits)
+        self.quiet.answered(k > 0)
         return k, plan
 
     def _pick(self, rows, fixed_rows: int, fixed_width: int, fixed_tokens: float, k_max: int) -> tuple[int, list]:
@@ -733,7 +726,8 @@ class BatchAuto:
         did not ask its choice (`asks`) (copies: safe to read from another thread while the batch steps); and where
         the process's auto started from (`AutoDrafter.memory`: the estimates it restored, None with no file kept)."""
         memory = self.auto.memory
-        return {"auto_steps": dict(self.steps), "explored_steps": dict(self.explored), "unasked_steps": self.unasked,
+        return {"auto_steps": dict(self.steps), "explored_steps": dict(self.explored),
+                "unasked_steps": self.quiet.unasked,
                 "learned_restored": None if memory is None else memory.restored}
 
     def stats(self) -> dict:

@@ -279,6 +279,31 @@ QUIET_EVERY = 4
 QUIET_EMA = 1 / 32
 
 
+class QuietAsks:
+    """`QUIET_RATE`'s rule for one decider (a batch's choice, `batch.BatchAuto`; a lone request's plain stretch,
+    `multiplex.AutoDrafter`): whether a round asks, and what each asked round answered."""
+
+    def __init__(self):
+        self.hits = 1.0  # the share of the latest answers that found a speculative round, EMA (from 1)
+        self.since = 0  # rounds since the latest ask, while quiet
+        self.unasked = 0  # rounds not asked
+
+    def asks(self, must: bool = False) -> bool:
+        """Whether this round asks: always where `must` (right after a speculative round; a plain verdict no longer
+        standing) or while at least QUIET_RATE of the latest answers found a speculative round; else every
+        QUIET_EVERYth round."""
+        if must or self.hits >= QUIET_RATE or self.since + 1 >= QUIET_EVERY:
+            self.since = 0
+            return True
+        self.since += 1
+        self.unasked += 1
+        return False
+
+    def answered(self, hit: bool) -> None:
+        """An asked round's answer; hit: it found a speculative round worth taking."""
+        self.hits += QUIET_EMA * (float(hit) - self.hits)
+
+
 # a response's phases, by the tokens it has generated: [0, 16), [16, 64), 64 on. A drafter's acceptance is not the
 # same throughout a response, and it moves the same way request after request; each phase keeps its own estimates and
 # ledger entries (`AutoChooser.set_phase`). Measured (fixed modes drafting every round, 96 tokens, accepted drafts

@@ -17,7 +17,7 @@ from ..ngram import RUN as NGRAM_RUN
 from ..ngram import NGramDrafter
 from ..protocol import Drafter
 from .calibrate import load_or_calibrate, measure_draft_costs
-from .chooser import QUIET_EMA, QUIET_EVERY, QUIET_RATE, AutoChooser, alpha_from_tau
+from .chooser import AutoChooser, QuietAsks, alpha_from_tau
 from .learned import Memory, drafter_fingerprint, enabled, option_fingerprint
 
 _KINDS = ("dflash", "mtp", "ngram")
@@ -182,9 +182,7 @@ class AutoDrafter:
         self._verdict = None  # the plain verdict a plain stretch keeps (`_hold`)
         self._planned = None  # (state, offers, `pick`'s answer) of the latest speculative `plan`, for `propose`
         self._started = True  # the drafters' state is the current context's (a new one's starts with its first token)
-        self.hits = 1.0  # the share of the latest asked rounds that found a speculative round (`_unasked`), EMA
-        self._quiet = 0  # rounds since the plain stretch's latest ask, while quiet
-        self.unasked = 0  # plain rounds that asked nothing (`_unasked`)
+        self.quiet = QuietAsks()  # whether a plain stretch's round asks (`_unasked`), what the asked ones answered
         # (option, drafts) of the speculative rounds this process ran: their shapes' kernels are built (`accept`)
         self.built: set[tuple[str, int]] = set()
         self._reset([], None)
@@ -464,7 +462,7 @@ class AutoDrafter:
             self.needs_taps = self._verdict[3]
             return True
         if self._held(k, regime):
-            self._asked(False)
+            self.quiet.answered(False)
             self.chooser.count_plain()
             self.needs_taps = self._verdict[3]
             self._shadow(regime, None, k)
@@ -475,7 +473,7 @@ class AutoDrafter:
         picked = None if among is not None and not available else (
             among is None and self._option is not None and self.chooser.keep(self._option, available, regime, remaining)
             or self.chooser.pick(available, regime, remaining))
-        self._asked(picked is not None and picked[0] is not None)
+        self.quiet.answered(picked is not None and picked[0] is not None)
         if picked is None or picked[0] is None:
             key = (self.chooser.version, regime)  # what it was decided on (counting may age the estimates)
             self.chooser.count_plain()
@@ -489,21 +487,10 @@ class AutoDrafter:
         return False
 
     def _unasked(self, regime: str) -> bool:
-        """Whether this round keeps the plain verdict without asking anything (`chooser.QUIET_RATE`): the verdict
-        still stands on this chooser version and regime, fewer than QUIET_RATE of the latest asks found a speculative
-        round, and the stretch's latest ask was less than QUIET_EVERY rounds ago."""
+        """Whether this round keeps the plain verdict without asking anything (`chooser.QuietAsks`): the verdict
+        still stands on this chooser version and regime, and the quiet rule does not ask this round."""
         v = self._verdict
-        if v is None or v[0] != (self.chooser.version, regime) or self.hits >= QUIET_RATE \
-                or self._quiet + 1 >= QUIET_EVERY:
-            self._quiet = 0
-            return False
-        self._quiet += 1
-        self.unasked += 1
-        return True
-
-    def _asked(self, hit: bool) -> None:
-        """A round was asked (`plan`); hit: it found a speculative round worth taking."""
-        self.hits += QUIET_EMA * (float(hit) - self.hits)
+        return not self.quiet.asks(v is None or v[0] != (self.chooser.version, regime))
 
     # A plain verdict (`_verdict`): (chooser version, regime), the n-gram options that could change it, the n-gram
     # offers ((option, drafts)) it was taken with, and whether its forwards yield the taps (`_warm`). Within one
@@ -740,8 +727,8 @@ class AutoDrafter:
         return (self, *self.drafters.values())
 
     def stats(self) -> dict:
-        return {"auto": {**self.chooser.summary(), "drafters": sorted(self.drafters), "unasked_rounds": self.unasked,
-                         "calibration": self.calibration,
+        return {"auto": {**self.chooser.summary(), "drafters": sorted(self.drafters),
+                         "unasked_rounds": self.quiet.unasked, "calibration": self.calibration,
                          "learned": None if self.memory is None else self.memory.stats()}}
 
 

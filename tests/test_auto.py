@@ -1166,7 +1166,7 @@ def test_an_offer_that_goes_on_with_a_confirmed_copy_is_its_own_option(tiny):
     assert auto._ngram_offer(4) == ("ngram@1", 4)
     assert auto.plan(4, "greedy", 100)  # plain: fresh offers fail
     auto.accept([], [6])  # ... but the plain token is the offer's first draft
-    assert auto._ngram_offer(4) == ("ngram@run", 4) and auto._offer[2] == [7, 8, 9, 10]
+    assert auto._ngram_offer(4) == ("ngram@run", 4) and auto._offer[3] == [7, 8, 9, 10]
     assert auto.plan(4, "greedy", 100) is False  # the confirmed copy is drafted from
     # a token the offer did not draft breaks the run: the next offer is its size's again
     auto = _ngram_auto(model, {"ngram@run": 0.95})

@@ -239,8 +239,8 @@ class AutoDrafter:
         self.chooser.clear_lags()
         self._verdict = None
         self._lost: set[str] = set()  # model drafters whose backlog cannot be recomputed in this context
-        self._offer = None  # (position, option, drafts) of the latest n-gram offer (`_ngram_offer`)
-        self._asked_at = None  # ((position, k), answer) of the latest n-gram lookup, whether or not it offered
+        # (position, k, option, drafts) of the latest n-gram lookup (`_ngram_offer`; drafts [] where nothing matched)
+        self._offer = None
         # offers not taken, awaiting the tokens (`_shadow`), with the response's phase and the regime they were made in
         self._shadows: list[tuple[int, str, list[int], int | None, str]] = []
         self._opened = len(ids) - 1  # where the response starts in `_tokens` (its first token's position)
@@ -384,16 +384,13 @@ class AutoDrafter:
         """(option, drafts) n-gram lookup offers now for a round of at most k drafts (the index brought up to the
         committed tokens first), or None where the context's suffix did not occur before. Asked again at the same
         position and k (a fresh `plan` after `_held`, `_shadow` after either), it answers from the first asking."""
-        key = (len(self._tokens), k)
-        if self._asked_at is not None and self._asked_at[0] == key:
-            return self._asked_at[1]
-        self._sync("ngram")
-        d = self.drafters["ngram"]
-        drafts, name = d.offer(min(k, d.max_drafts))
-        self._offer = (key[0], name, drafts) if drafts else None
-        answer = (name, len(drafts)) if drafts else None
-        self._asked_at = (key, answer)
-        return answer
+        o, p = self._offer, len(self._tokens)
+        if o is None or o[0] != p or o[1] != k:
+            self._sync("ngram")
+            d = self.drafters["ngram"]
+            drafts, name = d.offer(min(k, d.max_drafts))
+            o = self._offer = (p, k, name, drafts)
+        return (o[2], len(o[3])) if o[3] else None
 
     # n-gram offers not taken are scored anyway (`_shadow`): their drafts are known before the round, and the tokens
     # committed after it say how many a verify would have accepted. At greedy, exactly: those are the tokens it would
@@ -414,14 +411,14 @@ class AutoDrafter:
         so a plain stretch where none could asks the index nothing."""
         if "ngram" not in self.drafters:
             return
-        # not asked at this position yet (one that matched nothing at some k matches nothing at any k)
-        if self._asked_at is None or self._asked_at[0][0] != len(self._tokens):
+        # not looked up at this position yet (one that matched nothing at some k matches nothing at any k)
+        if self._offer is None or self._offer[0] != len(self._tokens):
             if regime != "greedy":
                 return
             self._ngram_offer(k)
-        offer = self._offer
-        if offer is not None and offer[1] != taken and (not self._shadows or self._shadows[-1][0] < offer[0]):
-            self._shadows.append((*offer, self.chooser.phase, regime))
+        p0, _, name, drafts = self._offer
+        if drafts and name != taken and (not self._shadows or self._shadows[-1][0] < p0):
+            self._shadows.append((p0, name, drafts, self.chooser.phase, regime))
 
     def _resolve(self) -> None:
         """Score the offers whose drafts the committed tokens now confirm or refute (`AutoChooser.observe_offer`)."""

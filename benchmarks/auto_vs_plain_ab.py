@@ -38,8 +38,9 @@ dflash, ngram, mtp (fixed, dflash at block 8); warm (auto started from what a te
 repeats of the prompts, default 2, other seeds, before the A/B: as a new process starts from what the last one kept,
 `speculative.auto.learned`; every other auto starts cold, `ab_setup`); warmfull (the same at the whole weight of
 what the teacher measured); noquiet (auto whose plain stretches ask every round, as before the thirty-fourth session:
-`chooser.QUIET_RATE`); bare (auto reduced to the engine's plain path, no plan and no bookkeeping: a bound for what its
-plain stretches could cost); forcednoshadow (forced without scoring the n-gram offers passed over); noexplore (auto
+`chooser.QUIET_RATE`); nocatchup (auto whose drafters' first catch-ups are priced at nothing, as before the
+thirty-fifth session: `calibrate.measure_catch_up`); bare (auto reduced to the engine's plain path, no plan and no
+bookkeeping: a bound for what its plain stretches could cost); forcednoshadow (forced without scoring the n-gram offers passed over); noexplore (auto
 that never explores: an option is drafted only where its mean estimate pays — what exploring costs and finds).
 
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
@@ -300,6 +301,15 @@ def no_quiet(auto):
     return auto
 
 
+def no_catch_up(auto):
+    """auto whose drafters' catch-ups are priced at nothing until one is measured, as before the thirty-fifth session
+    (`calibrate.measure_catch_up`)."""
+    for opt in auto.chooser.options.values():
+        opt.catch_up = 0.0
+    auto.chooser.rescore()
+    return auto
+
+
 def bare(auto):
     """auto reduced to the engine's plain path: every round plain, no plan, no bookkeeping (an upper bound for what
     auto's plain stretches could cost)."""
@@ -319,6 +329,7 @@ def bare(auto):
 make = {
     "bare": lambda: bare(second_auto()),
     "noquiet": lambda: no_quiet(second_auto()),
+    "nocatchup": lambda: no_catch_up(second_auto()),
     "forcednoshadow": lambda: no_shadow(make_auto(m, dflash=d.dflash, mtp=d.mtp, ngram=8,
                                                   verify_costs={L: 0.005 * L for L in range(1, 17)})),
     "noexplore": lambda: no_explore(second_auto()),

@@ -114,7 +114,7 @@ def pytest_configure(config):
         raise pytest.UsageError(f"{AUTO_CURVE_ENV} must be flat or steep, got {mode!r}")
     from glimmer_mlx.speculative.auto import multiplex
 
-    load, draft = multiplex.load_or_calibrate, multiplex.measure_draft_costs
+    load, draft, catch_up = multiplex.load_or_calibrate, multiplex.measure_draft_costs, multiplex.measure_catch_up
 
     def bent_load(model, taps, max_len, **kw):
         costs, info = load(model, taps, max_len, **kw)  # the cache keeps what was measured
@@ -129,7 +129,12 @@ def pytest_configure(config):
         factor = 0.0 if mode == "flat" else 10.0
         return {n: (fixed * factor, per * factor) for n, (fixed, per) in draft(*a, **kw).items()}
 
+    def bent_catch_up(*a, **kw):
+        factor = 0.0 if mode == "flat" else 10.0
+        return {n: per * factor for n, per in catch_up(*a, **kw).items()}
+
     multiplex.load_or_calibrate, multiplex.measure_draft_costs = bent_load, bent_draft
+    multiplex.measure_catch_up = bent_catch_up
 
 
 @pytest.fixture(scope="session")

@@ -156,6 +156,64 @@ def test_measured_draft_cost_has_the_drafters_own_shape(tiny):
     assert fixed == pytest.approx(0.020, abs=0.004) and per_draft == pytest.approx(0.005, abs=0.0015)
 
 
+def test_measured_catch_up_is_what_a_round_costs_per_position_of_backlog(tiny):
+    """`measure_catch_up` times a one-draft round after a start on 32 positions and on 32 + 128: a drafter whose
+    round costs 3 ms + 0.05 ms per position it has yet to take in is measured at 0.05 ms a position (its fixed cost
+    cancels out). Catches: the per-position cost read from one start alone (3 ms / 160 = 0.019), or from the
+    difference without dividing by the rows (6.4 ms)."""
+    import time as _time
+
+    from glimmer_mlx.speculative.auto.calibrate import CATCH_UP_ROWS, measure_catch_up
+
+    model, _, _ = tiny
+
+    class Lagging:
+        kind, taps, max_drafts = "mtp", (1,), 2
+
+        def start(self, taps, ids):
+            assert taps[0].shape[1] == len(ids) - 1  # the taps of every position but the first generated token's
+            self.backlog = len(ids) - 1
+
+        def propose(self, anchor, pos, k, sampler, history):
+            assert pos == self.backlog
+            _time.sleep(0.003 + 0.00005 * self.backlog)
+            self.backlog = 0
+            return [1] * k, None
+
+    got = measure_catch_up(model, {"mtp": Lagging(), "ngram": object()}, (1,), {"mtp": [0]})
+    assert set(got) == {"mtp"} and CATCH_UP_ROWS == 128
+    assert got["mtp"] == pytest.approx(0.00005, abs=0.000012)
+
+
+def test_a_drafters_first_catch_up_is_priced_before_any_is_measured(tiny, tmp_path, monkeypatch):
+    """What `measure_catch_up` timed when auto started is each model option's catch-up per position from its first
+    round on (the DFlash drafter's tree option takes the chain's: one drafter), in the calibration's seconds like
+    the draft costs: a drafter 200 positions behind is charged 200 − its steady backlog of them before it ever
+    caught up. Catches: the measurement dropped (every first catch-up free, as before: the trained tiny set's MTP
+    layer explored at ~550 positions behind spent 18-36 ms there, ~10 plain tokens), or priced at the machine's
+    speed now rather than the calibration's."""
+    from glimmer_mlx.speculative.auto import multiplex
+    from glimmer_mlx.speculative.auto.chooser import lag_bucket
+
+    model, _, dpath = tiny
+    P = 0.004
+    curve = {L: P * (1 + 0.05 * (L - 1)) for L in range(1, 17)}
+    info = {"cached": True, "plain_token_s": P, "wide_forward_s": None, "checked_plain_token_s": 2.0 * P}
+    monkeypatch.setattr(multiplex, "load_or_calibrate", lambda *a, **kw: (dict(curve), dict(info)))
+    monkeypatch.setattr(multiplex, "measure_draft_costs", lambda *a, **kw: {"dflash": (0.002, 0.0)})
+    monkeypatch.setattr(multiplex, "measure_catch_up", lambda *a, **kw: {"dflash": 0.0001})
+    auto = make_auto(model, dflash=glimmer_mlx.load_drafter(dpath, model), ngram=False, calibration_dir=tmp_path)
+    ch = auto.chooser
+    assert ch.scale == pytest.approx(2.0)
+    for name in ("dflash", "dflash+tree"):
+        opt = ch.options[name]
+        assert ch.scale * opt.catch_up == pytest.approx(0.0001)
+        ch.set_lag(name, 200, fill=False)
+        assert ch.scale * ch.catch_up_cost(name) == pytest.approx(0.0001 * (lag_bucket(200) - opt.steady))
+        ch.set_lag(name, 0)
+        assert ch.catch_up_cost(name) == 0.0
+
+
 def test_flat_costs_and_high_acceptance_choose_full_width():
     ch = chooser(flat(), {"dflash": (15, "block", 2 * MS, [0.9])})
     assert ch.choose({"dflash": 15}) == ("dflash", 15)
@@ -1573,7 +1631,7 @@ def test_the_suite_s_auto_curve_switch_bends_what_auto_calibrates(tiny, tmp_path
     import conftest
     from glimmer_mlx.speculative.auto import calibrate, multiplex
 
-    for name in ("load_or_calibrate", "measure_draft_costs"):  # unbent (this run may be bent), restored after
+    for name in ("load_or_calibrate", "measure_draft_costs", "measure_catch_up"):  # unbent (this run may be bent)
         monkeypatch.setattr(multiplex, name, getattr(calibrate, name))
     real = {L: 0.001 * (1 + 0.1 * (L - 1)) for L in range(1, 10)}  # what this test's machine "measures"
     monkeypatch.setattr(calibrate, "calibrate", lambda model, taps, max_len, **kw: (

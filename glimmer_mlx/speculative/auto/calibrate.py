@@ -248,3 +248,45 @@ def measure_draft_costs(target, drafters: dict, taps: tuple, tap_idx: dict, cont
         per_draft = max(0.0, (hi - lo) / (widths[-1] - widths[0])) if len(widths) > 1 else 0.0
         out[n] = (max(0.0, lo - per_draft), per_draft)
     return out
+
+
+# positions of backlog beyond the draft costs' context that a model drafter's catch-up is timed over
+# (`measure_catch_up`): a prompt's worth, about, where the per-position cost shows above one round's noise
+CATCH_UP_ROWS = 128
+
+
+def measure_catch_up(target, drafters: dict, taps: tuple, tap_idx: dict, context: int = 32,
+                     rows: int = CATCH_UP_ROWS, repeats: int = 1) -> dict[str, float]:
+    """{drafter: seconds per position of backlog}: what each model drafter's round costs more for every target
+    position it has yet to take in — its own work on them, the taps given (a drafter takes its backlog in lazily, in
+    its next round: DFlash's context K/V, an MTP layer's forward over them). Timed now as the difference between a
+    one-draft round right after a start on `context` positions and one after a start on `context + rows` (the
+    minimum of `repeats` of each after a warm-up), over `rows`. Without it the chooser priced a drafter's first
+    catch-up at nothing until one was measured: the trained tiny set's MTP layer spent 18-36 ms catching up on a
+    ~550-position prompt (a plain token: ~2 ms), the embedded one 33 ms on 512 positions (a plain token: 4.4 ms).
+    Each drafter is timed on a shallow copy, as in `measure_draft_costs`."""
+    model_drafters = {n: copy.copy(d) for n, d in drafters.items() if n != "ngram"}
+    if not model_drafters:
+        return {}
+    ids = scratch_ids(target, context + rows)
+    _, tapped = prefill(target, target.make_cache(), ids[:context], taps=taps)
+    # the wide start's taps: the scratch context's, repeated (what a drafter does with them costs the same whatever
+    # they hold, and a forward over context + rows positions would cost a slow machine ~0.5 s more)
+    reps = -(-(context + rows) // context)
+    tapped = [mx.concatenate([t] * reps, axis=1)[:, : context + rows] for t in tapped]
+    mx.eval(tapped)
+    sampler = Sampler(SamplingParams())
+    out = {}
+    for n, d in model_drafters.items():
+        kind = type(d)
+        best = {}
+        for r in range(repeats + 1):
+            for L in (context, context + rows):
+                x = ids[:L]
+                kind.start(d, [tapped[i][:, :L] for i in tap_idx[n]], x + [x[-1]])
+                t0 = time.perf_counter()
+                kind.propose(d, x[-1], L, 1, sampler, x + [x[-1]])  # read back: its ids are ints
+                if r:  # the first pass warms up (kernels built on first use)
+                    best[L] = min(best.get(L, float("inf")), time.perf_counter() - t0)
+        out[n] = max(0.0, (best[context + rows] - best[context]) / rows)
+    return out

@@ -445,7 +445,8 @@ class Option:
     then_alpha: dict = field(default_factory=dict)  # regime -> α of the drafts after an accepted one (else shrunk)
     touched: dict = field(default_factory=dict)  # regime -> the chooser's round of its latest observation
     # calibrated seconds per target position of backlog a round of it processes beyond a steady round's (`steady`):
-    # a drafter that sat out rounds of another one catches up on their tokens while it drafts (EMA, from 0)
+    # a drafter that sat out rounds of another one catches up on their tokens while it drafts (EMA, from what
+    # `calibrate.measure_catch_up` timed when auto started)
     catch_up: float = 0.0
     # only available in some rounds (n-gram lookup: where the context's suffix occurred before): a stretch of it
     # lasts as long as its matches do, and `stretch` measures that; a drafter that can always draft (DFlash, MTP) can
@@ -620,13 +621,14 @@ class AutoChooser:
 
     def add(self, name: str, max_k: int, shape: str, draft_prior=None, decay: float = 0.97,
             measured_tau: dict | None = None, then_alpha: dict | None = None, sporadic: bool = False,
-            rows: int | None = None, shadowed: bool = False) -> Option:
+            rows: int | None = None, shadowed: bool = False, catch_up: float = 0.0) -> Option:
         """measured_tau: {"width", "greedy", "sampling"} τ measured for this drafter (`read_measured_tau`): the
         acceptance estimates start from it instead of α = 0.5, so a weak drafter is not tried blindly first.
         then_alpha: {regime: α} of the drafts after an accepted one (`AcceptanceStats` then). sporadic: available
         in some rounds only (`Option.sporadic`). rows: a token-tree option's verify rows per round (`Option.rows`;
         its acceptance is the accepted path's, per depth). shadowed: its offers no round took are scored
-        (`observe_offer`, `Option.shadowed`): it is never explored."""
+        (`observe_offer`, `Option.shadowed`): it is never explored. catch_up: calibrated seconds per position of
+        backlog its drafter takes in while drafting (`Option.catch_up`'s start: `calibrate.measure_catch_up`)."""
         max_k = min(max_k, max(self.costs) - 1)
         if max_k < 1:
             raise ValueError(f"option {name!r}: the verify cost curve must cover at least L = 2")
@@ -642,7 +644,7 @@ class AutoChooser:
             for regime in ("greedy", "sampling") if measured_tau.get(regime) is not None}
         opt = Option(name, max_k, DraftCost(shape, prior), decay=decay, prior_alpha=alphas,
                      then_alpha=dict(then_alpha or {}), sporadic=sporadic, rows=rows,
-                     shadowed=shadowed)
+                     shadowed=shadowed, catch_up=max(0.0, float(catch_up)))
         self.options[name] = opt
         self._forget()
         return opt

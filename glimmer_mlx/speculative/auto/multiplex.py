@@ -16,7 +16,7 @@ from ..ngram import OPTION as NGRAM_OPTION
 from ..ngram import RUN as NGRAM_RUN
 from ..ngram import NGramDrafter
 from ..protocol import Drafter
-from .calibrate import load_or_calibrate, measure_draft_costs
+from .calibrate import load_or_calibrate, measure_catch_up, measure_draft_costs
 from .chooser import AutoChooser, QuietAsks, alpha_from_tau
 from .learned import Memory, drafter_fingerprint, enabled, option_fingerprint
 
@@ -129,6 +129,8 @@ class AutoDrafter:
                                    wide=(wide["rows"], wide["seconds"]) if wide else None, scale=speed)
         self.draft_costs = {n: (fixed / speed, per / speed) for n, (fixed, per) in
                             measure_draft_costs(target, self.drafters, self.taps, self._tap_idx).items()}
+        self.catch_up = {n: per / speed for n, per in
+                         measure_catch_up(target, self.drafters, self.taps, self._tap_idx).items()}
         self._kind_of: dict[str, str] = {}  # option name -> drafter kind
         for n, d in self.drafters.items():
             if n == "ngram":
@@ -141,7 +143,7 @@ class AutoDrafter:
                 self._kind_of[NGRAM_RUN] = n
             else:
                 self.chooser.add(n, d.max_drafts, "affine", draft_prior=self.draft_costs.get(n),
-                                 measured_tau=d.measured_tau)
+                                 measured_tau=d.measured_tau, catch_up=self.catch_up.get(n, 0.0))
                 self._kind_of[n] = n
         self._trees: dict[str, int] = {}  # token-tree option -> its draft nodes per round
         self._tree_of: dict[str, str] = {}  # drafter kind -> its tree option
@@ -215,7 +217,7 @@ class AutoDrafter:
         d.enable_trees()
         name = "dflash+tree"
         self.chooser.add(name, depth, "affine", draft_prior=self.draft_costs.get("dflash"), measured_tau=prior,
-                         rows=rows)
+                         rows=rows, catch_up=self.catch_up.get("dflash", 0.0))
         self._kind_of[name], self._trees[name], self._tree_of["dflash"] = "dflash", rows - 1, name
 
     # -- the drafters' state, brought up to date only when one will draft ---------------------------------------------

@@ -180,7 +180,7 @@ def test_measured_catch_up_is_what_a_round_costs_per_position_of_backlog(tiny):
             self.backlog = 0
             return [1] * k, None
 
-    got = measure_catch_up(model, {"mtp": Lagging(), "ngram": object()}, (1,), {"mtp": [0]})
+    got = measure_catch_up(model, {"mtp": Lagging(), "ngram": object()}, (1,), {"mtp": [0]}, repeats=3)
     assert set(got) == {"mtp"} and CATCH_UP_ROWS == 128
     assert got["mtp"] == pytest.approx(0.00005, abs=0.000012)
 

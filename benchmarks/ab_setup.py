@@ -105,8 +105,16 @@ def taught(teacher, learn) -> dict:
     from glimmer_mlx.speculative.auto import learned
 
     learn()
-    fps = {o: "ab" for o in teacher.chooser.options}
-    return {"format": learned.FORMAT, "options": learned.snapshot(teacher.chooser, fps)}
+    return {"format": learned.FORMAT, "options": learned.snapshot(teacher.chooser, fingerprints(teacher))}
+
+
+def fingerprints(auto) -> dict[str, str]:
+    """Its options' fingerprints as the learned file keys them (`learned.option_fingerprint`: their most drafts and
+    tree rows), one drafter fingerprint for all: an auto of this process whose calibration gave its tree other rows
+    than the teacher's skips that option's entries, as a process would, instead of failing on their width."""
+    from glimmer_mlx.speculative.auto import learned
+
+    return {o: learned.option_fingerprint("ab", opt) for o, opt in auto.chooser.options.items()}
 
 
 def warm(student, kept: dict, weight: float | None = None) -> int:
@@ -114,5 +122,5 @@ def warm(student, kept: dict, weight: float | None = None) -> int:
     (`speculative.auto.learned`, at `learned.RESTORE_WEIGHT` unless `weight`). Returns the estimates restored."""
     from glimmer_mlx.speculative.auto import learned
 
-    entries = learned.parse(kept, student.chooser, {o: "ab" for o in student.chooser.options})
+    entries = learned.parse(kept, student.chooser, fingerprints(student))
     return learned.restore(student.chooser, entries, learned.RESTORE_WEIGHT if weight is None else weight)

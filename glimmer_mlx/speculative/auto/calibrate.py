@@ -217,6 +217,17 @@ def load_or_calibrate(model, taps, max_len: int, *, directory=None, recalibrate:
 
 
 
+def round_seconds(d, taps: list, ids: list[int], k: int, sampler) -> float:
+    """Seconds of one round of k drafts by model drafter `d` right after a start on the scratch context `ids` with
+    its `taps` (the class's own methods: a shallow copy carries the instance's attributes, wrappers included; the
+    drafts are read back as ints, so the round is evaluated)."""
+    kind = type(d)
+    kind.start(d, taps, ids + [ids[-1]])
+    t0 = time.perf_counter()
+    kind.propose(d, ids[-1], len(ids), k, sampler, ids + [ids[-1]])
+    return time.perf_counter() - t0
+
+
 def measure_draft_costs(target, drafters: dict, taps: tuple, tap_idx: dict, context: int = 32,
                         repeats: int = 3) -> dict[str, tuple[float, float]]:
     """{drafter: (fixed, per_draft)}: seconds one round of each model drafter costs as fixed + per_draft · k, from a
@@ -234,16 +245,13 @@ def measure_draft_costs(target, drafters: dict, taps: tuple, tap_idx: dict, cont
     sampler = Sampler(SamplingParams())
     out = {}
     for n, d in model_drafters.items():
-        kind = type(d)  # the class's own methods: the copy carries the instance's attributes, wrappers included
         widths = sorted({1, d.max_drafts})
         best = dict.fromkeys(widths, float("inf"))
         for r in range(repeats + 1):
             for k in widths:
-                kind.start(d, [tapped[i] for i in tap_idx[n]], ids + [ids[-1]])
-                t0 = time.perf_counter()
-                kind.propose(d, ids[-1], context, k, sampler, ids + [ids[-1]])  # read back: its ids are ints
+                seconds = round_seconds(d, [tapped[i] for i in tap_idx[n]], ids, k, sampler)
                 if r:  # the first pass warms up (kernels built on first use)
-                    best[k] = min(best[k], time.perf_counter() - t0)
+                    best[k] = min(best[k], seconds)
         lo, hi = best[widths[0]], best[widths[-1]]
         per_draft = max(0.0, (hi - lo) / (widths[-1] - widths[0])) if len(widths) > 1 else 0.0
         out[n] = (max(0.0, lo - per_draft), per_draft)
@@ -278,15 +286,11 @@ def measure_catch_up(target, drafters: dict, taps: tuple, tap_idx: dict, context
     sampler = Sampler(SamplingParams())
     out = {}
     for n, d in model_drafters.items():
-        kind = type(d)
         best = {}
         for r in range(repeats + 1):
             for L in (context, context + rows):
-                x = ids[:L]
-                kind.start(d, [tapped[i][:, :L] for i in tap_idx[n]], x + [x[-1]])
-                t0 = time.perf_counter()
-                kind.propose(d, x[-1], L, 1, sampler, x + [x[-1]])  # read back: its ids are ints
+                seconds = round_seconds(d, [tapped[i][:, :L] for i in tap_idx[n]], ids[:L], 1, sampler)
                 if r:  # the first pass warms up (kernels built on first use)
-                    best[L] = min(best.get(L, float("inf")), time.perf_counter() - t0)
+                    best[L] = min(best.get(L, float("inf")), seconds)
         out[n] = max(0.0, (best[context + rows] - best[context]) / rows)
     return out

@@ -3,7 +3,7 @@ glimmer-tiny-dflash2, glimmer-tiny-mtp.
 
     python embedded/build_embedded.py                 # every stage, in order (≈ 3 h on 2 CPU cores)
     python embedded/build_embedded.py --stage target  # one stage: data → tokenizer → target → target2 → distill →
-                                                      # drafters (dflash ∥ mtp, then dflash2) → publish → measure
+                                                      # drafters (dflash ∥ mtp, then dflash2) → publish → eval → measure
 
 New drafters for the shipped target, without retraining it (how the published drafters were made):
 
@@ -12,7 +12,7 @@ New drafters for the shipped target, without retraining it (how the published dr
     python embedded/build_embedded.py --stage distill --work W --distill-procs 2
     python embedded/build_embedded.py --stage dflash --work W --dflash-init glimmer_mlx/embedded/glimmer-tiny-dflash
     ...                                    # mtp (--mtp-init), dflash2 (from W/dflash), measure --measure-from work,
-    python embedded/build_embedded.py --stage publish --work W --publish dflash,mtp   # then measure
+    python embedded/build_embedded.py --stage publish --work W --publish dflash,mtp   # then eval, measure
 
 Data (offline, deterministic): the Python standard library's source of the interpreter running the script (files
 hashed into train / held-out), and synthetic chat + agent conversations about that code (embedded/build/synthetic.py,
@@ -657,12 +657,75 @@ def publish(src: Path, dst: Path) -> None:
     log(f"published {dst}: {sorted(p.name for p in dst.iterdir())}")
 
 
+# -- stage: eval ------------------------------------------------------------------------------------------------
+EVAL_PER_KIND = 8  # held-out prompts of each kind (chat, agent, code)
+
+
+def heldout_prompts(work: Path, tok, n: int = EVAL_PER_KIND) -> list[list[int]]:
+    """Prompts as the distillation set's (`distill_prompts`), drawn from the held-out splits, whole: n first user
+    turns of held-out conversations, n agent prompts (a held-out agent conversation up to one of its assistant turns,
+    tools included), n code completions (a held-out stdlib file cut after 64-384 tokens of a random place)."""
+    chat, agent, code = [], [], []
+    for line in (work / "data" / "chat_heldout.jsonl").read_text(encoding="utf-8").splitlines():
+        first = [m for m in json.loads(line)["messages"] if m["role"] == "user"][:1]
+        if first and len(chat) < n:
+            chat.append(tok.apply_chat_template(first, add_generation_prompt=True, tokenize=True))
+    room = DISTILL["max_length"] - DISTILL["max_new"]["agent"]
+    for line in (work / "data" / "agent_heldout.jsonl").read_text(encoding="utf-8").splitlines():
+        rec = json.loads(line)
+        cuts = [i for i, m in enumerate(rec["messages"]) if m["role"] == "assistant"]
+        if cuts and len(agent) < n:  # the conversations' first, second, … assistant turn in turn
+            ids = tok.apply_chat_template(rec["messages"][:cuts[len(agent) % len(cuts)]], tools=rec.get("tools"),
+                                          add_generation_prompt=True, tokenize=True)
+            if len(ids) <= room:
+                agent.append(ids)
+    rng = np.random.RandomState(DISTILL["seed"])
+    lo, hi = DISTILL["code_len"]
+    for doc in (work / "data" / "code_heldout.txt").read_text(encoding="utf-8").split("\x00\n"):
+        ids = tok.encode(doc, add_special_tokens=False)
+        if len(ids) > 2 * hi and len(code) < n:
+            cut = int(rng.randint(hi, len(ids) - 2 * DISTILL["max_new"]["code"]))
+            code.append(ids[cut - int(rng.randint(lo, hi + 1)):cut])
+    return chat + agent + code
+
+
+def stage_eval(work: Path, parts=("dflash", "dflash2", "mtp")) -> None:
+    """Each published drafter's eval.json τ measured again on the held-out splits' prompts (`heldout_prompts`; the
+    data stage first if work/ has none) by `glimmer train`'s own measure (`recipes.acceptance`: pooled over rounds,
+    per phase of a response), at the width and tokens of its recipe; what training measured is kept beside it
+    ("training_eval": on 8 validation prompts cut at 64 tokens, which the measure no longer does). `auto` starts
+    from these figures."""
+    import mlx.core as mx
+
+    from glimmer_mlx.loading import load
+    from glimmer_mlx.speculative import load_drafter
+    from glimmer_mlx.train.recipes import acceptance
+
+    if not (work / "data" / "code_heldout.txt").exists():
+        stage_data(work)
+    target, tok = load(MODELS / "glimmer-tiny", dtype="fp32")
+    prompts = heldout_prompts(work, tok)
+    for part in parts:
+        folder = MODELS / EMBEDDED_NAMES[part]
+        ev = json.loads((folder / "eval.json").read_text())
+        mx.random.seed(0)
+        after = acceptance(target, load_drafter(folder, target, dtype="fp32"), prompts, ev["width"], ev["max_tokens"])
+        kept = {k: ev.pop(k) for k in ("before", "after", "prompts") if k in ev}
+        ev.update(before=None, after=after, prompts=len(prompts),
+                  prompts_from=f"held-out splits: {EVAL_PER_KIND} chat, agent and code prompts each, whole "
+                               "(embedded/build_embedded.py --stage eval)",
+                  training_eval=ev.get("training_eval", kept))
+        atomic_write(folder / "eval.json", json.dumps(ev, indent=2) + "\n")
+        log(f"eval {part}: τ greedy {after['tau_greedy']:.2f} {after['tau_greedy_by_phase']}, "
+            f"T=1 {after['tau_t1']:.2f} {after['tau_t1_by_phase']}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stage", default="all",
                     choices=["all", "data", "tokenizer", "target", "target2", "from-embedded", "distill",
                              "distill-shard", "dflash", "dflash2", "mtp",
-                             "drafters", "publish", "measure", "card"])
+                             "drafters", "publish", "eval", "measure", "card"])
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "embedded")
     ap.add_argument("--target-steps", type=int, default=None)
     ap.add_argument("--target2-steps", type=int, default=None)
@@ -686,7 +749,7 @@ def main() -> None:
                     help="measure: the published drafters, or the ones trained in --work (before publishing)")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    stages = (["data", "tokenizer", "target", "target2", "distill", "drafters", "publish", "measure"]
+    stages = (["data", "tokenizer", "target", "target2", "distill", "drafters", "publish", "eval", "measure"]
               if args.stage == "all" else [args.stage])
     for s in stages:
         t = time.time()
@@ -725,6 +788,8 @@ def main() -> None:
             stage_mtp(args.work, args.mtp_steps, init=args.mtp_init, lr=args.mtp_lr)
         elif s == "publish":
             stage_publish(args.work, tuple(p for p in args.publish.split(",") if p))
+        elif s == "eval":
+            stage_eval(args.work)
         elif s == "measure":
             from measure_embedded import measure
 

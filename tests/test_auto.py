@@ -1400,6 +1400,48 @@ def test_measured_tau_sets_the_starting_acceptance(tmp_path):
         assert d.measured_tau == read_measured_tau(embedded_path(kind), kind) and d.measured_tau["greedy"] >= 1
 
 
+def test_a_drafters_per_phase_tau_starts_each_phases_estimates(tmp_path):
+    """Where eval.json measured τ per phase of a response (`recipes.acceptance`), each phase's estimates start from
+    its own: a drafter strong in a response's opening and weak after it is tried in the opening and not after; a
+    phase it measured no round in starts from the pooled τ; figures per phase at other bounds than the chooser's
+    are not used; the DFlash tree option takes each phase's too."""
+    from glimmer_mlx.speculative.auto import alpha_from_tau
+    from glimmer_mlx.speculative.auto.chooser import PHASES
+    from glimmer_mlx.speculative.protocol import read_measured_tau
+
+    after = {"tau_greedy": 2.0, "tau_t1": 1.5, "phases": list(PHASES), "tau_greedy_by_phase": [6.0, 1.1, None],
+             "tau_t1_by_phase": [3.0, None, 1.2]}
+    (tmp_path / "eval.json").write_text(json.dumps({"width": 16, "after": after}))
+    tau = read_measured_tau(tmp_path, "dflash")
+    assert tau == {"width": 15, "greedy": 2.0, "sampling": 1.5, "greedy#0": 6.0, "greedy#1": 1.1,
+                   "sampling#0": 3.0, "sampling#2": 1.2, "phases": tuple(PHASES)}
+    costs = {L: 10 * MS * (1 + 0.05 * (L - 1)) for L in range(1, 17)}
+    ch = AutoChooser(costs)
+    opt = ch.add("dflash", 15, "block", draft_prior=2 * MS, measured_tau=tau)
+    for key, t in [("greedy#0", 6.0), ("greedy#1", 1.1), ("greedy#2", 2.0), ("sampling#1", 1.5),
+                   ("sampling#2", 1.2), ("greedy", 2.0)]:
+        assert opt.acceptance(key).alpha(0) == pytest.approx(alpha_from_tau(t, 15)), key
+    ch.set_phase(0)
+    assert ch.choose({"dflash": 15}, "greedy")[0] == "dflash"
+    ch.set_phase(PHASES[0])
+    assert ch.choose({"dflash": 15}, "greedy") == (None, 0)
+    other = AutoChooser(costs)
+    elsewhere = other.add("dflash", 15, "block", measured_tau={**tau, "phases": (8, 32)})
+    assert elsewhere.acceptance("greedy#0").alpha(0) == pytest.approx(alpha_from_tau(2.0, 15))
+    # the embedded DFlash 2 drafter's eval.json carries them, and its tree option starts from them
+    from glimmer_mlx.embedded import embedded_path
+    from glimmer_mlx.speculative import load_drafter
+    from glimmer_mlx.speculative.auto import make_auto
+
+    target, _ = glimmer_mlx.load(embedded_path("target"))
+    d = load_drafter(embedded_path("dflash"), target)
+    assert d.measured_tau["greedy#0"] > d.measured_tau["greedy"] > d.measured_tau["greedy#1"]
+    auto = make_auto(target, dflash=d, ngram=False, verify_costs={L: 1 + 0.02 * (L - 1) for L in range(1, 33)})
+    tree = auto.chooser.options["dflash+tree"]
+    assert tree.acceptance("greedy#0").alpha(0) > tree.acceptance("greedy").alpha(0) > tree.acceptance(
+        "greedy#1").alpha(0)
+
+
 def test_round_overhead_is_charged_to_drafting_and_capped():
     """Time a speculative round spends outside its draft and verify windows counts against drafting: an option that
     wins on draft + verify alone loses once the measured overhead is added; a single stall moves it by at most

@@ -264,3 +264,45 @@ def test_pre_tokenized_lines_train_on_the_completion_only(target_dir, tmp_path):
     f.write_text(json.dumps({"prompt_ids": [0], "completion_ids": [tok.vocab_size, 1]}) + "\n")
     with pytest.raises(DataError, match="distill.jsonl: token id .* outside the tokenizer's vocabulary"):
         build_sequences(tok, chats=f, max_length=64)
+
+
+def test_eval_measures_whole_prompts_pooled_and_per_phase(tmp_path):
+    """eval.json's τ is what `auto` starts from, so it is measured as auto will count it: on whole prompts (not cut
+    at 64 tokens), pooled over every round (tokens / rounds, not a mean of per-prompt τ) and per phase of a response
+    at the chooser's bounds — each against the decoder's own rounds of the same generations, stepped here by hand."""
+    from dflash_training import token_map_target
+    from glimmer_mlx.sampling import Sampler, SamplingParams
+    from glimmer_mlx.speculative.auto.chooser import PHASES
+    from glimmer_mlx.speculative.ngram import NGramDrafter
+    from glimmer_mlx.strategy import make_decoder
+    from glimmer_mlx.train.data import Sequence
+    from glimmer_mlx.train.recipes import acceptance, eval_prompts
+
+    long = Sequence(list(range(10, 110)) + [5] * 8, [False] * 100 + [True] * 8)
+    text = Sequence(list(range(10, 50)), [False] * 40)
+    assert eval_prompts([long, text]) == [list(range(10, 110)), list(range(10, 26))]
+    token_map_target(tmp_path / "t")
+    model, _ = glimmer_mlx.load(tmp_path / "t")
+    model.eos_token_ids = set()
+    drafter = NGramDrafter(model.args.vocab_size, max_drafts=4)
+    rng = np.random.RandomState(3)
+    prompts = [[int(x) for x in rng.randint(10, 48, size=n)] for n in (6, 30, 80)]
+    got = acceptance(model, drafter, prompts, 4, max_tokens=72)
+    assert got["phases"] == list(PHASES)
+    tokens, rounds, per_prompt = np.zeros(len(PHASES) + 1), np.zeros(len(PHASES) + 1), []
+    for p in prompts:
+        dec = make_decoder(model, drafter, Sampler(SamplingParams(temperature=0.0), 0), block_size=4)
+        dec.prefill(p)
+        made, t0, r0 = len(dec.step(72)), tokens.sum(), rounds.sum()
+        while made < 72:
+            new = dec.step(72 - made)
+            ph = sum(made >= b for b in PHASES)
+            tokens[ph] += len(new)
+            rounds[ph] += 1
+            made += len(new)
+        per_prompt.append((tokens.sum() - t0) / (rounds.sum() - r0))
+    assert rounds[-1] > 0 and len(set(np.round(per_prompt, 3))) > 1  # every phase reached; prompts unlike
+    assert got["tau_greedy"] == pytest.approx(tokens.sum() / rounds.sum())
+    assert got["tau_greedy"] != pytest.approx(np.mean(per_prompt))
+    assert got["tau_greedy_by_phase"] == pytest.approx(list(tokens / rounds))
+    assert got["tau_t1"] >= 1.0 and len(got["tau_t1_by_phase"]) == len(PHASES) + 1

@@ -194,8 +194,22 @@ def drafter_recipes(work: Path | None = None) -> str:
         out.append(f"  * `{name}` ({how}): `{command}` — {summ['steps']} steps, "
                    f"{summ.get('train_seconds', 0) / 60:.0f} min, validation loss {summ['val_loss']:.3f}; "
                    f"τ on its training-set eval prompts {after.get('tau_greedy', float('nan')):.2f} greedy / "
-                   f"{after.get('tau_t1', float('nan')):.2f} T=1 at width {ev.get('width')}")
+                   f"{after.get('tau_t1', float('nan')):.2f} T=1 at width {ev.get('width')}"
+                   + held_out_eval(folder))
     return "\n".join(out)
+
+
+def held_out_eval(folder: Path) -> str:
+    """The drafter's eval.json τ where `build_embedded.py --stage eval` measured it again (what `auto` starts from),
+    as a clause of the card's line; "" where eval.json is training's own."""
+    ev = json.loads((folder / "eval.json").read_text()) if (folder / "eval.json").exists() else {}
+    after = ev.get("after") or {}
+    if not ev.get("prompts_from") or after.get("tau_greedy") is None:
+        return ""
+    phases = " / ".join("–" if t is None else f"{t:.2f}" for t in after.get("tau_greedy_by_phase") or [])
+    return (f"; its eval.json (auto's starting estimate), measured again on {ev.get('prompts')} whole held-out "
+            f"prompts (`--stage eval`): {after['tau_greedy']:.2f} greedy (by phase of the response {phases}) / "
+            f"{after['tau_t1']:.2f} T=1")
 
 
 def before_after(res: dict) -> str:

@@ -23,6 +23,8 @@ import mlx.core as mx
 
 
 class MeasuredTau(TypedDict):
+    """τ as measured when the drafter was trained (`read_measured_tau`); where measured per phase of a response
+    too, also "greedy#P" / "sampling#P" (phase P) and "phases" (the phases' bounds, tokens generated)."""
     width: int  # drafts per round the figures were measured at
     greedy: float
     sampling: float
@@ -70,11 +72,20 @@ class Drafter(Protocol):
 def read_measured_tau(folder, kind: str) -> MeasuredTau | None:
     """τ after training from a drafter checkpoint's eval.json (on its validation prompts, as `glimmer train` writes
     it: "width" there is the block size for DFlash, the depth for MTP), or None when there is none or it cannot be
-    read."""
+    read. Where eval.json has τ per phase of a response too ("phases": their bounds, "tau_greedy_by_phase" /
+    "tau_t1_by_phase"), they come as "greedy#0", "sampling#1", … with "phases" (bounds that are not the reader's
+    are not used: `AutoChooser.add`)."""
     try:
         ev = json.loads((Path(folder) / "eval.json").read_text())
         after = ev["after"]
         drafts = int(ev["width"]) - (1 if kind == "dflash" else 0)
-        return {"width": drafts, "greedy": float(after["tau_greedy"]), "sampling": float(after["tau_t1"])}
+        out = {"width": drafts, "greedy": float(after["tau_greedy"]), "sampling": float(after["tau_t1"])}
+        if after.get("phases") is not None:
+            phased = {f"{regime}#{p}": float(tau) for regime, key in (("greedy", "tau_greedy_by_phase"),
+                                                                     ("sampling", "tau_t1_by_phase"))
+                      for p, tau in enumerate(after.get(key) or []) if tau is not None}
+            if phased:
+                out.update(phased, phases=tuple(int(b) for b in after["phases"]))
+        return out
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -501,7 +501,7 @@ class Option:
         ("greedy#0": `AutoChooser.set_phase`); every phase starts from the regime's prior."""
         if regime not in self.stats:
             base = regime.split("#", 1)[0]
-            a, t = self.prior_alpha.get(base), self.then_alpha.get(base)
+            a, t = self.prior_alpha.get(regime, self.prior_alpha.get(base)), self.then_alpha.get(base)
             prior = (1.0, 2.0) if a is None else (a * PRIOR_WEIGHT, PRIOR_WEIGHT)
             then = None if t is None else (t * PRIOR_WEIGHT / 2, PRIOR_WEIGHT / 2)
             self.stats[regime] = AcceptanceStats(self.max_k, self.decay, prior=prior, then=then)
@@ -623,7 +623,9 @@ class AutoChooser:
             measured_tau: dict | None = None, then_alpha: dict | None = None, sporadic: bool = False,
             rows: int | None = None, shadowed: bool = False, catch_up: float = 0.0) -> Option:
         """measured_tau: {"width", "greedy", "sampling"} τ measured for this drafter (`read_measured_tau`): the
-        acceptance estimates start from it instead of α = 0.5, so a weak drafter is not tried blindly first.
+        acceptance estimates start from it instead of α = 0.5, so a weak drafter is not tried blindly first; each
+        phase of a response from its own τ where it was measured per phase with this chooser's bounds ("greedy#0",
+        …, "phases").
         then_alpha: {regime: α} of the drafts after an accepted one (`AcceptanceStats` then). sporadic: available
         in some rounds only (`Option.sporadic`). rows: a token-tree option's verify rows per round (`Option.rows`;
         its acceptance is the accepted path's, per depth). shadowed: its offers no round took are scored
@@ -640,8 +642,9 @@ class AutoChooser:
             guess = 0.0 if shape == "free" else 0.3 * self.costs[1]
             prior = (guess, 0.0) if shape == "affine" else guess
         alphas = {} if not measured_tau else {
-            regime: alpha_from_tau(measured_tau[regime], int(measured_tau["width"]))
-            for regime in ("greedy", "sampling") if measured_tau.get(regime) is not None}
+            key: alpha_from_tau(tau, int(measured_tau["width"])) for key, tau in measured_tau.items()
+            if tau is not None and (key in ("greedy", "sampling") or key.split("#", 1)[0] in ("greedy", "sampling")
+                                    and tuple(measured_tau.get("phases", ())) == tuple(self.phases))}
         opt = Option(name, max_k, DraftCost(shape, prior), decay=decay, prior_alpha=alphas,
                      then_alpha=dict(then_alpha or {}), sporadic=sporadic, rows=rows,
                      shadowed=shadowed, catch_up=max(0.0, float(catch_up)))

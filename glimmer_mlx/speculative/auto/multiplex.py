@@ -208,12 +208,11 @@ class AutoDrafter:
             return
         prior = None
         if d.measured_tau:
-            width, prior = int(d.measured_tau["width"]), {"width": depth}
-            for regime in ("greedy", "sampling"):
-                tau = d.measured_tau.get(regime)
-                if tau is not None:
+            width, prior = int(d.measured_tau["width"]), {"width": depth, "phases": d.measured_tau.get("phases", ())}
+            for key, tau in d.measured_tau.items():
+                if key not in ("width", "phases") and tau is not None:
                     a = 1.0 - TREE_RESCUE * (1.0 - alpha_from_tau(tau, width))
-                    prior[regime] = sum(a**i for i in range(depth + 1))
+                    prior[key] = sum(a**i for i in range(depth + 1))
         d.enable_trees()
         name = "dflash+tree"
         self.chooser.add(name, depth, "affine", draft_prior=self.draft_costs.get("dflash"), measured_tau=prior,

@@ -1616,8 +1616,21 @@ def test_the_slow_plain_tokens_after_a_stretch_are_its_cost_not_the_scale_s(tiny
     before = ch.switch_cost
     stretch()
     auto.plain_token(1.5 * P)
-    auto.start([], [5, 6, 7])  # a new context ends it
+    auto.start([], [5, 6, 7])  # a new request does not decide it: its plain tokens go on testing the wake
+    assert ch.switch_cost == before
+    auto.plain_token(1.0 * P)  # at the price: the slow one before the request ended was the stretch's wake
     assert ch.switch_cost == pytest.approx(0.75 * before + 0.25 * (0.5 + 0.5) * P / ch.scale)
+
+    reset_scale()  # a machine slower than the scale at the end of a request and after it: nothing charged
+    ch.settle_max = 3
+    stretch()
+    before, saved = ch.switch_cost, ch.saved["ngram@2"]
+    auto.plain_token(2.0 * P)
+    auto.start([], [5, 6, 7])
+    for _ in range(3):
+        auto.plain_token(2.0 * P)
+    assert speeds(3) == pytest.approx([2.0] * 3) and ch.saved["ngram@2"] > saved - 0.01 * P
+    ch.settle_max = 32
 
     ch.settle_max = 0  # the first plain token only
     before = ch.switch_cost

@@ -354,8 +354,7 @@ class AutoDrafter:
         self._how = dict.fromkeys(self.drafters, "start")
         self._reset(ids, taps)
         self._pending = self._round = None
-        self._close_wake()
-        self._stretch = self._lead = 0.0
+        self._lead = 0.0  # (a stretch's wake goes on into this request: `plain_token`)
 
     def _available(self, k: int, among=None) -> dict[str, int]:
         """{option: most drafts it can give now}; n-gram lookup only where the context's suffix occurred before, as
@@ -652,7 +651,11 @@ class AutoDrafter:
         price ends the wake, their excess is that stretch's cost, credited to its option, and they never measure the
         speed scale (on a machine whose BLAS threads spin on after a verify, ~0.1 s of tokens). A wake that has not
         ended after `settle_max` tokens is the machine's: they all measure the scale, and nothing is charged. Every
-        other token measures the scale (`AutoChooser.observe_plain`)."""
+        other token measures the scale (`AutoChooser.observe_plain`). A wake outlives the request it began in: the
+        next request's plain tokens go on testing it (a request that ends inside a wake has not told which it was: on
+        a VM running slower than the scale knew at the start, the first request's plain tokens after a DFlash tree
+        stretch each ran ~2 ms over the price, were all charged to the tree as its wake when the request ended, and
+        the ledger barred DFlash's options in the opening phase for the rest of the sitting)."""
         if self._wake is not None:
             extra = self.chooser.settled(seconds)
             if extra is None:
@@ -668,7 +671,7 @@ class AutoDrafter:
         self.chooser.observe_plain(seconds)
 
     def _close_wake(self) -> None:
-        """The latest stretch's wake is over (a plain token at the scale's price, a new stretch or context): its
+        """The latest stretch's wake is over (a plain token at the scale's price, or a new stretch): its
         tokens' excess is charged to the stretch's option and its whole cost beyond its rounds goes to the switch
         cost."""
         if self._wake is None:
@@ -719,7 +722,6 @@ class AutoDrafter:
         self._reset(ids, taps, self._reprefill)
         self._how, self._at = how, at
         self._pending = self._round = None
-        self._close_wake()
 
     def parts(self) -> tuple:
         return (self, *self.drafters.values())

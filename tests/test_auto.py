@@ -1600,8 +1600,12 @@ def test_the_slow_plain_tokens_after_a_stretch_are_its_cost_not_the_scale_s(tiny
     before = ch.switch_cost
     stretch()
     auto.plain_token(100 * P)  # a stall: SETTLE_TOKEN_CAP plain tokens at most
-    stretch()  # a new stretch ends the wake
-    assert ch.switch_cost == pytest.approx(0.75 * before + 0.25 * (0.5 + SETTLE_TOKEN_CAP) * P / ch.scale)
+    auto.plain_token(1.4 * P)
+    # a new stretch before a token at the price ends the wake undecided: what every held token ran over the price
+    # (0.4) is the machine's — they measure the scale — and the stretch is charged what each ran beyond it
+    stretch()
+    assert ch.switch_cost == pytest.approx(0.75 * before + 0.25 * (0.5 + SETTLE_TOKEN_CAP - 0.4) * P / ch.scale)
+    assert speeds(2) == pytest.approx([100.0, 1.4])
 
     ch.settle_max = 3
     before, saved = ch.switch_cost, ch.saved["ngram@2"]

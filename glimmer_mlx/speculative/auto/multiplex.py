@@ -631,7 +631,7 @@ class AutoDrafter:
         """A speculative stretch starts after a plain token that took `extra` seconds more than a pipelined one
         (negative when less: it had no next forward to queue; where queueing it computes it, MLX's CPU backend, a
         whole forward saved). (The prefill's token is never such a token: the round after it is plain, `plan`.)"""
-        self._close_wake()
+        self._close_wake(undecided=True)
         self._stretch = self._lead = extra
 
     def restart(self, extra: float) -> None:
@@ -670,16 +670,24 @@ class AutoDrafter:
                 self._close_wake()
         self.chooser.observe_plain(seconds)
 
-    def _close_wake(self) -> None:
-        """The latest stretch's wake is over (a plain token at the scale's price, or a new stretch): its
-        tokens' excess is charged to the stretch's option and its whole cost beyond its rounds goes to the switch
-        cost."""
+    def _close_wake(self, undecided: bool = False) -> None:
+        """The latest stretch's wake is over (a plain token at the scale's price, or a new stretch): its tokens'
+        excess is charged to the stretch's option and its whole cost beyond its rounds goes to the switch cost.
+        undecided (a new stretch began before any token ran at the price): what every held token ran over the price,
+        the smallest excess among them, is the machine's — they measure the speed scale — and only what each ran
+        beyond it is the stretch's. (Where stretches come every few tokens, n-gram lookup on the trained tiny set, a
+        wake rarely ends at the price before the next one starts: when the VM slowed from 2.3 to 3.9 ms a token, the
+        held tokens' whole excess was charged to `ngram@4` in the late phase, whose rounds had saved time, and the
+        ledger barred it there for the rest of the sitting — auto 0.55-0.70x n-gram alone.)"""
         if self._wake is None:
             return
-        for _, extra in self._wake:
-            self._stretch += extra
-            if self._option is not None:
-                self.chooser.credit(self._option, 0, extra, self._entry)
+        floor = min(e for _, e in self._wake) if undecided and self._wake else 0.0
+        for s, extra in self._wake:
+            if floor > 0.0:
+                self.chooser.observe_plain(s)
+            self._stretch += extra - floor
+            if self._option is not None and extra > floor:
+                self.chooser.credit(self._option, 0, extra - floor, self._entry)
         self.chooser.observe_switch(self._stretch, wake=len(self._wake))
         self._stretch, self._wake = 0.0, None
 

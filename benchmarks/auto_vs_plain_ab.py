@@ -41,7 +41,10 @@ what the teacher measured); noquiet (auto whose plain stretches ask every round,
 `chooser.QUIET_RATE`); nocatchup (auto whose drafters' first catch-ups are priced at nothing, as before the
 thirty-fifth session: `calibrate.measure_catch_up`); bare (auto reduced to the engine's plain path, no plan and no
 bookkeeping: a bound for what its plain stretches could cost); forcednoshadow (forced without scoring the n-gram offers passed over); noexplore (auto
-that never explores: an option is drafted only where its mean estimate pays — what exploring costs and finds).
+that never explores: an option is drafted only where its mean estimate pays — what exploring costs and finds);
+trainprior (auto whose DFlash and MTP start from what training measured, eval.json's "training_eval", as before the
+thirty-sixth session; embedded model only); oldwake (auto whose stretch's wake is charged whole when the request
+ends or the next stretch begins, as before the thirty-sixth session); before36 (both).
 
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
     AB_OUT=FILE ...   also appends the sitting to FILE as one JSON line (every run, each auto's summary)
@@ -365,6 +368,53 @@ make = {
     "dflash": lambda: d.dflash, "ngram": d.ngram, "mtp": lambda: d.mtp,
 }
 
+
+def train_prior():
+    """auto whose DFlash and MTP drafters start from what training measured (eval.json's "training_eval": 8
+    validation prompts cut at 64 tokens, a mean of per-prompt τ, no phases), as before the thirty-sixth session: the
+    embedded model only (the figures `embedded/build_embedded.py --stage eval` kept)."""
+    import json
+
+    from glimmer_mlx.embedded import embedded_path
+
+    if SET:
+        raise SystemExit("trainprior: the embedded model only (its eval.json keeps training's figures)")
+    saved = {}
+    for kind, dr in (("dflash", d.dflash), ("mtp", d.mtp)):
+        ev = json.loads((embedded_path(kind) / "eval.json").read_text())
+        old = ev["training_eval"]["after"]
+        saved[kind] = dr, dr.measured_tau
+        dr.measured_tau = {"width": int(ev["width"]) - (kind == "dflash"), "greedy": old["tau_greedy"],
+                           "sampling": old["tau_t1"]}
+    try:
+        return second_auto()
+    finally:
+        for dr, tau in saved.values():
+            dr.measured_tau = tau
+
+
+def old_wake(auto):
+    """auto as before the thirty-sixth session: a stretch's wake still open when the request ends or the next
+    stretch begins is charged whole to the stretch's option (`AutoDrafter._close_wake`)."""
+    close, start, extend = auto._close_wake, auto.start, auto.extend
+
+    def start_(taps, ids_):
+        close()
+        auto._stretch = 0.0
+        start(taps, ids_)
+
+    def extend_(taps, ids_):
+        close()
+        extend(taps, ids_)
+
+    auto._close_wake = lambda undecided=False: close()
+    auto.start, auto.extend = start_, extend_
+    return auto
+
+
+make["trainprior"] = train_prior
+make["oldwake"] = lambda: old_wake(second_auto())
+make["before36"] = lambda: old_wake(train_prior())
 
 kept = None
 

@@ -659,6 +659,9 @@ def publish(src: Path, dst: Path) -> None:
 
 # -- stage: eval ------------------------------------------------------------------------------------------------
 EVAL_PER_KIND = 8  # held-out prompts of each kind (chat, agent, code)
+# tokens generated per prompt: past the chooser's last phase bound (64), so every phase of a response has its own τ
+# (training's evaluation stops at 64: the late phase then starts from the pooled τ, which its opening lifts)
+EVAL_TOKENS = 128
 
 
 def heldout_prompts(work: Path, tok, n: int = EVAL_PER_KIND) -> list[list[int]]:
@@ -692,9 +695,9 @@ def heldout_prompts(work: Path, tok, n: int = EVAL_PER_KIND) -> list[list[int]]:
 def stage_eval(work: Path, parts=("dflash", "dflash2", "mtp")) -> None:
     """Each published drafter's eval.json τ measured again on the held-out splits' prompts (`heldout_prompts`; the
     data stage first if work/ has none) by `glimmer train`'s own measure (`recipes.acceptance`: pooled over rounds,
-    per phase of a response), at the width and tokens of its recipe; what training measured is kept beside it
-    ("training_eval": on 8 validation prompts cut at 64 tokens, which the measure no longer does). `auto` starts
-    from these figures."""
+    per phase of a response), at the width of its recipe; what training measured is kept beside it
+    ("training_eval": on 8 validation prompts cut at 64 tokens, which the measure no longer does), `EVAL_TOKENS` tokens
+    each. `auto` starts from these figures."""
     import mlx.core as mx
 
     from glimmer_mlx.loading import load
@@ -709,9 +712,9 @@ def stage_eval(work: Path, parts=("dflash", "dflash2", "mtp")) -> None:
         folder = MODELS / EMBEDDED_NAMES[part]
         ev = json.loads((folder / "eval.json").read_text())
         mx.random.seed(0)
-        after = acceptance(target, load_drafter(folder, target, dtype="fp32"), prompts, ev["width"], ev["max_tokens"])
-        kept = {k: ev.pop(k) for k in ("before", "after", "prompts") if k in ev}
-        ev.update(before=None, after=after, prompts=len(prompts),
+        after = acceptance(target, load_drafter(folder, target, dtype="fp32"), prompts, ev["width"], EVAL_TOKENS)
+        kept = {k: ev.pop(k) for k in ("before", "after", "prompts", "max_tokens") if k in ev}
+        ev.update(before=None, after=after, prompts=len(prompts), max_tokens=EVAL_TOKENS,
                   prompts_from=f"held-out splits: {EVAL_PER_KIND} chat, agent and code prompts each, whole "
                                "(embedded/build_embedded.py --stage eval)",
                   training_eval=ev.get("training_eval", kept))

@@ -498,7 +498,8 @@ class Option:
 
     def acceptance(self, regime: str) -> AcceptanceStats:
         """The acceptance estimates of `regime` — "greedy" or "sampling", or one of them with a phase of the response
-        ("greedy#0": `AutoChooser.set_phase`); every phase starts from the regime's prior."""
+        ("greedy#0": `AutoChooser.set_phase`); every phase starts from its own prior where the drafter's τ was
+        measured per phase (`AutoChooser.add`), else from the regime's."""
         if regime not in self.stats:
             base = regime.split("#", 1)[0]
             a, t = self.prior_alpha.get(regime, self.prior_alpha.get(base)), self.then_alpha.get(base)

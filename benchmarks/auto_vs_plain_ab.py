@@ -44,7 +44,8 @@ bookkeeping: a bound for what its plain stretches could cost); forcednoshadow (f
 that never explores: an option is drafted only where its mean estimate pays — what exploring costs and finds);
 trainprior (auto whose DFlash and MTP start from what training measured, eval.json's "training_eval", as before the
 thirty-sixth session; embedded model only); oldwake (auto whose stretch's wake is charged whole when the request
-ends or the next stretch begins, as before the thirty-sixth session); before36 (both).
+ends or the next stretch begins, as before the thirty-sixth session); onedraft (auto whose rounds' drafts are priced
+alike at T = 0 and T > 0, from the greedy calibration, as before the thirty-sixth session); before36 (all three).
 
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
     AB_OUT=FILE ...   also appends the sitting to FILE as one JSON line (every run, each auto's summary)
@@ -412,9 +413,19 @@ def old_wake(auto):
     return auto
 
 
+def one_draft_cost(auto):
+    """auto as before the thirty-sixth session: a round's draft priced and learned alike in both regimes (its greedy
+    calibration), not per regime (`Option.draft`)."""
+    for opt in auto.chooser.options.values():
+        opt.sampling_cost = None
+    auto.chooser.rescore()
+    return auto
+
+
 make["trainprior"] = train_prior
 make["oldwake"] = lambda: old_wake(second_auto())
-make["before36"] = lambda: old_wake(train_prior())
+make["onedraft"] = lambda: one_draft_cost(second_auto())
+make["before36"] = lambda: one_draft_cost(old_wake(train_prior()))
 
 kept = None
 

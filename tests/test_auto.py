@@ -1683,6 +1683,50 @@ def test_draft_costs_timed_now_are_priced_at_the_calibrations_speed(tiny, tmp_pa
         assert ch.scale * ch.options["dflash"].cost(4) == pytest.approx(0.015)
 
 
+def test_a_rounds_draft_is_priced_and_learned_per_regime(tiny, tmp_path, monkeypatch):
+    """Drafting at T > 0 (sampled drafts, their distributions kept for the acceptance test) costs more than greedy:
+    `measure_draft_costs` times rounds with the sampler it is given, `auto` measures both regimes when it starts and
+    prices each regime's rounds by its own (the tree option too), and each learns from its own rounds only. Catches:
+    a sampling round priced at the greedy calibration (a cold auto at T = 1 took the embedded DFlash 2's rounds for
+    ~2 ms, half a plain token, cheaper than they were), or one regime's rounds moving the other's price."""
+    import time as _time
+
+    from glimmer_mlx.speculative.auto import multiplex
+    from glimmer_mlx.speculative.auto.calibrate import measure_draft_costs
+
+    model, _, dpath = tiny
+
+    class Sampled:
+        kind, taps, max_drafts = "mtp", (1,), 2
+
+        def start(self, taps, ids):
+            pass
+
+        def propose(self, anchor, pos, k, sampler, history):
+            _time.sleep(0.010 if sampler.params.greedy else 0.030)
+            return [1] * k, None
+
+    greedy = measure_draft_costs(model, {"mtp": Sampled()}, (1,), {"mtp": [0]}, repeats=1)["mtp"]
+    hot = measure_draft_costs(model, {"mtp": Sampled()}, (1,), {"mtp": [0]}, repeats=1, temperature=1.0)["mtp"]
+    assert sum(greedy) == pytest.approx(0.010, abs=0.003) and sum(hot) == pytest.approx(0.030, abs=0.004)
+
+    curve = {L: 0.004 * (1 + 0.05 * (L - 1)) for L in range(1, 17)}
+    monkeypatch.setattr(multiplex, "load_or_calibrate", lambda *a, **kw: (dict(curve), {"cached": None}))
+    monkeypatch.setattr(multiplex, "measure_draft_costs", lambda *a, temperature=0.0, **kw: {
+        "dflash": (0.005 if temperature == 0 else 0.007, 0.0)})
+    auto = make_auto(model, dflash=glimmer_mlx.load_drafter(dpath, model), ngram=False, calibration_dir=tmp_path)
+    ch = auto.chooser
+    for name in ("dflash", "dflash+tree"):
+        opt = ch.options[name]
+        assert opt.draft("greedy")(3) == pytest.approx(0.005) and opt.draft("sampling")(3) == pytest.approx(0.007)
+        assert ch._round_costs(name, "sampling")[0] - ch._round_costs(name, "greedy")[0] == pytest.approx(
+            0.002 + (opt.verify_factor.get("sampling", ch.verify_factor.get("sampling", 1.0))
+                     - opt.verify_factor.get("greedy", ch.verify_factor.get("greedy", 1.0))) * curve[2])
+    ch.update("dflash", 3, 1, "sampling", draft_time=0.014, verify_time=0.005)
+    opt = ch.options["dflash"]
+    assert opt.draft("sampling")(3) > 0.007 and opt.draft("greedy")(3) == pytest.approx(0.005)
+
+
 def test_the_suite_s_auto_curve_switch_bends_what_auto_calibrates(tiny, tmp_path, monkeypatch):
     """`GLIMMER_TEST_AUTO_CURVE` (tests/conftest.py, run both ways by `.ci/run`): steep — a verify of L rows costs L
     plain steps; flat — every verify one plain step; the cache keeps what was measured; anything else is refused.

@@ -438,7 +438,7 @@ class DraftCost:
 class Option:
     name: str
     max_k: int
-    cost: DraftCost
+    cost: DraftCost  # a round's draft at greedy (`draft`)
     stats: dict = field(default_factory=dict)  # "greedy" | "sampling" -> AcceptanceStats
     decay: float = 0.97
     prior_alpha: dict = field(default_factory=dict)  # regime -> α from the drafter's measured τ (else 0.5)
@@ -466,6 +466,13 @@ class Option:
     shadowed: bool = False
     # regime -> [drafts accepted, drafts its estimates expected accepted] in this request's rounds (`HERE_WEIGHT`)
     here: dict = field(default_factory=dict)
+    # a round's draft at T > 0, where it was measured apart (None: as at greedy): sampled drafts and their
+    # distributions cost more than greedy ones (the embedded DFlash 2's 7-draft round ~2 ms more, half a plain token)
+    sampling_cost: DraftCost | None = None
+
+    def draft(self, regime: str) -> DraftCost:
+        """What a round's draft costs in `regime` ("greedy" | "sampling"): each learns from its own rounds."""
+        return self.sampling_cost if regime == "sampling" and self.sampling_cost is not None else self.cost
 
     def alphas(self, key: str) -> list[float]:
         """The acceptance estimates of `key` (`acceptance`) as this request's rounds measure them (`here`): each
@@ -622,7 +629,8 @@ class AutoChooser:
 
     def add(self, name: str, max_k: int, shape: str, draft_prior=None, decay: float = 0.97,
             measured_tau: dict | None = None, then_alpha: dict | None = None, sporadic: bool = False,
-            rows: int | None = None, shadowed: bool = False, catch_up: float = 0.0) -> Option:
+            rows: int | None = None, shadowed: bool = False, catch_up: float = 0.0,
+            sampling_draft_prior=None) -> Option:
         """measured_tau: {"width", "greedy", "sampling"} τ measured for this drafter (`read_measured_tau`): the
         acceptance estimates start from it instead of α = 0.5, so a weak drafter is not tried blindly first; each
         phase of a response from its own τ where it was measured per phase with this chooser's bounds ("greedy#0",
@@ -631,7 +639,8 @@ class AutoChooser:
         in some rounds only (`Option.sporadic`). rows: a token-tree option's verify rows per round (`Option.rows`;
         its acceptance is the accepted path's, per depth). shadowed: its offers no round took are scored
         (`observe_offer`, `Option.shadowed`): it is never explored. catch_up: calibrated seconds per position of
-        backlog its drafter takes in while drafting (`Option.catch_up`'s start: `calibrate.measure_catch_up`)."""
+        backlog its drafter takes in while drafting (`Option.catch_up`'s start: `calibrate.measure_catch_up`).
+        sampling_draft_prior: draft_prior for rounds at T > 0, where it was measured apart (`Option.sampling_cost`)."""
         max_k = min(max_k, max(self.costs) - 1)
         if max_k < 1:
             raise ValueError(f"option {name!r}: the verify cost curve must cover at least L = 2")
@@ -648,7 +657,8 @@ class AutoChooser:
                                     and tuple(measured_tau.get("phases", ())) == tuple(self.phases))}
         opt = Option(name, max_k, DraftCost(shape, prior), decay=decay, prior_alpha=alphas,
                      then_alpha=dict(then_alpha or {}), sporadic=sporadic, rows=rows,
-                     shadowed=shadowed, catch_up=max(0.0, float(catch_up)))
+                     shadowed=shadowed, catch_up=max(0.0, float(catch_up)),
+                     sampling_cost=None if sampling_draft_prior is None else DraftCost(shape, sampling_draft_prior))
         self.options[name] = opt
         self._forget()
         return opt
@@ -780,7 +790,7 @@ class AutoChooser:
         got = memo.get(("round costs", regime))
         if got is None or got[0] != (vf, fixed):
             got = memo[("round costs", regime)] = ((vf, fixed), [
-                opt.cost(k) + vf * self.costs[opt.verify_rows(k)] + fixed for k in range(1, opt.max_k + 1)])
+                opt.draft(regime)(k) + vf * self.costs[opt.verify_rows(k)] + fixed for k in range(1, opt.max_k + 1)])
         return got[1]
 
     def _switch(self, name: str) -> float:
@@ -1185,7 +1195,7 @@ class AutoChooser:
             opt.touched[key] = self.round
             self._round_var[self.entry(name)] = stats.prior_variance(k)
             if draft_time is not None:
-                opt.cost.observe(k, draft_time / self.scale)
+                opt.draft(regime).observe(k, draft_time / self.scale)
         if verify_time is None:
             return
         if name is None or k == 0:

@@ -127,8 +127,10 @@ class AutoDrafter:
         speed = self._speed_now()
         self.chooser = AutoChooser(verify_costs, plain_cost=self.calibration.get("plain_token_s"),
                                    wide=(wide["rows"], wide["seconds"]) if wide else None, scale=speed)
-        self.draft_costs = {n: (fixed / speed, per / speed) for n, (fixed, per) in
-                            measure_draft_costs(target, self.drafters, self.taps, self._tap_idx).items()}
+        # {regime: {drafter: (fixed, per draft)}}: a round at T > 0 samples its drafts and keeps their distributions
+        self.draft_costs = {regime: {n: (fixed / speed, per / speed) for n, (fixed, per) in measure_draft_costs(
+            target, self.drafters, self.taps, self._tap_idx, temperature=t).items()}
+            for regime, t in (("greedy", 0.0), ("sampling", 1.0))}
         self.catch_up = {n: per / speed for n, per in
                          measure_catch_up(target, self.drafters, self.taps, self._tap_idx).items()}
         self._kind_of: dict[str, str] = {}  # option name -> drafter kind
@@ -142,7 +144,8 @@ class AutoDrafter:
                                  measured_tau={"width": 1, **{r: 1.0 + a for r, a in NGRAM_RUN_ALPHA.items()}})
                 self._kind_of[NGRAM_RUN] = n
             else:
-                self.chooser.add(n, d.max_drafts, "affine", draft_prior=self.draft_costs.get(n),
+                self.chooser.add(n, d.max_drafts, "affine", draft_prior=self.draft_costs["greedy"].get(n),
+                                 sampling_draft_prior=self.draft_costs["sampling"].get(n),
                                  measured_tau=d.measured_tau, catch_up=self.catch_up.get(n, 0.0))
                 self._kind_of[n] = n
         self._trees: dict[str, int] = {}  # token-tree option -> its draft nodes per round
@@ -215,7 +218,8 @@ class AutoDrafter:
                     prior[key] = sum(a**i for i in range(depth + 1))
         d.enable_trees()
         name = "dflash+tree"
-        self.chooser.add(name, depth, "affine", draft_prior=self.draft_costs.get("dflash"), measured_tau=prior,
+        self.chooser.add(name, depth, "affine", draft_prior=self.draft_costs["greedy"].get("dflash"),
+                         sampling_draft_prior=self.draft_costs["sampling"].get("dflash"), measured_tau=prior,
                          rows=rows, catch_up=self.catch_up.get("dflash", 0.0))
         self._kind_of[name], self._trees[name], self._tree_of["dflash"] = "dflash", rows - 1, name
 
@@ -595,7 +599,7 @@ class AutoDrafter:
             steady = not k or self.chooser.steady(name, lag)
             if not steady and not building:  # what it spent beyond a steady round is its own catch-up cost
                 opt = self.chooser.options[name]
-                self.chooser.observe_catch_up(name, lag, t_draft - self.chooser.scale * opt.cost(k))
+                self.chooser.observe_catch_up(name, lag, t_draft - self.chooser.scale * opt.draft(regime)(k))
             self.chooser.update(name if k else None, k, len(new_tokens) - 1, regime,
                                 t_draft if steady and not building else None, None if building else now - t1)
             self._round = t_draft + now - t1 if k and not building else None

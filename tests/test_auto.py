@@ -149,11 +149,14 @@ def test_measured_draft_cost_has_the_drafters_own_shape(tiny):
             pass
 
         def propose(self, anchor, pos, k, sampler, history):
-            _time.sleep(0.020 + 0.005 * k)
+            _time.sleep((0.020 + 0.005 * k) * (1 if sampler.params.greedy else 2))
             return [1] * k, None
 
     fixed, per_draft = measure_draft_costs(model, {"mtp": Slow()}, (1,), {"mtp": [0]}, repeats=2)["mtp"]
     assert fixed == pytest.approx(0.020, abs=0.004) and per_draft == pytest.approx(0.005, abs=0.0015)
+    # rounds at T > 0 (sampled drafts, their distributions kept) are timed with the sampler they would run with
+    fixed, per_draft = measure_draft_costs(model, {"mtp": Slow()}, (1,), {"mtp": [0]}, repeats=2, temperature=1.0)["mtp"]
+    assert fixed == pytest.approx(0.040, abs=0.006) and per_draft == pytest.approx(0.010, abs=0.002)
 
 
 def test_measured_catch_up_is_what_a_round_costs_per_position_of_backlog(tiny):
@@ -1684,32 +1687,15 @@ def test_draft_costs_timed_now_are_priced_at_the_calibrations_speed(tiny, tmp_pa
 
 
 def test_a_rounds_draft_is_priced_and_learned_per_regime(tiny, tmp_path, monkeypatch):
-    """Drafting at T > 0 (sampled drafts, their distributions kept for the acceptance test) costs more than greedy:
-    `measure_draft_costs` times rounds with the sampler it is given, `auto` measures both regimes when it starts and
-    prices each regime's rounds by its own (the tree option too), and each learns from its own rounds only. Catches:
+    """Drafting at T > 0 (sampled drafts, their distributions kept for the acceptance test) costs more than greedy
+    (`measure_draft_costs` times either: `test_measured_draft_cost_has_the_drafters_own_shape`): `auto` measures
+    both regimes when it starts and prices each regime's rounds by its own (the tree option too), and each learns
+    from its own rounds only. Catches:
     a sampling round priced at the greedy calibration (a cold auto at T = 1 took the embedded DFlash 2's rounds for
     ~2 ms, half a plain token, cheaper than they were), or one regime's rounds moving the other's price."""
-    import time as _time
-
     from glimmer_mlx.speculative.auto import multiplex
-    from glimmer_mlx.speculative.auto.calibrate import measure_draft_costs
 
     model, _, dpath = tiny
-
-    class Sampled:
-        kind, taps, max_drafts = "mtp", (1,), 2
-
-        def start(self, taps, ids):
-            pass
-
-        def propose(self, anchor, pos, k, sampler, history):
-            _time.sleep(0.010 if sampler.params.greedy else 0.030)
-            return [1] * k, None
-
-    greedy = measure_draft_costs(model, {"mtp": Sampled()}, (1,), {"mtp": [0]}, repeats=1)["mtp"]
-    hot = measure_draft_costs(model, {"mtp": Sampled()}, (1,), {"mtp": [0]}, repeats=1, temperature=1.0)["mtp"]
-    assert sum(greedy) == pytest.approx(0.010, abs=0.003) and sum(hot) == pytest.approx(0.030, abs=0.004)
-
     curve = {L: 0.004 * (1 + 0.05 * (L - 1)) for L in range(1, 17)}
     monkeypatch.setattr(multiplex, "load_or_calibrate", lambda *a, **kw: (dict(curve), {"cached": None}))
     monkeypatch.setattr(multiplex, "measure_draft_costs", lambda *a, temperature=0.0, **kw: {

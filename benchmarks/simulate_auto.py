@@ -76,7 +76,7 @@ def simulate(policy: str, draft: float, *, requests: int, tokens: int, seed: int
         ch.new_context()
         while left > 0:
             generated = tokens - left
-            phase = sum(generated >= b for b in bounds)
+            phase = chooser_mod.phase_of(generated, bounds)
             f = factor * (phased[phase] if phased is not None else 1.0)
             alphas = [min(a * f, 0.98) for a in ALPHAS]
             k = min(7, left - 1)

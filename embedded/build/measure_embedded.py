@@ -208,8 +208,8 @@ def held_out_eval(folder: Path) -> str:
         return ""
     phases = " / ".join("–" if t is None else f"{t:.2f}" for t in after.get("tau_greedy_by_phase") or [])
     return (f"; its eval.json (auto's starting estimate), measured again on {ev.get('prompts')} whole held-out "
-            f"prompts, {ev.get('max_tokens')} tokens (`--stage eval`): {after['tau_greedy']:.2f} greedy (by phase of the response {phases}) / "
-            f"{after['tau_t1']:.2f} T=1")
+            f"prompts, {ev.get('max_tokens')} tokens (`--stage eval`): {after['tau_greedy']:.2f} greedy "
+            f"(by phase of the response {phases}) / {after['tau_t1']:.2f} T=1")
 
 
 def before_after(res: dict) -> str:

@@ -21,7 +21,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..generate import stream_generate
-from ..speculative.auto.chooser import PHASES
+from ..speculative.auto.chooser import PHASES, phase_of
 from ..models.assistant import Assistant, AssistantConfig
 from ..models.dflash2 import DFlash2, DFlash2Config
 from ..models.mtp import MTPHead, mtp_text_config
@@ -404,7 +404,7 @@ def acceptance(target, drafter, prompts: list[list[int]], width, max_tokens: int
                                          drafter=drafter, block_size=width):
                 n = len(chunk.tokens) + (chunk.finish_reason == "stop")
                 if pos is not None and n:
-                    ph = sum(pos >= b for b in PHASES)
+                    ph = phase_of(pos)
                     tokens[ph] += n
                     rounds[ph] += 1
                 pos = (pos or 0) + len(chunk.tokens)

@@ -46,7 +46,7 @@ import collections
 
 from .chooser import (CHECK_SAMPLES, ENTER_GAIN, FUTURE_TOKENS, LEDGER_FLOOR, LEDGER_ROUND_CAP, LEDGER_ROUNDS,
                       LOSS_BUDGET, MIN_GAIN, PRICE_WINDOW, SCALE_WINDOW, SCENARIOS, SETTLE_TOKEN_CAP, STALE_ROUNDS,
-                      AcceptanceStats, QuietAsks, plain_price, robust_ema, scaled_alphas)
+                      AcceptanceStats, QuietAsks, phase_of, plain_price, robust_ema, scaled_alphas)
 from .multiplex import AutoDrafter
 
 EMA = 0.2  # weight of a new step time in its n's estimate (each sample at most 3x the estimate: `chooser.robust_ema`)
@@ -142,7 +142,7 @@ class BatchAuto:
         embedded drafters accept far more in a response's opening than after it, and pooled, the estimates that
         exploration taught in the openings priced the later steps' drafts ~15 % too high."""
         phases = self.chooser.phases
-        return regime if phases is None else f"{regime}#{sum(generated >= b for b in phases)}"
+        return regime if phases is None else f"{regime}#{phase_of(generated, phases)}"
 
     def keys(self, regime: str, generated: int, budget: int) -> list[str]:
         """The estimates' keys of the phases a row reaches from `generated` tokens on with `budget` more."""

@@ -315,6 +315,12 @@ class QuietAsks:
 # averaged away by the rest
 PHASES = (16, 64)
 
+
+def phase_of(generated: int, bounds=PHASES) -> int:
+    """The phase of a response that has generated `generated` tokens: how many of the phases' `bounds` it reached."""
+    return sum(generated >= b for b in bounds)
+
+
 PRIOR_WEIGHT = 4.0  # a drafter's own measured τ (its eval.json) counts as this many observed rounds
 
 # what a model drafter accepts differs from request to request far more than its estimates, carried across requests,
@@ -810,7 +816,7 @@ class AutoChooser:
         estimates and ledger entries (`_key`, `entry`). The memoised tables are keyed by phase too: the next
         response's opening finds its own tables from the last one's, unless an estimate changed since; only a
         decision taken in another phase no longer holds (`version`)."""
-        phase = None if generated is None or self.phases is None else sum(generated >= b for b in self.phases)
+        phase = None if generated is None or self.phases is None else phase_of(generated, self.phases)
         if phase != self.phase:
             self.phase = phase
             self.version += 1

@@ -45,7 +45,9 @@ that never explores: an option is drafted only where its mean estimate pays — 
 trainprior (auto whose DFlash and MTP start from what training measured, eval.json's "training_eval", as before the
 thirty-sixth session; embedded model only); oldwake (auto whose stretch's wake is charged whole when the request
 ends or the next stretch begins, as before the thirty-sixth session); onedraft (auto whose rounds' drafts are priced
-alike at T = 0 and T > 0, from the greedy calibration, as before the thirty-sixth session); before36 (all three).
+alike at T = 0 and T > 0, from the greedy calibration, as before the thirty-sixth session); before36 (all three);
+before37 (auto whose ρ weighs its prior by `chooser.HERE_WEIGHT` always, not by how far the requests measured
+differ, as before the thirty-seventh session).
 
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
     AB_OUT=FILE ...   also appends the sitting to FILE as one JSON line (every run, each auto's summary)
@@ -65,7 +67,7 @@ import ab_setup
 from ab_setup import args, session_and_prompts
 from glimmer_mlx.bench.runner import task_order
 from glimmer_mlx.speculative.auto import make_auto
-from glimmer_mlx.speculative.auto.chooser import LEDGER_FLOOR
+from glimmer_mlx.speculative.auto.chooser import HERE_WEIGHT, LEDGER_FLOOR
 
 T, reps, maxt = args()
 modes = sys.argv[4].split(",") if len(sys.argv) > 4 else ["ar", "auto"]
@@ -295,7 +297,15 @@ def ema_overhead(auto):
 def no_explore(auto):
     """auto that never explores (`AutoChooser.explore` finds nothing): it drafts only where an option pays by its mean
     estimate."""
-    auto.chooser.explore = lambda available, regime, incumbent, remaining: None
+    auto.chooser.explore = lambda *args, **kwargs: None
+    return auto
+
+
+def before37(auto):
+    """auto as before the thirty-seventh session: ρ's weight fixed at `chooser.HERE_WEIGHT`, not measured between
+    requests (`Option.here_weight`)."""
+    for opt in auto.chooser.options.values():
+        opt.here_weight = lambda regime: HERE_WEIGHT
     return auto
 
 
@@ -348,6 +358,7 @@ make = {
     "nocheck": lambda: no_check(second_auto()),
     "noz": lambda: no_z(second_auto()),
     "nohere": lambda: no_here(second_auto()),
+    "before37": lambda: before37(second_auto()),
     "pooled": lambda: pooled_bar(second_auto()),
     "emaoverhead": lambda: ema_overhead(second_auto()),
     "before": lambda: budget(no_check(second_auto()), 0.02),

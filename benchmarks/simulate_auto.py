@@ -10,6 +10,7 @@ tokens per second relative to plain decoding, averaged over seeds.
         [--warm 10]   (adds `warm`: auto started from what another auto kept after that many requests of its own,
                        other draws, as a new process starts from the last one's file: `speculative.auto.learned`)
         [--age 0.9995]   (the chooser's fade of an idle option's evidence a round; default `AutoChooser`'s 0.998)
+        [--fixed-here]   (ρ's weight fixed at HERE_WEIGHT, not measured between requests: `Option.here_weight`)
 """
 
 from __future__ import annotations
@@ -128,6 +129,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--seeds", type=int, default=16)
     ap.add_argument("--spread", type=float, default=0.0, help="requests' acceptance × (1 ± spread), at random")
+    ap.add_argument("--fixed-here", action="store_true",
+                    help="ρ's weight fixed at HERE_WEIGHT, not measured between requests (as before session 37)")
     ap.add_argument("--here-weight", type=float, default=None, help="override chooser.HERE_WEIGHT")
     ap.add_argument("--phased", default=None, help="f0,f1,f2: acceptance × f_p in phase p of a response")
     ap.add_argument("--age", type=float, default=None, help="override AutoChooser's age (idle evidence's fade a round)")
@@ -143,6 +146,8 @@ def main() -> None:
         chooser_mod.LOSS_BUDGET = a.loss_budget
     if a.here_weight is not None:
         chooser_mod.HERE_WEIGHT = a.here_weight
+    if a.fixed_here:
+        chooser_mod.HERE_WEIGHT_MIN = chooser_mod.HERE_WEIGHT_MAX = chooser_mod.HERE_WEIGHT
     if a.ledger_floor is not None:
         chooser_mod.LEDGER_FLOOR = a.ledger_floor
     phased = tuple(float(x) for x in a.phased.split(",")) if a.phased else None

@@ -2505,14 +2505,16 @@ def test_a_requests_own_rounds_scale_the_estimates_it_is_priced_with_and_the_nex
     assert request(untold, 0) == ["dflash"] * 24
     names = request(told, 0)
     assert names[:2] == ["dflash"] * 2 and names[-4:] == [None] * 4
-    a, e = told.options["dflash"].here["greedy"]
+    a, e, _ = told.options["dflash"].here["greedy"]
     assert a == 0 and e == pytest.approx(0.7 * names.count("dflash"), rel=0.02)  # position 0 tried, α 0.7 expected
     told.new_context()
     assert told.options["dflash"].here == {} and request(told, 1, rounds=1) == ["dflash"]
     told.new_context()
     request(told, 7, rounds=12)
-    accepted, expected = told.options["dflash"].here["greedy"]
-    rho = (accepted + HERE_WEIGHT) / (expected + HERE_WEIGHT)
+    accepted, expected, _ = told.options["dflash"].here["greedy"]
+    w = told.options["dflash"].here_weight("greedy")  # measured by the requests before (`Option.close_here`)
+    assert w < HERE_WEIGHT  # they differed far more than chance: ρ weighs its prior less
+    rho = (accepted + w) / (expected + w)
     assert rho > 1.3
     raw = told.options["dflash"].acceptance("greedy").alphas()
     assert raw == pytest.approx([0.7] * 7, abs=0.01)
@@ -2767,3 +2769,45 @@ def test_the_first_round_of_an_option_at_a_width_is_not_timed(tiny, tmp_path, mo
     assert all(d is None and v is None for d, v in firsts.values())  # untimed
     assert all(v is None or v < 0.2 for _, _, _, v in spec)  # no stall in any verify time
     assert all(seconds < 0.2 for _, tokens, seconds in credits if tokens > 0)  # nor in any round's ledger credit
+
+
+def test_how_far_requests_differ_is_measured_and_sets_how_fast_a_requests_rounds_move_its_price():
+    """`Option.here_weight`: ρ's weight is q / σ², σ² what finished requests measured of how far their acceptance
+    differed from the estimates beyond chance. Requests whose rounds accept as the estimates expect raise it (ρ then
+    barely moves within a request); requests that accept everything or nothing by turns lower it to a few drafts (ρ
+    follows the request after a round or two). A chooser that never closes a request's measure keeps
+    `HERE_WEIGHT`."""
+    from glimmer_mlx.speculative.auto.chooser import HERE_WEIGHT, HERE_WEIGHT_MAX, HERE_WEIGHT_MIN
+
+    def fresh():
+        ch = chooser(flat(9), {"dflash": (7, "affine", (1 * MS, 0.0), [0.5] * 7)})
+        ch.observe_plain(10 * MS)
+        return ch
+
+    def requests(ch, pattern, n=40):
+        for i in range(n):
+            ch.new_context()
+            for accepted in pattern(i):
+                ch.update("dflash", 7, accepted, "greedy", 1 * MS, 10 * MS)
+        ch.new_context()
+
+    # α 0.5: a round's accepted drafts are geometric; these rounds average what the estimates expect (tried 1, 2, 1, 3
+    # positions, 0 + 1 + 0 + 2 accepted of 0.5 + 1 + 0.5 + 1.5 expected)
+    alike, differ = fresh(), fresh()
+    requests(alike, lambda i: [0, 1, 0, 2])
+    requests(differ, lambda i: [7, 7, 7] if i % 2 else [0, 0, 0])
+    w_alike, w_differ = alike.options["dflash"].here_weight("greedy"), differ.options["dflash"].here_weight("greedy")
+    assert w_alike > 4 * HERE_WEIGHT and w_alike <= HERE_WEIGHT_MAX
+    assert HERE_WEIGHT_MIN <= w_differ < HERE_WEIGHT / 4
+    for ch in (alike, differ):  # the estimates themselves stay near α 0.5 (pinned by set_alphas' weight)
+        assert ch.options["dflash"].acceptance("greedy").alphas()[0] == pytest.approx(0.5, abs=0.05)
+    # one round of a request that accepts everything: ρ follows it where requests differ, hardly where they do not
+    for ch in (alike, differ):
+        ch.update("dflash", 7, 7, "greedy", 1 * MS, 10 * MS)
+    assert differ.options["dflash"].rho("greedy") > 1.25 > 1.05 > alike.options["dflash"].rho("greedy") > 1.0
+    # the measure is each request's: with no request ever closed the weight stays where it starts
+    kept = fresh()
+    kept.new_context = kept.clear_lags
+    requests(kept, lambda i: [7, 7, 7] if i % 2 else [0, 0, 0], n=6)
+    assert kept.options["dflash"].here_weight("greedy") == HERE_WEIGHT
+

@@ -128,10 +128,14 @@ def test_auto_rows_greedy_equal_plain_solo(sess, ids):
     row verified against the wrong drafts, an option's state not advanced with the row's commits (`Row.accept` for
     every drafter in `options`), the width capped wrongly by the budget (tokens past max_tokens)."""
     gen = BatchGenerator(sess.model, prefill_step=16, auto=sess.drafters.batch_auto())
+    closed = []
+    close_row = gen.auto.close_row
+    gen.auto.close_row = lambda here: (closed.append(here), close_row(here))
     modes = ["auto", "auto", "dflash", "auto", "ar", "auto"]
     maxes = [20, 13, 18, 25, 11, 22]
     plan = [(i, request(sess, ids[i], modes[i], params(), 0, maxes[i])) for i in range(6)]
     out, rows = run(gen, plan)
+    assert len(closed) == modes.count("auto")  # each auto row's measure joins the spread between requests
     for i in range(6):
         ref = solo(sess, ids[i], "ar", params(), 0, maxes[i])
         assert out[i][0] == ref[0], (i, modes[i])
@@ -489,6 +493,9 @@ def ba(sess):
     auto = sess.drafters.auto()
     saved = {name: {key: (a.acc[:], a.tried[:], a.shrink) for key, a in o.stats.items()}
              for name, o in auto.chooser.options.items()}
+    between = {name: dict(o.between) for name, o in auto.chooser.options.items()}
+    for o in auto.chooser.options.values():
+        o.between = {}  # how far requests differ (`Option.here_weight`): as a fresh process starts, whatever ran before
     b = BatchAuto(auto)
     b.draft_cost = lambda name, k: 1e-5 * k  # drafting nearly free: the tests are about the step cost
     yield b
@@ -498,6 +505,7 @@ def ba(sess):
         for key, (acc, tried, shrink) in saved[name].items():
             a = o.stats[key]
             a.acc, a.tried, a.shrink = acc, tried, shrink
+        o.between = between[name]
 
 
 def phase_keys(ba, regime):
@@ -578,12 +586,19 @@ def test_a_rows_own_rounds_scale_its_estimates_and_a_row_drafting_at_a_loss_step
     for _ in range(4):  # every draft accepted, in rounds of 15 (through `update`, as a batch's row notes them)
         ba.update("dflash", "greedy", 15, 15, here=lucky)
         pin(ba, "dflash", "greedy", 0.3)
-    assert lucky["dflash"]["greedy"] == [60.0, pytest.approx(4 * 15 * 0.3)]  # against the estimates before learning
+    # against the estimates before learning (accepted, expected, their variance Σ α(1 − α))
+    assert lucky["dflash"]["greedy"] == [60.0, pytest.approx(4 * 15 * 0.3), pytest.approx(4 * 15 * 0.3 * 0.7)]
     assert ba.rho("dflash", "greedy", lucky) > 2.0
     k, plan = ba.choose([("greedy", 100, {"dflash": 15}, ba.rhos(lucky, "greedy"))], 0, 1, 0.0, 15)
     assert k > 0 and plan == [("dflash", k)]
     ba.update("ngram@1", "greedy", 3, 0, here=lucky)  # n-gram lookup learns from every offer: no measure of its own
     assert set(lucky) == {"dflash"}
+    # the row finishes: how far it was from the estimates joins the measure of how far requests differ, as a lone
+    # request's does (`chooser.Option.close_here`): ρ weighs the estimates less from now on
+    from glimmer_mlx.speculative.auto.chooser import HERE_WEIGHT
+    assert dflash.here_weight("greedy") == HERE_WEIGHT
+    ba.close_row(lucky)
+    assert dflash.here_weight("greedy") < HERE_WEIGHT / 2
 
 
 def test_auto_never_speculates_without_drafts(ba):

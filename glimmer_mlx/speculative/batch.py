@@ -664,6 +664,7 @@ class BatchGenerator:
 
     def _finish(self, row: Row) -> None:
         if row.req.auto:  # what its rounds taught, for the next process (`AutoDrafter.remember`: every few seconds)
+            self.auto.close_row(row.here)
             self.auto.auto.remember()
         row.stats.generation_tokens = row.out.n
         if row.t_first is not None:

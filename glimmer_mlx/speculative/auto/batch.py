@@ -708,6 +708,14 @@ class BatchAuto:
             opt.note_here(regime, k, accepted, here.setdefault(name, {}))
         self.acceptance(name, regime).update(k, accepted)
 
+    def close_row(self, here: dict) -> None:
+        """A row finished: how its rounds of each model drafter did against the estimates (`update`) joins the
+        measure of how far requests differ (`chooser.Option.close_here`), as a lone request's does."""
+        for name, h in here.items():
+            opt = self.chooser.options.get(name)
+            if opt is not None:
+                opt.close_here(h)
+
     def rho(self, name: str, regime: str, here: dict) -> float | None:
         """How a row's own rounds of model drafter `name` did against the estimates they were drafted on (the solo
         chooser's ρ, `chooser.HERE_WEIGHT`: a drafter accepts far more on some requests than on others, which the

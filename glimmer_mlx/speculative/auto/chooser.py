@@ -334,6 +334,17 @@ PRIOR_WEIGHT = 4.0  # a drafter's own measured τ (its eval.json) counts as this
 # without it, 1.084 / 1.098 / 1.104 at a weight of 8 / 16 / 32; where half the requests accept 30 % more and half
 # 30 % less (`--spread 0.3`), 1.166 without, 1.241 / 1.222 / 1.215
 HERE_WEIGHT = 16.0
+# ... and that weight is measured, per option and regime (`Option.here_weight`): a Bayesian ρ weighs its prior by
+# q / σ², σ² the variance of a request's acceptance ratio between requests (the mean over finished requests of
+# (accepted / expected − 1)² less its sampling part, Σ α(1 − α) / expected², each weighed by its share of what it
+# measured; `Option.close_here`) and q the sampling variance per expected draft (Σ α(1 − α) / Σ α, ~1 − α). Where
+# requests accept alike σ² falls and ρ stays near 1; where they differ (the embedded DFlash's code against its chat)
+# ρ follows the request within a round or two. From HERE_WEIGHT (as q / σ² of HERE_PRIOR_REQUESTS requests) within
+# [HERE_WEIGHT_MIN, HERE_WEIGHT_MAX]; the latest HERE_REQUESTS requests' worth count
+HERE_PRIOR_REQUESTS = 4.0
+HERE_REQUESTS = 32.0
+HERE_WEIGHT_MIN, HERE_WEIGHT_MAX = 2.0, 256.0
+HERE_Q = 0.4
 
 
 def scaled_alphas(alphas: list[float], rho: float | None) -> list[float]:
@@ -470,11 +481,14 @@ class Option:
     # before the round): a plain round learns what a round of it would, so it is never explored — a round drafted
     # only to learn it would pay for what passing it over learns for free — and is chosen where its estimate pays
     shadowed: bool = False
-    # regime -> [drafts accepted, drafts its estimates expected accepted] in this request's rounds (`HERE_WEIGHT`)
+    # regime -> [drafts accepted, drafts its estimates expected accepted, their variance Σ α(1 − α)] in this
+    # request's rounds (`HERE_WEIGHT`)
     here: dict = field(default_factory=dict)
     # a round's draft at T > 0, where it was measured apart (None: as at greedy): sampled drafts and their
     # distributions cost more than greedy ones (the embedded DFlash 2's 7-draft round ~2 ms more, half a plain token)
     sampling_cost: DraftCost | None = None
+    # regime -> (requests counted, σ², q): how a request's acceptance varies around the estimates (`here_weight`)
+    between: dict = field(default_factory=dict)
 
     def draft(self, regime: str) -> DraftCost:
         """What a round's draft costs in `regime` ("greedy" | "sampling"): each learns from its own rounds."""
@@ -489,16 +503,45 @@ class Option:
         """How this request's rounds of `regime` did against its estimates (`HERE_WEIGHT`; None: no round yet);
         here: a batch row's measure instead of the option's own."""
         h = (self.here if here is None else here).get(regime)
-        return None if h is None else (h[0] + HERE_WEIGHT) / (h[1] + HERE_WEIGHT)
+        if h is None:
+            return None
+        w = self.here_weight(regime)
+        return (h[0] + w) / (h[1] + w)
 
     def note_here(self, key: str, k: int, n_accepted: int, here: dict | None = None) -> None:
         """A round of k drafts, n accepted, in this request (before its estimates of `key` learn from it); here: a
         batch row's measure (`rho`) instead of the option's own."""
-        h = (self.here if here is None else here).setdefault(key.split("#", 1)[0], [0.0, 0.0])
+        h = (self.here if here is None else here).setdefault(key.split("#", 1)[0], [0.0, 0.0, 0.0])
         alphas = self.acceptance(key).alphas()
         tried = min(n_accepted + 1, k, self.max_k)
         h[0] += min(n_accepted, tried)
         h[1] += sum(alphas[:tried])
+        h[2] += sum(a * (1.0 - a) for a in alphas[:tried])
+
+    def _between(self, regime: str) -> tuple[float, float, float]:
+        return self.between.get(regime, (HERE_PRIOR_REQUESTS, HERE_Q / HERE_WEIGHT, HERE_Q))
+
+    def here_weight(self, regime: str) -> float:
+        """ρ's weight in `regime`: q / σ² (`HERE_WEIGHT`), the expected drafts a request's rounds must have tried to
+        weigh as much as the estimates."""
+        _, s2, q = self._between(regime)
+        return min(max(q / s2, HERE_WEIGHT_MIN), HERE_WEIGHT_MAX) if s2 > 0.0 else HERE_WEIGHT_MAX
+
+    def close_here(self, here: dict | None = None) -> None:
+        """A request ended: what its rounds measured (`here`; a batch row's measure where given) joins the spread
+        between requests (`here_weight`), weighed by the share of its ratio that was not its prior's; the option's
+        own measure starts afresh."""
+        for regime, h in (self.here if here is None else here).items():
+            if h[1] <= 0.0:
+                continue
+            w = h[1] / (h[1] + self.here_weight(regime))
+            n, s2, q = self._between(regime)
+            n = min(n + w, HERE_REQUESTS)
+            s2 += w * ((h[0] / h[1] - 1.0) ** 2 - h[2] / h[1] ** 2 - s2) / n
+            q += w * (h[2] / h[1] - q) / n
+            self.between[regime] = (n, s2, q)
+        if here is None:
+            self.here = {}
 
     def verify_rows(self, k: int) -> int:
         """Rows one round at k drafts (a tree: k deep) feeds the target's verify forward."""
@@ -722,7 +765,7 @@ class AutoChooser:
         self.clear_lags()
         if any(o.here for o in self.options.values()):
             for o in self.options.values():
-                o.here = {}
+                o.close_here()
             self._forget()
 
     def clear_lags(self) -> None:

@@ -47,7 +47,8 @@ thirty-sixth session; embedded model only); oldwake (auto whose stretch's wake i
 ends or the next stretch begins, as before the thirty-sixth session); onedraft (auto whose rounds' drafts are priced
 alike at T = 0 and T > 0, from the greedy calibration, as before the thirty-sixth session); before36 (all three);
 before37 (auto whose ρ weighs its prior by `chooser.HERE_WEIGHT` always, not by how far the requests measured
-differ, as before the thirty-seventh session).
+differ, as before the thirty-seventh session); decay97 (auto whose model drafters' estimates fade by 0.97 a round
+of their own, as before the thirty-seventh session, not `chooser.MODEL_DECAY`).
 
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
     AB_OUT=FILE ...   also appends the sitting to FILE as one JSON line (every run, each auto's summary)
@@ -309,6 +310,18 @@ def before37(auto):
     return auto
 
 
+def decay(auto, factor):
+    """auto whose model drafters' acceptance estimates fade by `factor` with each round of their own
+    (`chooser.MODEL_DECAY`)."""
+    for opt in auto.chooser.options.values():
+        if opt.shadowed:
+            continue  # n-gram lookup's
+        opt.decay = factor
+        for st in opt.stats.values():
+            st.decay = factor
+    return auto
+
+
 def no_quiet(auto):
     """auto whose plain stretches ask every round, as before the thirty-fourth session (`chooser.QUIET_RATE`)."""
     auto._unasked = lambda regime: False
@@ -359,6 +372,7 @@ make = {
     "noz": lambda: no_z(second_auto()),
     "nohere": lambda: no_here(second_auto()),
     "before37": lambda: before37(second_auto()),
+    "decay97": lambda: decay(second_auto(), 0.97),
     "pooled": lambda: pooled_bar(second_auto()),
     "emaoverhead": lambda: ema_overhead(second_auto()),
     "before": lambda: budget(no_check(second_auto()), 0.02),

@@ -11,6 +11,7 @@ tokens per second relative to plain decoding, averaged over seeds.
                        other draws, as a new process starts from the last one's file: `speculative.auto.learned`)
         [--age 0.9995]   (the chooser's fade of an idle option's evidence a round; default `AutoChooser`'s 0.998)
         [--fixed-here]   (ρ's weight fixed at HERE_WEIGHT, not measured between requests: `Option.here_weight`)
+        [--decay 0.97]   (the drafter's counts' fade a round of its own; default `chooser.MODEL_DECAY`)
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ PLAIN = 3.2 * MS
 # DFlash's conditional acceptance per position on the trained tiny set at T = 1 (issue20-tiny-trained-r0.json)
 ALPHAS = [0.508, 0.717, 0.627, 0.676, 0.669, 0.798, 0.46]
 AGE = None  # --age: the chooser's fade of idle evidence per round (`AutoChooser` age; None: its default)
+DECAY = chooser_mod.MODEL_DECAY  # --decay: the drafter's counts' fade per round of its own (`AcceptanceStats.decay`)
 
 
 def new_chooser(draft: float, prior_tau: float, phased: tuple | None) -> AutoChooser:
     ch = AutoChooser(COSTS, plain_cost=PLAIN, **({} if AGE is None else {"age": AGE}))
-    ch.add("dflash", 7, "block", draft_prior=draft,
+    ch.add("dflash", 7, "block", draft_prior=draft, decay=DECAY,
            measured_tau={"width": 7, "greedy": prior_tau, "sampling": prior_tau})
     if phased is None:
         ch.phases = None
@@ -134,10 +136,13 @@ def main() -> None:
     ap.add_argument("--here-weight", type=float, default=None, help="override chooser.HERE_WEIGHT")
     ap.add_argument("--phased", default=None, help="f0,f1,f2: acceptance × f_p in phase p of a response")
     ap.add_argument("--age", type=float, default=None, help="override AutoChooser's age (idle evidence's fade a round)")
+    ap.add_argument("--decay", type=float, default=None, help="override chooser.MODEL_DECAY (0.97 before session 37)")
     ap.add_argument("--warm", type=int, default=0, help="add `warm`: auto started from what one kept after N requests")
     a = ap.parse_args()
-    global AGE
+    global AGE, DECAY
     AGE = a.age
+    if a.decay is not None:
+        DECAY = a.decay
     if a.future_tokens is not None:
         chooser_mod.FUTURE_TOKENS = a.future_tokens
     if a.prior_weight is not None:
@@ -160,7 +165,7 @@ def main() -> None:
     rel = {p: round(statistics.mean(r for r, _ in v) / base, 3) for p, v in res.items()}
     print(f"draft {a.draft_ms} ms, prior τ {a.prior_tau}, FUTURE_TOKENS {chooser_mod.FUTURE_TOKENS}, PRIOR_WEIGHT "
           f"{chooser_mod.PRIOR_WEIGHT}, LOSS_BUDGET {chooser_mod.LOSS_BUDGET}, LEDGER_FLOOR "
-          f"{chooser_mod.LEDGER_FLOOR}, HERE_WEIGHT {chooser_mod.HERE_WEIGHT}, spread {a.spread}, phased {phased}: "
+          f"{chooser_mod.LEDGER_FLOOR}, HERE_WEIGHT {chooser_mod.HERE_WEIGHT}, decay {DECAY}, spread {a.spread}, phased {phased}: "
           f"× plain {rel}, "
           f"auto explored "
           f"{statistics.mean(e for _, e in res['auto']):.1f} rounds a run"

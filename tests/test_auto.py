@@ -909,6 +909,11 @@ def test_auto_drafter_taps_union_and_validation(tiny, tmp_path):
     auto = _auto(model, dpath, tmp_path)
     assert auto.taps == (1, 3, 5) and auto.max_drafts == 4  # DFlash taps 1, 3; MTP the last layer (5)
     assert set(auto.drafters) == {"dflash", "mtp", "ngram"}
+    # a model drafter's counts fade slowly with its own rounds (`chooser.MODEL_DECAY`), n-gram lookup's at the default
+    from glimmer_mlx.speculative.auto.chooser import MODEL_DECAY
+    decays = {n: (o.decay, o.acceptance("greedy").decay) for n, o in auto.chooser.options.items()}
+    assert decays["dflash"] == decays["mtp"] == (MODEL_DECAY, MODEL_DECAY) and MODEL_DECAY > 0.97
+    assert all(d == (0.97, 0.97) for n, d in decays.items() if n.startswith("ngram"))
     with pytest.raises(ValueError, match="at least one"):
         AutoDrafter(model, [])
 

@@ -323,6 +323,16 @@ def phase_of(generated: int, bounds=PHASES) -> int:
 
 PRIOR_WEIGHT = 4.0  # a drafter's own measured τ (its eval.json) counts as this many observed rounds
 
+# a model drafter's (DFlash, MTP: `multiplex.AutoDrafter`) acceptance counts fade by this with each round of its own
+# (`AcceptanceStats.decay`; n-gram options, scored at every offer of the context at hand, by the default 0.97): its
+# rounds come from explorations spread over many requests, and at 0.97 its evidence never exceeded ~33 rounds, so
+# its optimistic scenario kept beating plain decoding and auto explored it again and again (a request's own
+# acceptance is ρ's business, an idle option's fade `AutoChooser.age`'s). `benchmarks/simulate_auto.py` (--decay),
+# × plain at 0.97 → 0.99: a drafter paying 15 %, 60 requests of 32 tokens 1.074 → 1.095 (explorations 69 → 40 a
+# run), 10 of 96 1.126 → 1.133 (43 → 24), with requests differing ±30 % 1.174 → 1.206; a losing one 0.988-0.995
+# either way (fewer explorations)
+MODEL_DECAY = 0.99
+
 # what a model drafter accepts differs from request to request far more than its estimates, carried across requests,
 # can follow (the embedded model's DFlash drafter takes 0.75x plain decoding's time on its code, JSON and maths
 # prompts, 1.15-1.2x on its chat and quoting ones; a request's few rounds barely move estimates that a session's

@@ -17,7 +17,7 @@ from ..ngram import RUN as NGRAM_RUN
 from ..ngram import NGramDrafter
 from ..protocol import Drafter
 from .calibrate import load_or_calibrate, measure_catch_up, measure_draft_costs
-from .chooser import AutoChooser, QuietAsks, alpha_from_tau
+from .chooser import MODEL_DECAY, AutoChooser, QuietAsks, alpha_from_tau
 from .learned import Memory, drafter_fingerprint, enabled, option_fingerprint
 
 _KINDS = ("dflash", "mtp", "ngram")
@@ -146,7 +146,7 @@ class AutoDrafter:
             else:
                 self.chooser.add(n, d.max_drafts, "affine", draft_prior=self.draft_costs["greedy"].get(n),
                                  sampling_draft_prior=self.draft_costs["sampling"].get(n),
-                                 measured_tau=d.measured_tau, catch_up=self.catch_up.get(n, 0.0))
+                                 measured_tau=d.measured_tau, catch_up=self.catch_up.get(n, 0.0), decay=MODEL_DECAY)
                 self._kind_of[n] = n
         self._trees: dict[str, int] = {}  # token-tree option -> its draft nodes per round
         self._tree_of: dict[str, str] = {}  # drafter kind -> its tree option
@@ -220,7 +220,7 @@ class AutoDrafter:
         name = "dflash+tree"
         self.chooser.add(name, depth, "affine", draft_prior=self.draft_costs["greedy"].get("dflash"),
                          sampling_draft_prior=self.draft_costs["sampling"].get("dflash"), measured_tau=prior,
-                         rows=rows, catch_up=self.catch_up.get("dflash", 0.0))
+                         rows=rows, catch_up=self.catch_up.get("dflash", 0.0), decay=MODEL_DECAY)
         self._kind_of[name], self._trees[name], self._tree_of["dflash"] = "dflash", rows - 1, name
 
     # -- the drafters' state, brought up to date only when one will draft ---------------------------------------------

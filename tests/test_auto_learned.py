@@ -79,6 +79,14 @@ def test_a_new_auto_starts_where_the_last_one_left_off(tiny, tmp_path):
     raw = json.loads(second.memory.path.read_text())
     assert set(raw["options"]) == {"dflash", "ngram@2"}
     assert second.chooser.options["ngram@3"].stats == {}
+    # how far its requests differed (`Option.here_weight`) is kept as it was measured
+    from glimmer_mlx.speculative.auto.chooser import HERE_WEIGHT
+    first.chooser.options["dflash"].between["greedy"] = (12.0, 0.1, 0.3)  # W = 0.3 / 0.1 = 3
+    assert first.remember(force=True)
+    third = _auto(tiny, tmp_path)
+    assert third.chooser.options["dflash"].between == {"greedy": (12.0, 0.1, 0.3)}
+    assert third.chooser.options["dflash"].here_weight("greedy") == pytest.approx(3.0)
+    assert fresh.chooser.options["dflash"].here_weight("greedy") == HERE_WEIGHT
 
 
 def test_what_a_process_did_not_touch_is_written_back_as_the_file_had_it(tiny, tmp_path):
@@ -163,6 +171,15 @@ def _valid(tmp_path, tiny) -> dict:
     (lambda raw: {**raw, "options": {"dflash": {**raw["options"]["dflash"], "stats": {"beam": {}}}}}, "beam"),
     (lambda raw: {**raw, "options": {"dflash": {**raw["options"]["dflash"], "stats": {"greedy#9": {}}}}}, "greedy#9"),
     (lambda raw: b" " * (learned.MAX_BYTES + 1), "larger than"),
+    (lambda raw: {**raw, "options": {"dflash": {**raw["options"]["dflash"], "between": []}}}, "between: not an object"),
+    (lambda raw: {**raw, "options": {"dflash": {**raw["options"]["dflash"], "between": {"beam": [1, 0, 0]}}}},
+     "between.beam"),
+    (lambda raw: {**raw, "options": {"dflash": {**raw["options"]["dflash"], "between": {
+        "greedy": [1.0, float("nan"), 0.4]}}}}, "between.greedy"),
+    (lambda raw: {**raw, "options": {"dflash": {**raw["options"]["dflash"], "between": {"greedy": [1.0, 0.1]}}}},
+     "three finite numbers"),
+    (lambda raw: {**raw, "options": {"dflash": {**raw["options"]["dflash"], "between": {
+        "greedy": [-1.0, 0.1, 0.4]}}}}, "negative"),
 ])
 def test_a_bad_file_is_named_in_one_line_and_not_used(tiny, tmp_path, damage, field):
     raw = _valid(tmp_path, tiny)

@@ -9,6 +9,9 @@ rows before its estimates said it did not pay: BENCHMARKS.md, issue 24). Now a p
 that served this target left off, its evidence counted at `RESTORE_WEIGHT` of its weight (what it measured may have
 been other work: the estimates still move, and exploring can still pay).
 
+With each option's estimates goes how far its requests were measured to differ from them (`Option.here_weight`,
+its "between"), restored as it was.
+
 Each option's entry names the drafter it was measured with (`option_fingerprint`: its kind, draft width, tree rows
 and checkpoint files): an option whose drafter changed starts from its prior again, the others keep what they
 learned. The file is written atomically (`files.write_atomic`) at most every `REMEMBER_EVERY` seconds when a request
@@ -67,7 +70,8 @@ def option_fingerprint(drafter_fp: str, opt) -> str:
 
 
 def snapshot(chooser: AutoChooser, fingerprints: dict[str, str]) -> dict:
-    """{option: {"fingerprint", "stats": {key: {"acc", "tried", "shrink"}}}} of every option with a fingerprint."""
+    """{option: {"fingerprint", "stats": {key: {"acc", "tried", "shrink"}}[, "between": {regime: [n, σ², q]}]}} of
+    every option with a fingerprint ("between": how far its requests were measured to differ, `Option.here_weight`)."""
     out = {}
     for name, opt in chooser.options.items():
         fp = fingerprints.get(name)
@@ -75,6 +79,32 @@ def snapshot(chooser: AutoChooser, fingerprints: dict[str, str]) -> dict:
             continue
         out[name] = {"fingerprint": fp, "stats": {key: {"acc": list(s.acc), "tried": list(s.tried), "shrink": s.shrink}
                                                   for key, s in sorted(opt.stats.items())}}
+        if opt.between:
+            out[name]["between"] = {r: list(v) for r, v in sorted(opt.between.items())}
+    return out
+
+
+def parse_between(raw, chooser: AutoChooser, fingerprints: dict[str, str]) -> dict[tuple[str, str], tuple]:
+    """{(option, regime): (requests counted, σ², q)} of the file's "between" entries that fit the chooser's options
+    (`parse` checked the rest of the file); raises LearnedError naming the first field that is not one."""
+    out = {}
+    for name, entry in raw["options"].items():
+        opt = chooser.options.get(name)
+        if opt is None or entry.get("fingerprint") != fingerprints.get(name) or "between" not in entry:
+            continue
+        between = entry["between"]
+        if not isinstance(between, dict):
+            raise LearnedError(f"options.{name}.between: not an object")
+        for regime, v in between.items():
+            where = f"options.{name}.between.{regime}"
+            if regime not in ("greedy", "sampling"):
+                raise LearnedError(f"{where}: not a regime (greedy or sampling)")
+            if not isinstance(v, list) or len(v) != 3 or any(
+                    isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) for x in v):
+                raise LearnedError(f"{where}: expected [requests, variance, q], three finite numbers")
+            if v[0] < 0 or v[2] < 0:
+                raise LearnedError(f"{where}: a negative count or q")
+            out[(name, regime)] = (float(v[0]), float(v[1]), float(v[2]))
     return out
 
 
@@ -161,6 +191,7 @@ class Memory:
                 raise LearnedError(f"larger than {MAX_BYTES} bytes")
             raw = json.loads(self.path.read_text(encoding="utf-8"))
             entries = parse(raw, chooser, self.fingerprints)
+            between = parse_between(raw, chooser, self.fingerprints)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, LearnedError) as e:
             if log:
                 log(f"auto: {self.path}: not used ({e}); starting from the drafters' own estimates")
@@ -168,6 +199,8 @@ class Memory:
         self._foreign = {name: entry for name, entry in raw["options"].items()
                          if name not in chooser.options or entry.get("fingerprint") != self.fingerprints.get(name)}
         self.restored = restore(chooser, entries)
+        for (name, regime), v in between.items():
+            chooser.options[name].between[regime] = v
         for (name, key), (acc, tried, shrink) in entries.items():
             st = chooser.options[name].stats[key]
             self._kept[(name, key)] = ((list(st.acc), list(st.tried), st.shrink),

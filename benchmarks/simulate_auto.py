@@ -165,7 +165,8 @@ def main() -> None:
     rel = {p: round(statistics.mean(r for r, _ in v) / base, 3) for p, v in res.items()}
     print(f"draft {a.draft_ms} ms, prior τ {a.prior_tau}, FUTURE_TOKENS {chooser_mod.FUTURE_TOKENS}, PRIOR_WEIGHT "
           f"{chooser_mod.PRIOR_WEIGHT}, LOSS_BUDGET {chooser_mod.LOSS_BUDGET}, LEDGER_FLOOR "
-          f"{chooser_mod.LEDGER_FLOOR}, HERE_WEIGHT {chooser_mod.HERE_WEIGHT}, decay {DECAY}, spread {a.spread}, phased {phased}: "
+          f"{chooser_mod.LEDGER_FLOOR}, HERE_WEIGHT {chooser_mod.HERE_WEIGHT}, decay {DECAY}, spread {a.spread}, "
+          f"phased {phased}: "
           f"× plain {rel}, "
           f"auto explored "
           f"{statistics.mean(e for _, e in res['auto']):.1f} rounds a run"

@@ -155,7 +155,8 @@ def test_measured_draft_cost_has_the_drafters_own_shape(tiny):
     fixed, per_draft = measure_draft_costs(model, {"mtp": Slow()}, (1,), {"mtp": [0]}, repeats=2)["mtp"]
     assert fixed == pytest.approx(0.020, abs=0.004) and per_draft == pytest.approx(0.005, abs=0.0015)
     # rounds at T > 0 (sampled drafts, their distributions kept) are timed with the sampler they would run with
-    fixed, per_draft = measure_draft_costs(model, {"mtp": Slow()}, (1,), {"mtp": [0]}, repeats=2, temperature=1.0)["mtp"]
+    fixed, per_draft = measure_draft_costs(model, {"mtp": Slow()}, (1,), {"mtp": [0]}, repeats=2,
+                                           temperature=1.0)["mtp"]
     assert fixed == pytest.approx(0.040, abs=0.006) and per_draft == pytest.approx(0.010, abs=0.002)
 
 

@@ -344,14 +344,15 @@ MODEL_DECAY = 0.99
 # without it, 1.084 / 1.098 / 1.104 at a weight of 8 / 16 / 32; where half the requests accept 30 % more and half
 # 30 % less (`--spread 0.3`), 1.166 without, 1.241 / 1.222 / 1.215
 HERE_WEIGHT = 16.0
-# ... and that weight is measured, per option and regime (`Option.here_weight`): a Bayesian ρ weighs its prior by
-# q / σ², σ² the variance of a request's acceptance ratio between requests (the mean over finished requests of
+# ... and that weight is measured, per option and regime (`Option.here_weight`): a Bayesian ρ weighs its prior
+# by q / σ², σ² the variance of a request's acceptance ratio between requests (the mean over finished requests of
 # (accepted / expected − 1)² less its sampling part, Σ α(1 − α) / expected², each weighed by its share of what it
-# measured; `Option.close_here`) and q the sampling variance per expected draft (Σ α(1 − α) / Σ α, ~1 − α). Where
-# requests accept alike σ² falls and ρ stays near 1; where they differ (prompts a drafter copies well against ones
-# it does not) ρ follows the request within a round or two. (`benchmarks/here_weight_replay.py`: on the embedded
-# model's 20 shipped prompts DFlash's requests differ little beyond chance, W stays 16-32.) From HERE_WEIGHT (as q / σ² of HERE_PRIOR_REQUESTS requests) within
-# [HERE_WEIGHT_MIN, HERE_WEIGHT_MAX]; the latest HERE_REQUESTS requests' worth count
+# measured; `Option.close_here`) and q the sampling variance per expected draft (Σ α(1 − α) / Σ α, ~1 − α).
+# Where requests accept alike σ² falls and ρ stays near 1; where they differ (prompts a drafter copies well against
+# ones it does not) ρ follows the request within a round or two. (`benchmarks/here_weight_replay.py`: on the
+# embedded model's 20 shipped prompts DFlash's requests differ little beyond chance, W stays 16-32.) From
+# HERE_WEIGHT (as q / σ² of HERE_PRIOR_REQUESTS requests) within [HERE_WEIGHT_MIN, HERE_WEIGHT_MAX]; the latest
+# HERE_REQUESTS requests' worth count
 HERE_PRIOR_REQUESTS = 4.0
 HERE_REQUESTS = 32.0
 HERE_WEIGHT_MIN, HERE_WEIGHT_MAX = 2.0, 256.0

@@ -247,21 +247,41 @@ class BatchLayout:
             self._memo["offsets"] = mx.array(self.lengths, dtype=mx.int32)
         return self._memo["offsets"]
 
-    def mask(self, L: int, window: int | None) -> mx.array:
-        """[B, 1, L, N] bool (N = longest row + L): query j of row b (position lengths[b] + j) sees keys at
-        positions <= its own (and, with a window, fewer than `window` behind). Every query sees at least its own key,
-        so padded queries stay finite."""
+    def first_key(self, L: int, window: int | None) -> int:
+        """The first key position any of L new queries of any row can see: 0, or with a window the shortest row's
+        first query's window start (`update` returns keys from there: the rest no query sees)."""
+        return 0 if window is None else max(0, min(self.lengths) - window + 1)
+
+    def mask(self, L: int, window: int | None) -> mx.array | None:
+        """[B, 1, L, N − first] bool over the keys [first, N) (`first_key`; N = longest row + L): query j of row b
+        (position lengths[b] + j) sees keys at positions <= its own (and, with a window, fewer than `window`
+        behind). Every query sees at least its own key, so padded queries stay finite. None where nothing is
+        masked: one query a row and every row as long (a batch of one; rows that joined together) — its keys from
+        `first_key` are exactly what each query sees (a mask costs the attention a masked path: ~2 % of a 1-row
+        step of the embedded model here)."""
         key = (L, window)
-        m = self._memo.get(key)
-        if m is None:
-            N = max(self.lengths) + L
+        if key in self._memo:
+            return self._memo[key]
+        lo, n = self.first_key(L, window), self.lengths
+        if L == 1 and min(n) == max(n):
+            m = None
+        else:
+            N = max(n) + L
             q = self.offsets()[:, None] + mx.arange(L, dtype=mx.int32)[None, :]
-            k = mx.arange(N, dtype=mx.int32)[None, None, :]
+            k = mx.arange(lo, N, dtype=mx.int32)[None, None, :]
             m = k <= q[:, :, None]
             if window is not None:
                 m = m & (k > q[:, :, None] - window)
-            m = self._memo[key] = m[:, None]
+            m = m[:, None]
+        self._memo[key] = m
         return m
+
+
+# rows of several lengths written one slice a row (2 writes a row and layer) up to this many, by one scatter over the
+# flattened buffer beyond (its index arithmetic, ~10 ops a layer): a scatter always made a 1-row step of the embedded
+# model ~8 % slower than a solo step (a whole 1-row batch step 15 % slower, a 2-row one 7 %), slices at 8 rows ~3 %
+# slower than the scatter (`benchmarks/batch_cache_ab.py`)
+SLICED_ROWS = 4
 
 
 class BatchKVCache:
@@ -299,6 +319,9 @@ class BatchKVCache:
         self.keys, self.values = nk, nv
 
     def update(self, k: mx.array, v: mx.array, tree=None):
+        """Write each row's L new keys at its own length; return the keys and values from `BatchLayout.first_key`
+        and the mask for them (`BatchLayout.mask`). Rows of one length are written as one slice; rows of several
+        lengths one slice a row up to `SLICED_ROWS` rows, else by one scatter (`benchmarks/batch_cache_ab.py`)."""
         if tree is not None:
             raise ValueError("token trees are not supported inside a batch")
         B, H, L, Dk = k.shape
@@ -307,14 +330,24 @@ class BatchKVCache:
             raise ValueError(f"a batch of {B} rows against a layout of {len(lengths)}")
         N = max(lengths) + L
         self._grow(N, B, H, Dk, v.shape[3], k.dtype)
-        cap = self.cap
-        idx = (mx.arange(B * H, dtype=mx.int32).reshape(B, H, 1) * cap + self.layout.offsets().reshape(B, 1, 1)
-               + mx.arange(L, dtype=mx.int32).reshape(1, 1, L)).reshape(-1)
-        fk, fv = self.keys.reshape(-1, Dk), self.values.reshape(-1, v.shape[3])
-        fk[idx] = k.reshape(-1, Dk)
-        fv[idx] = v.reshape(-1, v.shape[3])
-        self.keys, self.values = fk.reshape(B, H, cap, Dk), fv.reshape(B, H, cap, v.shape[3])
-        return self.keys[:, :, :N], self.values[:, :, :N], self.layout.mask(L, self.window)
+        if min(lengths) == max(lengths):
+            n = lengths[0]
+            self.keys[:, :, n : n + L] = k
+            self.values[:, :, n : n + L] = v
+        elif B <= SLICED_ROWS:
+            for b, n in enumerate(lengths):
+                self.keys[b : b + 1, :, n : n + L] = k[b : b + 1]
+                self.values[b : b + 1, :, n : n + L] = v[b : b + 1]
+        else:  # one scatter over the flattened buffer, each row at its own length
+            cap = self.cap
+            idx = (mx.arange(B * H, dtype=mx.int32).reshape(B, H, 1) * cap + self.layout.offsets().reshape(B, 1, 1)
+                   + mx.arange(L, dtype=mx.int32).reshape(1, 1, L)).reshape(-1)
+            fk, fv = self.keys.reshape(-1, Dk), self.values.reshape(-1, v.shape[3])
+            fk[idx] = k.reshape(-1, Dk)
+            fv[idx] = v.reshape(-1, v.shape[3])
+            self.keys, self.values = fk.reshape(B, H, cap, Dk), fv.reshape(B, H, cap, v.shape[3])
+        lo = self.layout.first_key(L, self.window)
+        return self.keys[:, :, lo:N], self.values[:, :, lo:N], self.layout.mask(L, self.window)
 
     def put_row(self, b: int, cache: KVCache) -> None:
         """Copy a solo cache's rows (batch 1) into row b (already counted in the layout, with length

@@ -447,12 +447,19 @@ def test_put_row_remove_rows_row_cache():
     assert bc.keys.shape[0] == 2
     np.testing.assert_array_equal(np.array(bc.keys[0]), keys_before[2])
     np.testing.assert_array_equal(np.array(bc.keys[1]), keys_before[0])
-    # update writes each row at its own length, and returns the masks of those lengths
+    # update writes each row at its own length, and returns the keys from the first one the shorter row's window
+    # sees (12 - W + 1 = 9) with the masks of those lengths
     k_new = mx.array(rng.standard_normal((2, H, 2, D)), dtype=mx.float32)
     keys, values, mask = bc.update(k_new, k_new)
+    lo = 12 - W + 1
+    assert keys.shape[2] == 32 - lo and mask.shape == (2, 1, 2, 32 - lo)
     for b, n in enumerate([12, 30]):
-        np.testing.assert_array_equal(np.array(keys[b, :, n : n + 2]), np.array(k_new[b]))
-    assert mask.shape == (2, 1, 2, 32)
+        np.testing.assert_array_equal(np.array(bc.keys[b, :, n : n + 2]), np.array(k_new[b]))
+        np.testing.assert_array_equal(np.array(keys[b, :, n - lo : n - lo + 2]), np.array(k_new[b]))
+        for j in range(2):  # each query sees its own window, positions n + j - W + 1 .. n + j
+            want = [n + j - W < p <= n + j for p in range(lo, 32)]
+            assert np.array(mask[b, 0, j]).tolist() == want, (b, j)
+    np.testing.assert_array_equal(np.array(keys[1, :, : 30 - lo]), np.array(keys_before[0][:, lo:30]))
 
 
 def test_batched_forward_equals_solo_forward_for_ragged_blocks(sess, ids):
@@ -482,6 +489,42 @@ def test_batched_forward_equals_solo_forward_for_ragged_blocks(sess, ids):
             ref = model(mx.array([bl], dtype=mx.int32), solos[b])
             np.testing.assert_allclose(np.array(got[b, : len(bl)]), np.array(ref[0]), atol=1e-4)
             layout.commit(b, len(bl))
+    assert layout.lengths == [c[0].offset for c in solos]
+
+
+@pytest.mark.parametrize("cuts", [(150, 150), (150, 137), (150, 137, 141, 150, 133, 146)])
+def test_batched_forward_past_the_window_equals_solo_forward(sess, cuts):
+    """Rows past the 128-token sliding window, of one length (a 1-token step then needs no mask: `BatchLayout.mask`
+    is None, every row written as one slice) and of several (the windowed layers' keys start where the shortest
+    row's window does, `BatchLayout.first_key`; each row written as its own slice, or past `cache.SLICED_ROWS` rows
+    by one scatter): steps of 1, 3 and 1 tokens, every real position's logits equal a solo forward's. Catches: keys
+    cut at a longer row's window start (a shorter row loses keys it sees), a mask dropped where lengths differ, a
+    row's keys written at another's length."""
+    model, tok = sess.model, sess.tokenizer
+    long = tok.encode(LONG_TEXT)
+    assert len(long) >= max(cuts) + 3 * len(cuts) and min(cuts) > model.args.sliding_window
+    layout, bcache = make_batch_cache(model.args)
+    solos = []
+    for i, n in enumerate(cuts):
+        p = long[3 * i : 3 * i + n]
+        c = model.make_cache()
+        model(mx.array([p], dtype=mx.int32), c)
+        b = layout.append(c[0].offset)
+        for bc, sc in zip(bcache, c):
+            bc.put_row(b, sc)
+        solos.append(c)
+    W = model.args.sliding_window
+    assert layout.first_key(1, W) == min(cuts) - W + 1
+    alike = len(set(cuts)) == 1
+    assert (layout.mask(1, W) is None) == alike and (layout.mask(1, None) is None) == alike
+    rng = np.random.default_rng(2)
+    for L in (1, 3, 1):
+        blocks = [rng.integers(10, 1000, size=L).tolist() for _ in cuts]
+        got = model(mx.array(blocks, dtype=mx.int32), bcache)
+        for b, bl in enumerate(blocks):
+            ref = model(mx.array([bl], dtype=mx.int32), solos[b])
+            np.testing.assert_allclose(np.array(got[b]), np.array(ref[0]), atol=1e-4)
+            layout.commit(b, L)
     assert layout.lengths == [c[0].offset for c in solos]
 
 

@@ -32,15 +32,27 @@ def tiny_set(tiny: str):
 
 
 def session_and_prompts():
-    """(session, {category: prompt ids}, AB_SET or None)."""
+    """(session, {category: prompt ids}, AB_SET or None). AB_PROMPT_TOKENS=N: each prompt lengthened to N tokens,
+    its category's prompts repeated before it (a long context: a conversation's, an agent's)."""
     tiny = os.environ.get("AB_SET")
     prompts = load_prompts()
     if tiny:
         s, encoded = tiny_set(tiny)
-        return s, {c: encoded[c][0] for c in prompts}, tiny
-    s = load_session(None)
-    return s, {c: s.tokenizer.apply_chat_template([{"role": "user", "content": p[0]}], add_generation_prompt=True,
-                                                  tokenize=True) for c, p in prompts.items()}, None
+        ids = {c: encoded[c][0] for c in prompts}
+        every = encoded
+    else:
+        s = load_session(None)
+        every = {c: [s.tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                                     tokenize=True) for t in p] for c, p in prompts.items()}
+        ids = {c: every[c][0] for c in prompts}
+    n = int(os.environ.get("AB_PROMPT_TOKENS", "0"))
+    if n:
+        for c in ids:
+            pad = [t for p in every[c] for t in p]
+            while len(pad) + len(ids[c]) < n:
+                pad = pad + pad
+            ids[c] = pad[-(n - len(ids[c])):] + ids[c] if n > len(ids[c]) else ids[c]
+    return s, ids, tiny
 
 
 def batch_prompts(tokenizer) -> list[list[int]]:

@@ -34,7 +34,9 @@ rounds are priced by the estimates carried across requests alone, as before the 
 `chooser.HERE_WEIGHT`); pooled (auto whose ledger bars every option that lost once the losses exceed the budget, as
 before the seventeenth session, not the largest losers until the rest fits); emaoverhead (auto whose round overhead
 is an EMA of samples capped at two plain steps only, as before the eighteenth session: `chooser.OVERHEAD_CLIP`);
-dflash, ngram, mtp (fixed, dflash at block 8); warm (auto started from what a teacher auto learned over AB_LEARN
+nomtp (auto without the MTP drafter:
+DFlash and n-gram lookup); linearcatch (auto whose drafters' catch-ups are priced per position of backlog alone, as
+before the thirty-eighth session, not also by the context it attends over: `Option.catch_quad`); dflash, ngram, mtp (fixed, dflash at block 8); warm (auto started from what a teacher auto learned over AB_LEARN
 repeats of the prompts, default 2, other seeds, before the A/B: as a new process starts from what the last one kept,
 `speculative.auto.learned`; every other auto starts cold, `ab_setup`); warmfull (the same at the whole weight of
 what the teacher measured); noquiet (auto whose plain stretches ask every round, as before the thirty-fourth session:
@@ -53,6 +55,7 @@ of their own, as before the thirty-seventh session, not `chooser.MODEL_DECAY`).
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
     AB_OUT=FILE ...   also appends the sitting to FILE as one JSON line (every run, each auto's summary)
     AB_SETTLE=SECONDS ...   idle this long before each run (default 0)
+    AB_PROMPT_TOKENS=N ...   every prompt lengthened to N tokens (its category's prompts repeated before it)
     AB_SET=DIR python benchmarks/auto_vs_plain_ab.py ...   the trained tiny set (benchmarks/bench_tiny_set.py DIR):
         its target, DFlash drafter and MTP layers; the prompts byte-encoded as `glimmer bench` does
 """
@@ -295,6 +298,17 @@ def ema_overhead(auto):
     return auto
 
 
+def linear_catch_up(auto):
+    """auto as before the thirty-eighth session: a drafter's catch-up priced per position of its backlog alone, as
+    measured over 128 positions after 32 (`calibrate.measure_catch_up`: per + quad · 192), not also by the context
+    that backlog attends over (`Option.catch_quad`)."""
+    for opt in auto.chooser.options.values():
+        if opt.catch_quad:
+            opt.catch_up, opt.catch_quad = opt.catch_up + opt.catch_quad * 192, 0.0
+    auto.chooser.rescore()
+    return auto
+
+
 def no_explore(auto):
     """auto that never explores (`AutoChooser.explore` finds nothing): it drafts only where an option pays by its mean
     estimate."""
@@ -364,6 +378,8 @@ make = {
     "forced": lambda: make_auto(m, dflash=d.dflash, mtp=d.mtp, ngram=8,
                                 verify_costs={L: 0.005 * L for L in range(1, 17)}),
     "notree": lambda: make_auto(m, dflash=d.dflash, mtp=d.mtp, ngram=8, trees=False),
+    "nomtp": lambda: make_auto(m, dflash=d.dflash, ngram=8),
+    "linearcatch": lambda: linear_catch_up(second_auto()),
     "noledger": lambda: unguarded(second_auto()),
     "auto2": second_auto,
     "emascale": lambda: ema_scale(second_auto()),

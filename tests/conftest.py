@@ -131,7 +131,7 @@ def pytest_configure(config):
 
     def bent_catch_up(*a, **kw):
         factor = 0.0 if mode == "flat" else 10.0
-        return {n: per * factor for n, per in catch_up(*a, **kw).items()}
+        return {n: (per * factor, quad * factor) for n, (per, quad) in catch_up(*a, **kw).items()}
 
     multiplex.load_or_calibrate, multiplex.measure_draft_costs = bent_load, bent_draft
     multiplex.measure_catch_up = bent_catch_up

@@ -160,14 +160,17 @@ def test_measured_draft_cost_has_the_drafters_own_shape(tiny):
     assert fixed == pytest.approx(0.040, abs=0.006) and per_draft == pytest.approx(0.010, abs=0.002)
 
 
-def test_measured_catch_up_is_what_a_round_costs_per_position_of_backlog(tiny):
-    """`measure_catch_up` times a one-draft round after a start on 32 positions and on 32 + 128: a drafter whose
-    round costs 3 ms + 0.05 ms per position it has yet to take in is measured at 0.05 ms a position (its fixed cost
-    cancels out). Catches: the per-position cost read from one start alone (3 ms / 160 = 0.019), or from the
-    difference without dividing by the rows (6.4 ms)."""
+@pytest.mark.parametrize("quad", [0.0, 2e-7])
+def test_measured_catch_up_is_what_a_round_costs_per_position_of_backlog(tiny, quad):
+    """`measure_catch_up` times a one-draft round after a start on 32 positions, on 32 + 128 and on 32 + 512: a
+    drafter whose round costs 3 ms + 0.05 ms per position it has yet to take in (+ `quad` per position² of the
+    context that backlog attends over: a start on n positions, n²) is measured at 0.05 ms a position and `quad` (its
+    fixed cost cancels out). Catches: the per-position cost read from one start alone (3 ms / 160 = 0.019), from
+    the difference without dividing by the rows (6.4 ms), or from the narrow starts alone (a drafter whose cost
+    grows with the context priced as if it did not: 0.05 + 192 · quad a position, the wide starts' cost ~2x that)."""
     import time as _time
 
-    from glimmer_mlx.speculative.auto.calibrate import CATCH_UP_ROWS, measure_catch_up
+    from glimmer_mlx.speculative.auto.calibrate import CATCH_UP_ROWS, CATCH_UP_WIDE, measure_catch_up
 
     model, _, _ = tiny
 
@@ -180,13 +183,15 @@ def test_measured_catch_up_is_what_a_round_costs_per_position_of_backlog(tiny):
 
         def propose(self, anchor, pos, k, sampler, history):
             assert pos == self.backlog
-            _time.sleep(0.003 + 0.00005 * self.backlog)
+            _time.sleep(0.003 + 0.00005 * self.backlog + quad * self.backlog**2)
             self.backlog = 0
             return [1] * k, None
 
     got = measure_catch_up(model, {"mtp": Lagging(), "ngram": object()}, (1,), {"mtp": [0]}, repeats=3)
-    assert set(got) == {"mtp"} and CATCH_UP_ROWS == 128
-    assert got["mtp"] == pytest.approx(0.00005, abs=0.000012)
+    assert set(got) == {"mtp"} and CATCH_UP_ROWS == 128 and CATCH_UP_WIDE == 4
+    per, q = got["mtp"]
+    assert per == pytest.approx(0.00005, abs=0.000015)
+    assert q == pytest.approx(quad, abs=3e-8)
 
 
 def test_a_drafters_first_catch_up_is_priced_before_any_is_measured(tiny, tmp_path, monkeypatch):
@@ -205,7 +210,7 @@ def test_a_drafters_first_catch_up_is_priced_before_any_is_measured(tiny, tmp_pa
     info = {"cached": True, "plain_token_s": P, "wide_forward_s": None, "checked_plain_token_s": 2.0 * P}
     monkeypatch.setattr(multiplex, "load_or_calibrate", lambda *a, **kw: (dict(curve), dict(info)))
     monkeypatch.setattr(multiplex, "measure_draft_costs", lambda *a, **kw: {"dflash": (0.002, 0.0)})
-    monkeypatch.setattr(multiplex, "measure_catch_up", lambda *a, **kw: {"dflash": 0.0001})
+    monkeypatch.setattr(multiplex, "measure_catch_up", lambda *a, **kw: {"dflash": (0.0001, 0.0)})
     auto = make_auto(model, dflash=glimmer_mlx.load_drafter(dpath, model), ngram=False, calibration_dir=tmp_path)
     ch = auto.chooser
     assert ch.scale == pytest.approx(2.0)
@@ -1770,6 +1775,34 @@ def test_a_drafters_catch_up_is_charged_to_it_alone():
     ch.set_lag("ngram@4", 40, fill=True)  # (an option with no catch-up of its own: that forward alone)
     assert ch.catch_up_cost("ngram@4") > 0
     assert ch.catch_up_cost("mtp") == pytest.approx(own + ch.catch_up_cost("ngram@4"))
+
+
+def test_a_catch_up_over_a_longer_context_costs_more():
+    """A drafter whose catch-up attends over the context (`Option.catch_quad`: an MTP layer's forward over its
+    backlog): 100 positions behind at position 500 cost per · (100 − steady) + quad · ((500 − steady)² − 400²),
+    more than the same backlog at position 100 (quad · ((100 − steady)² − 0)), and its rate drops with it (the
+    memoised tables follow the position, not only the backlog); a measured catch-up that is all context leaves the
+    per-position estimate where the context's part was taken out (not charged twice). Catches: the context ignored
+    (a prompt of 550 positions priced as 128 of them), a memo keyed by the backlog alone, the observation's context
+    part counted into the per-position cost."""
+    from glimmer_mlx.speculative.auto.chooser import lag_bucket
+
+    ch = chooser(flat(), {"mtp": (2, "block", 1 * MS, [0.95])})
+    opt = ch.options["mtp"]
+    opt.catch_up, opt.catch_quad = 0.001 * MS, 1e-5 * MS
+    ch.rescore()
+    s, L, P = opt.steady, lag_bucket(100), lag_bucket(500)  # (the backlog and position, bucketed: 104, 512)
+    ch.set_lag("mtp", 100, fill=False, at=100)
+    near, best_near = ch.catch_up_cost("mtp"), ch.best({"mtp": 2})
+    assert near == pytest.approx(0.001 * MS * (L - s) + 1e-5 * MS * ((L - s) ** 2 - 0))
+    ch.set_lag("mtp", 100, fill=False, at=500)
+    far, best_far = ch.catch_up_cost("mtp"), ch.best({"mtp": 2})
+    assert far == pytest.approx(0.001 * MS * (L - s) + 1e-5 * MS * ((P - s) ** 2 - (P - L) ** 2))
+    assert far > 1.5 * near and best_near[0] == best_far[0] == "mtp" and best_far[2] < best_near[2]
+    ch.set_lag("mtp", s, fill=False, at=500)  # a steady round's backlog: no catch-up
+    assert ch.catch_up_cost("mtp") == 0.0
+    ch.observe_catch_up("mtp", 100, ch.scale * 1e-5 * MS * ((500 - s) ** 2 - 400 ** 2), at=500)
+    assert opt.catch_up == pytest.approx(0.75 * 0.001 * MS)  # the EMA moved toward 0: nothing beyond the context's
 
 
 def test_adaptive_block_width_takes_the_cached_calibration(tiny, tmp_path, monkeypatch):

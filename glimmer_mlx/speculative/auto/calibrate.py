@@ -263,38 +263,49 @@ def measure_draft_costs(target, drafters: dict, taps: tuple, tap_idx: dict, cont
 
 
 # positions of backlog beyond the draft costs' context that a model drafter's catch-up is timed over
-# (`measure_catch_up`): a prompt's worth, about, where the per-position cost shows above one round's noise
+# (`measure_catch_up`): a prompt's worth, about, where the per-position cost shows above one round's noise; and
+# CATCH_UP_WIDE times as many, where a cost that grows with the context it attends over shows too
 CATCH_UP_ROWS = 128
+CATCH_UP_WIDE = 4
 
 
 def measure_catch_up(target, drafters: dict, taps: tuple, tap_idx: dict, context: int = 32,
-                     rows: int = CATCH_UP_ROWS, repeats: int = 1) -> dict[str, float]:
-    """{drafter: seconds per position of backlog}: what each model drafter's round costs more for every target
-    position it has yet to take in — its own work on them, the taps given (a drafter takes its backlog in lazily, in
-    its next round: DFlash's context K/V, an MTP layer's forward over them). Timed now as the difference between a
-    one-draft round right after a start on `context` positions and one after a start on `context + rows` (the
-    minimum of `repeats` of each after a warm-up), over `rows`. Without it the chooser priced a drafter's first
-    catch-up at nothing until one was measured: the trained tiny set's MTP layer spent 18-36 ms catching up on a
-    ~550-position prompt (a plain token: ~2 ms), the embedded one 33 ms on 512 positions (a plain token: 4.4 ms).
-    Each drafter is timed on a shallow copy, as in `measure_draft_costs`."""
+                     rows: int = CATCH_UP_ROWS, repeats: int = 1) -> dict[str, tuple[float, float]]:
+    """{drafter: (seconds per position of backlog, seconds per position² of context)}: what each model drafter's
+    round costs more for the target positions it has yet to take in — its own work on them, the taps given (a
+    drafter takes its backlog in lazily, in its next round: DFlash's context K/V, an MTP layer's forward over them).
+    A backlog of L positions ending at position P costs per · L + quad · (P² − (P − L)²): an MTP layer's forward
+    over its backlog attends over every position before it, so its cost per position grows with the context (the
+    trained tiny set's: 17 µs a position over 128 of them, 38 over 512; the embedded one's 43 and 73 — priced at the
+    first, the tiny set's MTP explorations ~550 positions behind cost ~2x what they were priced at, and auto ran
+    ~4 % under n-gram lookup alone where auto without MTP did not); DFlash's context K/V does not (quad ~0).
+    Timed now as the differences between a one-draft round right after a start on `context` positions and one
+    after a start on `context + rows` and on `context + CATCH_UP_WIDE · rows` (the minimum of `repeats` of each
+    after a warm-up): a start on n positions is a backlog of n from position 0. Each drafter is timed on a shallow
+    copy, as in `measure_draft_costs`."""
     model_drafters = {n: copy.copy(d) for n, d in drafters.items() if n != "ngram"}
     if not model_drafters:
         return {}
-    ids = scratch_ids(target, context + rows)
+    wide = rows * CATCH_UP_WIDE
+    ids = scratch_ids(target, context + wide)
     _, tapped = prefill(target, target.make_cache(), ids[:context], taps=taps)
-    # the wide start's taps: the scratch context's, repeated (what a drafter does with them costs the same whatever
+    # the wide starts' taps: the scratch context's, repeated (what a drafter does with them costs the same whatever
     # they hold, and a forward over context + rows positions would cost a slow machine ~0.5 s more)
-    reps = -(-(context + rows) // context)
-    tapped = [mx.concatenate([t] * reps, axis=1)[:, : context + rows] for t in tapped]
+    reps = -(-(context + wide) // context)
+    tapped = [mx.concatenate([t] * reps, axis=1)[:, : context + wide] for t in tapped]
     mx.eval(tapped)
     sampler = Sampler(SamplingParams())
     out = {}
     for n, d in model_drafters.items():
         best = {}
         for r in range(repeats + 1):
-            for L in (context, context + rows):
+            for L in (context, context + rows, context + wide):
                 seconds = round_seconds(d, [tapped[i][:, :L] for i in tap_idx[n]], ids[:L], 1, sampler)
                 if r:  # the first pass warms up (kernels built on first use)
                     best[L] = min(best.get(L, float("inf")), seconds)
-        out[n] = max(0.0, (best[context + rows] - best[context]) / rows)
+        # (T(c + R) − T(c)) / R = per + quad · (2c + R), at R = rows and R = wide
+        near = (best[context + rows] - best[context]) / rows
+        far = (best[context + wide] - best[context]) / wide
+        quad = max(0.0, (far - near) / (wide - rows))
+        out[n] = (max(0.0, near - quad * (2 * context + rows)), quad)
     return out

@@ -477,6 +477,10 @@ class Option:
     # a drafter that sat out rounds of another one catches up on their tokens while it drafts (EMA, from what
     # `calibrate.measure_catch_up` timed when auto started)
     catch_up: float = 0.0
+    # ... and calibrated seconds per position² of the context its backlog attends over: a backlog of L positions
+    # ending at position P costs catch_up · L + catch_quad · (P² − (P − L)²) (an MTP layer's forward over it
+    # attends over every position before; `calibrate.measure_catch_up`)
+    catch_quad: float = 0.0
     # only available in some rounds (n-gram lookup: where the context's suffix occurred before): a stretch of it
     # lasts as long as its matches do, and `stretch` measures that; a drafter that can always draft (DFlash, MTP) can
     # run to the horizon (its stretches end when the chooser leaves them: their length says nothing of the next)
@@ -659,11 +663,11 @@ class AutoChooser:
         # bumped whenever the memo is refreshed (`_forget`): a decision taken on the memoised tables holds as long as
         # this does (`multiplex.AutoDrafter.plan` keeps a plain verdict across the tokens of a plain stretch)
         self.version = 0
-        # option -> (target positions its drafter is behind, whether their taps must be recomputed) (set per round by
-        # the drafter that multiplexes them): a round of it first catches up on them (`catch_up_cost`), a one-time
-        # cost spread over the horizon like the switch cost
+        # option -> (target positions its drafter is behind, how many of them must have their taps recomputed, the
+        # target position its backlog ends at) (set per round by the drafter that multiplexes them): a round of it
+        # first catches up on them (`catch_up_cost`), a one-time cost spread over the horizon like the switch cost
         self._contexts = False  # told when requests begin (`new_context`)
-        self.lags: dict[str, tuple[int, bool]] = {}  # set through `set_lag` / `clear_lags` (they keep `_lag_sig`)
+        self.lags: dict[str, tuple[int, int, int]] = {}  # set through `set_lag` / `clear_lags` (they keep `_lag_sig`)
         self._lag_sig: tuple = ()  # the lags' buckets (`lag_bucket`), part of the memo keys
         self.chosen: Counter = Counter()  # (name or "plain", k) -> rounds
         self.explored: Counter = Counter()  # name -> rounds chosen to explore it
@@ -690,7 +694,7 @@ class AutoChooser:
 
     def add(self, name: str, max_k: int, shape: str, draft_prior=None, decay: float = 0.97,
             measured_tau: dict | None = None, then_alpha: dict | None = None, sporadic: bool = False,
-            rows: int | None = None, shadowed: bool = False, catch_up: float = 0.0,
+            rows: int | None = None, shadowed: bool = False, catch_up: float = 0.0, catch_quad: float = 0.0,
             sampling_draft_prior=None) -> Option:
         """measured_tau: {"width", "greedy", "sampling"} τ measured for this drafter (`read_measured_tau`): the
         acceptance estimates start from it instead of α = 0.5, so a weak drafter is not tried blindly first; each
@@ -700,7 +704,8 @@ class AutoChooser:
         in some rounds only (`Option.sporadic`). rows: a token-tree option's verify rows per round (`Option.rows`;
         its acceptance is the accepted path's, per depth). shadowed: its offers no round took are scored
         (`observe_offer`, `Option.shadowed`): it is never explored. catch_up: calibrated seconds per position of
-        backlog its drafter takes in while drafting (`Option.catch_up`'s start: `calibrate.measure_catch_up`).
+        backlog its drafter takes in while drafting (`Option.catch_up`'s start: `calibrate.measure_catch_up`);
+        catch_quad: ... and per position² of the context it attends over (`Option.catch_quad`).
         sampling_draft_prior: draft_prior for rounds at T > 0, where it was measured apart (`Option.sampling_cost`)."""
         max_k = min(max_k, max(self.costs) - 1)
         if max_k < 1:
@@ -718,7 +723,7 @@ class AutoChooser:
                                     and tuple(measured_tau.get("phases", ())) == tuple(self.phases))}
         opt = Option(name, max_k, DraftCost(shape, prior), decay=decay, prior_alpha=alphas,
                      then_alpha=dict(then_alpha or {}), sporadic=sporadic, rows=rows,
-                     shadowed=shadowed, catch_up=max(0.0, float(catch_up)),
+                     shadowed=shadowed, catch_up=max(0.0, float(catch_up)), catch_quad=max(0.0, float(catch_quad)),
                      sampling_cost=None if sampling_draft_prior is None else DraftCost(shape, sampling_draft_prior))
         self.options[name] = opt
         self._forget()
@@ -729,13 +734,22 @@ class AutoChooser:
         the positions to run again rounded up to `lag_bucket`s, so the memoised tables stay few): the forward that
         recomputes the taps of those of them no forward kept (`forward_cost`), plus what the drafter itself
         measurably spends per position beyond a steady round's backlog (`Option.catch_up`)."""
-        lag, rows = self.lags.get(name, (0, 0))
+        lag, rows, at = self.lags.get(name, (0, 0, 0))
         if lag <= 0:
             return 0.0
         L = lag_bucket(lag)
         opt = self.options.get(name)
-        own = 0.0 if opt is None else opt.catch_up * max(0, L - opt.steady)
+        own = 0.0 if opt is None else opt.catch_up * max(0, L - opt.steady) + self._quad(opt, L, lag_bucket(at))
         return own + (self.forward_cost(lag_bucket(rows)) if rows > 0 else 0.0)
+
+    @staticmethod
+    def _quad(opt: Option, lag: int, at: int) -> float:
+        """What option `opt`'s catch-up on `lag` positions ending at position `at` costs for the context it attends
+        over (`Option.catch_quad`), beyond a steady round's backlog (its latest `steady` positions)."""
+        lag = min(lag, at)
+        if not opt.catch_quad or lag <= opt.steady:
+            return 0.0
+        return opt.catch_quad * ((at - opt.steady) ** 2 - (at - lag) ** 2)
 
     def forward_cost(self, L: int) -> float:
         """Calibrated seconds of one target forward over L positions: the verify curve's C(L); past its end, toward
@@ -758,11 +772,12 @@ class AutoChooser:
         slope = max(0.0, (self.costs[top] - self.costs.get(mid, self.costs[1])) / max(1, top - mid))
         return self.costs[top] + (L - top) * slope
 
-    def set_lag(self, name: str, lag: int, fill: bool | int = True) -> None:
+    def set_lag(self, name: str, lag: int, fill: bool | int = True, at: int | None = None) -> None:
         """Option `name`'s drafter is `lag` target positions behind (0: in step); fill: how many of them (the
-        latest) must be run again for their taps (a plain stretch computed none); True: all of them, False: none."""
+        latest) must be run again for their taps (a plain stretch computed none); True: all of them, False: none.
+        at: the target position the backlog ends at (the context's length; None: as if it began at position 0)."""
         rows = (lag if fill else 0) if isinstance(fill, bool) else min(int(fill), lag)
-        new = (lag, max(0, rows))
+        new = (lag, max(0, rows), lag if at is None else max(lag, int(at)))
         if self.lags.get(name) == new:
             return
         old = self._lag_key(name)
@@ -787,22 +802,27 @@ class AutoChooser:
         self.version += 1  # a drafter's catch-up no longer weighs on it: a decision taken behind does not hold
 
     def _lag_key(self, name: str) -> tuple:
-        lag, rows = self.lags.get(name, (0, 0))
-        return (0, 0) if lag <= 0 else (lag_bucket(lag), rows and lag_bucket(rows))
+        lag, rows, at = self.lags.get(name, (0, 0, 0))
+        if lag <= 0:
+            return (0, 0)  # (in step: what `_bounded_by` and `_where` test for)
+        opt = self.options.get(name)
+        return (lag_bucket(lag), rows and lag_bucket(rows), lag_bucket(at) if opt is not None and opt.catch_quad else 0)
 
     def steady(self, name: str, lag: int) -> bool:
         """Whether a round of option `name` with its drafter `lag` positions behind costs what its rounds cost in a
         run of their own (else the excess is a catch-up: `observe_catch_up`)."""
         return lag <= self.options[name].steady
 
-    def observe_catch_up(self, name: str, lag: int, seconds: float, ema: float = 0.25) -> None:
-        """A round of option `name` whose drafter was `lag` positions behind spent `seconds` beyond its estimated
-        draft cost: the per-position catch-up it is charged from now on (only the positions beyond `steady`)."""
+    def observe_catch_up(self, name: str, lag: int, seconds: float, ema: float = 0.25, at: int | None = None) -> None:
+        """A round of option `name` whose drafter was `lag` positions behind (ending at target position `at`; None:
+        from position 0) spent `seconds` beyond its estimated draft cost: the per-position catch-up it is charged from
+        now on (only the positions beyond `steady`), what the context it attended over cost (`Option.catch_quad`,
+        as measured when auto started) taken out first."""
         opt = self.options[name]
         extra = lag - opt.steady
         if extra <= 0:
             return
-        x = max(0.0, seconds / self.scale) / extra
+        x = max(0.0, seconds / self.scale - self._quad(opt, lag, lag if at is None else max(lag, at))) / extra
         opt.catch_up = (1 - ema) * opt.catch_up + ema * min(x, 2.0 * self.plain_cal)
         self._rescore(name)
 

@@ -131,7 +131,8 @@ class AutoDrafter:
         self.draft_costs = {regime: {n: (fixed / speed, per / speed) for n, (fixed, per) in measure_draft_costs(
             target, self.drafters, self.taps, self._tap_idx, temperature=t).items()}
             for regime, t in (("greedy", 0.0), ("sampling", 1.0))}
-        self.catch_up = {n: per / speed for n, per in
+        # {drafter: (per position, per position² of context)} of its catch-up
+        self.catch_up = {n: (per / speed, quad / speed) for n, (per, quad) in
                          measure_catch_up(target, self.drafters, self.taps, self._tap_idx).items()}
         self._kind_of: dict[str, str] = {}  # option name -> drafter kind
         for n, d in self.drafters.items():
@@ -146,7 +147,7 @@ class AutoDrafter:
             else:
                 self.chooser.add(n, d.max_drafts, "affine", draft_prior=self.draft_costs["greedy"].get(n),
                                  sampling_draft_prior=self.draft_costs["sampling"].get(n),
-                                 measured_tau=d.measured_tau, catch_up=self.catch_up.get(n, 0.0), decay=MODEL_DECAY)
+                                 measured_tau=d.measured_tau, decay=MODEL_DECAY, **self._catch_up(n))
                 self._kind_of[n] = n
         self._trees: dict[str, int] = {}  # token-tree option -> its draft nodes per round
         self._tree_of: dict[str, str] = {}  # drafter kind -> its tree option
@@ -198,6 +199,11 @@ class AutoDrafter:
         now, cal = self.calibration.get("checked_plain_token_s"), self.calibration.get("plain_token_s")
         return now / cal if now and cal and now > 0 and cal > 0 else 1.0
 
+    def _catch_up(self, kind: str) -> dict:
+        """`AutoChooser.add`'s catch-up arguments for an option of drafter `kind` (`measure_catch_up`)."""
+        per, quad = self.catch_up.get(kind, (0.0, 0.0))
+        return {"catch_up": per, "catch_quad": quad}
+
     def _add_trees(self, d, widest: int) -> None:
         """A token-tree option beside the DFlash drafter's chain ("dflash+tree"): each round `tree_rows` verify rows,
         the chain and the next likeliest nodes at most `depth` deep (`propose_tree`); its acceptance is the accepted
@@ -220,7 +226,7 @@ class AutoDrafter:
         name = "dflash+tree"
         self.chooser.add(name, depth, "affine", draft_prior=self.draft_costs["greedy"].get("dflash"),
                          sampling_draft_prior=self.draft_costs["sampling"].get("dflash"), measured_tau=prior,
-                         rows=rows, catch_up=self.catch_up.get("dflash", 0.0), decay=MODEL_DECAY)
+                         rows=rows, decay=MODEL_DECAY, **self._catch_up("dflash"))
         self._kind_of[name], self._trees[name], self._tree_of["dflash"] = "dflash", rows - 1, name
 
     # -- the drafters' state, brought up to date only when one will draft ---------------------------------------------
@@ -378,7 +384,7 @@ class AutoDrafter:
             if missing is None:
                 continue
             for o in names:
-                self.chooser.set_lag(o, self._lag(n), fill=missing)
+                self.chooser.set_lag(o, self._lag(n), fill=missing, at=len(self._tokens) - 1)
                 cap = min(k, self.chooser.options[o].max_k)
                 if cap >= 1:
                     available[o] = cap
@@ -599,7 +605,8 @@ class AutoDrafter:
             steady = not k or self.chooser.steady(name, lag)
             if not steady and not building:  # what it spent beyond a steady round is its own catch-up cost
                 opt = self.chooser.options[name]
-                self.chooser.observe_catch_up(name, lag, t_draft - self.chooser.scale * opt.draft(regime)(k))
+                self.chooser.observe_catch_up(name, lag, t_draft - self.chooser.scale * opt.draft(regime)(k),
+                                              at=len(self._tokens) - 1)
             self.chooser.update(name if k else None, k, len(new_tokens) - 1, regime,
                                 t_draft if steady and not building else None, None if building else now - t1)
             self._round = t_draft + now - t1 if k and not building else None

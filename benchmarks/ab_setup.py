@@ -63,6 +63,18 @@ def batch_prompts(tokenizer) -> list[list[int]]:
             for t in texts]
 
 
+def timed_steps(g) -> float:
+    """Milliseconds a token of a `BatchGenerator` `g` whose requests were added: their prefills first (untimed),
+    then every step until the last request finishes."""
+    while g.waiting:
+        g.step()
+    t, n = time.perf_counter(), 0
+    while len(g):
+        for _, c in g.step():
+            n += len(c.tokens)
+    return 1e3 * (time.perf_counter() - t) / n
+
+
 def second_auto(session):
     """An auto built exactly as the session's (`strategy.Drafters.auto`), but its own."""
     d = session.drafters

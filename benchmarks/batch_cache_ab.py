@@ -16,7 +16,7 @@ import sys
 import time
 
 import mlx.core as mx
-from ab_setup import batch_prompts
+from ab_setup import batch_prompts, timed_steps
 
 import glimmer_mlx
 from glimmer_mlx import cache as cache_mod
@@ -47,13 +47,7 @@ def before_update(self, k, v, tree=None):
     B, H, L, Dk = k.shape
     N = max(self.layout.lengths) + L
     self._grow(N, B, H, Dk, v.shape[3], k.dtype)
-    cap = self.cap
-    idx = (mx.arange(B * H, dtype=mx.int32).reshape(B, H, 1) * cap + self.layout.offsets().reshape(B, 1, 1)
-           + mx.arange(L, dtype=mx.int32).reshape(1, 1, L)).reshape(-1)
-    fk, fv = self.keys.reshape(-1, Dk), self.values.reshape(-1, v.shape[3])
-    fk[idx] = k.reshape(-1, Dk)
-    fv[idx] = v.reshape(-1, v.shape[3])
-    self.keys, self.values = fk.reshape(B, H, cap, Dk), fv.reshape(B, H, cap, v.shape[3])
+    self.scatter(k, v)
     return self.keys[:, :, :N], self.values[:, :, :N], before_mask(self.layout, L, self.window)
 
 
@@ -69,13 +63,7 @@ def batched(n: int, r: int, how: str) -> float:
     for j in range(n):
         g.add(BatchRequest(ids[(r + j) % len(ids)], Sampler(SamplingParams(temperature=0), 100 * r + j), TOKENS,
                            set(), tok, auto=False))
-    while g.waiting:
-        g.step()
-    t, count = time.perf_counter(), 0
-    while len(g):
-        for _, c in g.step():
-            count += len(c.tokens)
-    return 1e3 * (time.perf_counter() - t) / count
+    return timed_steps(g)
 
 
 def solo(r: int) -> float:

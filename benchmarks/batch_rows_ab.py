@@ -28,9 +28,8 @@ byte-encoded as `glimmer bench` does, no EOS: every row runs its 64 tokens) inst
 import os
 import statistics
 import sys
-import time
 
-from ab_setup import batch_prompts, second_auto, taught, tiny_set, warm
+from ab_setup import batch_prompts, second_auto, taught, timed_steps, tiny_set, warm
 
 from glimmer_mlx.sampling import Sampler, SamplingParams
 from glimmer_mlx.session import load_session
@@ -141,13 +140,7 @@ def run(mode, r):
     for j in range(N):
         g.add(BatchRequest(ids[(r + j) % len(ids)], Sampler(SamplingParams(temperature=T), 100 * r + j), 64,
                            EOS, tok, auto=mode not in PLAIN))
-    while g.waiting:
-        g.step()
-    t, n = time.perf_counter(), 0
-    while len(g):
-        for _, c in g.step():
-            n += len(c.tokens)
-    return 1e3 * (time.perf_counter() - t) / n
+    return timed_steps(g)
 
 
 if {"warm", "warmfull"} & set(MODES):  # a teacher learns over AB_LEARN runs; they start from what it kept

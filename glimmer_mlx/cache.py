@@ -338,16 +338,21 @@ class BatchKVCache:
             for b, n in enumerate(lengths):
                 self.keys[b : b + 1, :, n : n + L] = k[b : b + 1]
                 self.values[b : b + 1, :, n : n + L] = v[b : b + 1]
-        else:  # one scatter over the flattened buffer, each row at its own length
-            cap = self.cap
-            idx = (mx.arange(B * H, dtype=mx.int32).reshape(B, H, 1) * cap + self.layout.offsets().reshape(B, 1, 1)
-                   + mx.arange(L, dtype=mx.int32).reshape(1, 1, L)).reshape(-1)
-            fk, fv = self.keys.reshape(-1, Dk), self.values.reshape(-1, v.shape[3])
-            fk[idx] = k.reshape(-1, Dk)
-            fv[idx] = v.reshape(-1, v.shape[3])
-            self.keys, self.values = fk.reshape(B, H, cap, Dk), fv.reshape(B, H, cap, v.shape[3])
+        else:
+            self.scatter(k, v)
         lo = self.layout.first_key(L, self.window)
         return self.keys[:, :, lo:N], self.values[:, :, lo:N], self.layout.mask(L, self.window)
+
+    def scatter(self, k: mx.array, v: mx.array) -> None:
+        """Write each row's L new keys at its own length by one scatter over the flattened buffer (grown already)."""
+        B, H, L, Dk = k.shape
+        cap = self.cap
+        idx = (mx.arange(B * H, dtype=mx.int32).reshape(B, H, 1) * cap + self.layout.offsets().reshape(B, 1, 1)
+               + mx.arange(L, dtype=mx.int32).reshape(1, 1, L)).reshape(-1)
+        fk, fv = self.keys.reshape(-1, Dk), self.values.reshape(-1, v.shape[3])
+        fk[idx] = k.reshape(-1, Dk)
+        fv[idx] = v.reshape(-1, v.shape[3])
+        self.keys, self.values = fk.reshape(B, H, cap, Dk), fv.reshape(B, H, cap, v.shape[3])
 
     def put_row(self, b: int, cache: KVCache) -> None:
         """Copy a solo cache's rows (batch 1) into row b (already counted in the layout, with length

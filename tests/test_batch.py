@@ -462,16 +462,10 @@ def test_put_row_remove_rows_row_cache():
     np.testing.assert_array_equal(np.array(keys[1, :, : 30 - lo]), np.array(keys_before[0][:, lo:30]))
 
 
-def test_batched_forward_equals_solo_forward_for_ragged_blocks(sess, ids):
-    """Three rows (5, 40 and 150 tokens: past the 128-token sliding window), blocks of 1, 3 and 4 tokens padded to
-    4, then a second step after committing each row's block: every real position's logits equal a solo forward's.
-    Catches: padding keys visible to the next step (commit counts fed instead of real tokens), RoPE at the wrong
-    offsets, a windowed layer's mask not applied in the batch."""
-    model, tok = sess.model, sess.tokenizer
-    long = tok.encode(LONG_TEXT)
-    prompts = [ids[3][:5], long[:40], long[:150]]
-    solos = []
+def prefilled_batch(model, prompts):
+    """(layout, batch caches, solo caches): each prompt prefilled alone, then copied in as a row of one batch."""
     layout, bcache = make_batch_cache(model.args)
+    solos = []
     for p in prompts:
         c = model.make_cache()
         model(mx.array([p], dtype=mx.int32), c)
@@ -479,6 +473,17 @@ def test_batched_forward_equals_solo_forward_for_ragged_blocks(sess, ids):
         for bc, sc in zip(bcache, c):
             bc.put_row(b, sc)
         solos.append(c)
+    return layout, bcache, solos
+
+
+def test_batched_forward_equals_solo_forward_for_ragged_blocks(sess, ids):
+    """Three rows (5, 40 and 150 tokens: past the 128-token sliding window), blocks of 1, 3 and 4 tokens padded to
+    4, then a second step after committing each row's block: every real position's logits equal a solo forward's.
+    Catches: padding keys visible to the next step (commit counts fed instead of real tokens), RoPE at the wrong
+    offsets, a windowed layer's mask not applied in the batch."""
+    model, tok = sess.model, sess.tokenizer
+    long = tok.encode(LONG_TEXT)
+    layout, bcache, solos = prefilled_batch(model, [ids[3][:5], long[:40], long[:150]])
     rng = np.random.default_rng(1)
     for widths in ([1, 3, 4], [2, 1, 2]):
         L = max(widths)
@@ -503,16 +508,7 @@ def test_batched_forward_past_the_window_equals_solo_forward(sess, cuts):
     model, tok = sess.model, sess.tokenizer
     long = tok.encode(LONG_TEXT)
     assert len(long) >= max(cuts) + 3 * len(cuts) and min(cuts) > model.args.sliding_window
-    layout, bcache = make_batch_cache(model.args)
-    solos = []
-    for i, n in enumerate(cuts):
-        p = long[3 * i : 3 * i + n]
-        c = model.make_cache()
-        model(mx.array([p], dtype=mx.int32), c)
-        b = layout.append(c[0].offset)
-        for bc, sc in zip(bcache, c):
-            bc.put_row(b, sc)
-        solos.append(c)
+    layout, bcache, solos = prefilled_batch(model, [long[3 * i : 3 * i + n] for i, n in enumerate(cuts)])
     W = model.args.sliding_window
     assert layout.first_key(1, W) == min(cuts) - W + 1
     alike = len(set(cuts)) == 1

@@ -288,8 +288,8 @@ class BatchKVCache:
     """One layer's keys/values for the rows of a `BatchLayout` ([B, H, cap, D] buffers, buffer row = position).
     `update(k, v)` writes each row's new keys at its own length (`update`: slices, or one scatter) and returns the
     keys, the values and the mask for the new queries; `offset` is the [B] array of the rows' lengths. A
-    sliding-window layer masks by the window but keeps every row (a batch row's memory is its whole length; `KVCache` is the bounded
-    one). Rows join from a solo cache (`put_row`) and leave (`remove_rows`, `row_cache`)."""
+    sliding-window layer masks by the window but keeps every row (a batch row's memory is its whole length;
+    `KVCache` is the bounded one). Rows join from a solo cache (`put_row`) and leave (`remove_rows`, `row_cache`)."""
 
     step = 256
     batched = True

@@ -36,7 +36,9 @@ before the seventeenth session, not the largest losers until the rest fits); ema
 is an EMA of samples capped at two plain steps only, as before the eighteenth session: `chooser.OVERHEAD_CLIP`);
 nomtp (auto without the MTP drafter:
 DFlash and n-gram lookup); linearcatch (auto whose drafters' catch-ups are priced per position of backlog alone, as
-before the thirty-eighth session, not also by the context it attends over: `Option.catch_quad`); dflash, ngram, mtp (fixed, dflash at block 8); warm (auto started from what a teacher auto learned over AB_LEARN
+before the thirty-eighth session, not also by the context it attends over: `Option.catch_quad`); notenure (auto whose
+drafters' catch-ups are spread over the horizon, as before the thirty-ninth session, not over the tokens a catch-up
+measurably serves: `AutoChooser.tenure`); dflash, ngram, mtp (fixed, dflash at block 8); warm (auto started from what a teacher auto learned over AB_LEARN
 repeats of the prompts, default 2, other seeds, before the A/B: as a new process starts from what the last one kept,
 `speculative.auto.learned`; every other auto starts cold, `ab_setup`); warmfull (the same at the whole weight of
 what the teacher measured); noquiet (auto whose plain stretches ask every round, as before the thirty-fourth session:
@@ -71,7 +73,7 @@ import ab_setup
 from ab_setup import args, session_and_prompts
 from glimmer_mlx.bench.runner import task_order
 from glimmer_mlx.speculative.auto import make_auto
-from glimmer_mlx.speculative.auto.chooser import HERE_WEIGHT, LEDGER_FLOOR
+from glimmer_mlx.speculative.auto.chooser import HERE_WEIGHT, LEDGER_FLOOR, SWITCH_HORIZON
 
 T, reps, maxt = args()
 modes = sys.argv[4].split(",") if len(sys.argv) > 4 else ["ar", "auto"]
@@ -309,6 +311,13 @@ def linear_catch_up(auto):
     return auto
 
 
+def no_tenure(auto):
+    """auto as before the thirty-ninth session: a drafter's catch-up spread over the horizon, not over the tokens its
+    catch-ups measurably serve (`AutoChooser.tenure`)."""
+    auto.chooser.tenure = lambda name, regime="greedy": SWITCH_HORIZON
+    return auto
+
+
 def no_explore(auto):
     """auto that never explores (`AutoChooser.explore` finds nothing): it drafts only where an option pays by its mean
     estimate."""
@@ -380,6 +389,7 @@ make = {
     "notree": lambda: make_auto(m, dflash=d.dflash, mtp=d.mtp, ngram=8, trees=False),
     "nomtp": lambda: make_auto(m, dflash=d.dflash, ngram=8),
     "linearcatch": lambda: linear_catch_up(second_auto()),
+    "notenure": lambda: no_tenure(second_auto()),
     "noledger": lambda: unguarded(second_auto()),
     "auto2": second_auto,
     "emascale": lambda: ema_scale(second_auto()),

@@ -1805,6 +1805,57 @@ def test_a_catch_up_over_a_longer_context_costs_more():
     assert opt.catch_up == pytest.approx(0.75 * 0.001 * MS)  # the EMA moved toward 0: nothing beyond the context's
 
 
+def test_a_catch_up_is_spread_over_the_tokens_it_serves():
+    """A drafter behind pays its catch-up once, spread over the tokens its rounds go on to commit before it has to
+    catch up again (`AutoChooser.tenure`: the tokens of its rounds over its catch-ups, one prior tenure of the
+    horizon's tokens, every count fading by `TENURE_DECAY` a catch-up), where that is fewer than the horizon; the
+    switch into a stretch is still spread over the horizon. Catches: the tenure ignored (the catch-up spread over 64
+    tokens where it serves ~24: the trained tiny set's MTP, caught up on the whole prompt for a round or two before
+    n-gram lookup took over), the tokens of its rounds not counted, a catch-up not starting a tenure."""
+    from glimmer_mlx.speculative.auto.chooser import SWITCH_HORIZON, TENURE_DECAY, lag_bucket
+
+    ch = chooser(flat(), {"mtp": (2, "block", 1 * MS, [0.8]), "ngram@4": (8, "free", 0.0, [0.5])})
+    opt = ch.options["mtp"]
+    opt.catch_up = 0.2 * MS
+    ch.switch_cost = 3 * MS
+    ch.rescore()
+    ch.set_lag("mtp", 100, fill=False, at=100)
+    catch = ch.catch_up_cost("mtp")
+    assert catch > 0 and ch.tenure("mtp") == SWITCH_HORIZON
+
+    def rate(held: float, k: int = 2) -> float:  # the rates' formula, from the chooser's own tables
+        alphas, e, p = opt.alphas(ch._key("greedy")), 1.0, 1.0
+        for a in alphas[:k]:
+            p *= a
+            e += p
+        base = ch._round_costs("mtp", "greedy")[k - 1]
+        return e / (ch.scale * (base + ch.switch_cost * min(1.0, e / SWITCH_HORIZON) + catch * min(1.0, e / held)))
+
+    before = ch.rates("mtp", 2)[1]
+    assert before == pytest.approx(rate(SWITCH_HORIZON))
+    assert ch.best({"mtp": 2})[1:] == (2, pytest.approx(before))  # (its tables memoised with this tenure)
+    ch.caught_up("mtp")  # a round caught up: 3 tokens; another caught up again: 1 token; then 2 in step
+    ch.update("mtp", 2, 2)
+    ch.caught_up("mtp")
+    ch.update("mtp", 2, 0)
+    ch.update("mtp", 2, 1)
+    tokens, ends = TENURE_DECAY * 3 + 1 + 2, TENURE_DECAY * 1 + 1
+    assert opt.tenure["greedy"] == pytest.approx([tokens, ends])
+    assert ch.tenure("mtp") == pytest.approx((tokens + SWITCH_HORIZON) / (ends + 1))
+    held = lag_bucket(int(ch.tenure("mtp")))  # 23.97...: priced as 24 tokens
+    assert held == 24
+    ch.set_lag("mtp", 100, fill=False, at=100)
+    catch = ch.catch_up_cost("mtp")
+    assert ch.rates("mtp", 2)[1] == pytest.approx(rate(held)) and ch.rates("mtp", 2)[1] < before
+    assert ch.best({"mtp": 2})[1:] == (2, pytest.approx(rate(held)))
+    ch.set_lag("mtp", 0)  # in step: nothing to catch up on, the tenure does not matter
+    catch = 0.0
+    assert ch.rates("mtp", 2)[1] == pytest.approx(rate(SWITCH_HORIZON))
+    for _ in range(40):  # a drafter that drafts on once caught up: its tenure grows back to the horizon
+        ch.update("mtp", 2, 2)
+    assert ch.tenure("mtp") > SWITCH_HORIZON
+
+
 def test_adaptive_block_width_takes_the_cached_calibration(tiny, tmp_path, monkeypatch):
     """`block_size="auto"` (per-round width for one drafter) reads the verify cost curve `auto` calibrates once per
     machine and model instead of measuring it after every prefill (it used to cost each request ~0.7 s of TTFT)."""

@@ -173,6 +173,13 @@ MIN_GAIN = 0.01
 # a speculative stretch is expected to run for the rest of the request, up to this many tokens: the cost of switching
 # into it (`AutoChooser.switch_cost`) is spread over them (over a whole round when fewer remain)
 SWITCH_HORIZON = 64
+# a model drafter's catch-up (`AutoChooser.catch_up_cost`) is spread over the tokens its rounds commit before it has
+# to catch up again — its tenure (`Option.tenure`: the tokens of its rounds over its catch-ups, with one prior tenure
+# of SWITCH_HORIZON tokens; every count fading by TENURE_DECAY a catch-up) — where that is shorter than the horizon. On
+# the trained tiny set MTP's rounds came in the opening of every response, 1-5 a request, before n-gram lookup took
+# over for the rest of it: each request's first MTP round caught up on the whole prompt (129-546 positions, 3-20 ms),
+# priced over 64 tokens where it served 2-10, and auto ran 0.91-0.98x n-gram lookup alone (without MTP 0.97-1.00x)
+TENURE_DECAY = 0.9
 # starting a speculative stretch, a drafter must beat plain by this much (going on with one, by MIN_GAIN)
 ENTER_GAIN = 0.05
 # what is learned now also serves the requests after this one (a session, a server, a benchmark keep one chooser): an
@@ -281,18 +288,22 @@ QUIET_EMA = 1 / 32
 
 class QuietAsks:
     """`QUIET_RATE`'s rule for one decider (a batch's choice, `batch.BatchAuto`; a lone request's plain stretch,
-    `multiplex.AutoDrafter`): whether a round asks, and what each asked round answered."""
+    `multiplex.AutoDrafter`): whether a round asks, and what each asked round answered. most: the most rounds
+    between two asks — quiet, the gap starts at `QUIET_EVERY` and doubles with every plain answer up to it, and
+    goes back to QUIET_EVERY with a speculative one."""
 
-    def __init__(self):
+    def __init__(self, most: int = QUIET_EVERY):
         self.hits = 1.0  # the share of the latest answers that found a speculative round, EMA (from 1)
         self.since = 0  # rounds since the latest ask, while quiet
         self.unasked = 0  # rounds not asked
+        self.most = max(QUIET_EVERY, most)
+        self.every = QUIET_EVERY  # rounds between two asks while quiet
 
     def asks(self, must: bool = False) -> bool:
         """Whether this round asks: always where `must` (right after a speculative round; a plain verdict no longer
         standing) or while at least QUIET_RATE of the latest answers found a speculative round; else every
-        QUIET_EVERYth round."""
-        if must or self.hits >= QUIET_RATE or self.since + 1 >= QUIET_EVERY:
+        `every`th round."""
+        if must or self.hits >= QUIET_RATE or self.since + 1 >= self.every:
             self.since = 0
             return True
         self.since += 1
@@ -302,6 +313,10 @@ class QuietAsks:
     def answered(self, hit: bool) -> None:
         """An asked round's answer; hit: it found a speculative round worth taking."""
         self.hits += QUIET_EMA * (float(hit) - self.hits)
+        if hit:
+            self.every = QUIET_EVERY
+        elif self.hits < QUIET_RATE:
+            self.every = min(self.most, 2 * self.every)
 
 
 # a response's phases, by the tokens it has generated: [0, 16), [16, 64), 64 on. A drafter's acceptance is not the
@@ -399,6 +414,12 @@ def lag_bucket(n: int) -> int:
     return (((n - 1) >> s) + 1) << s
 
 
+def tenure_bucket(tokens: float) -> int:
+    """A tenure (`AutoChooser.tenure`) in whole tokens within [1, SWITCH_HORIZON], rounded as a backlog is
+    (`lag_bucket`): what its rates are priced by."""
+    return min(SWITCH_HORIZON, lag_bucket(max(1, int(tokens))))
+
+
 def _median(xs: list[float]) -> float:
     """statistics.median of a short list, without its overhead (it runs after every plain token)."""
     xs.sort()
@@ -487,6 +508,9 @@ class Option:
     sporadic: bool = False
     # regime -> tokens a speculative stretch it started has committed, EMA (absent: none seen yet, the horizon)
     stretch: dict = field(default_factory=dict)
+    # regime -> [tokens its rounds committed, catch-ups its rounds ran], each fading by TENURE_DECAY a catch-up:
+    # how many tokens it serves per catch-up (`AutoChooser.tenure`; absent: none seen yet, the horizon)
+    tenure: dict = field(default_factory=dict)
     # regime -> its verify rounds' measured time over the calibrated forward, EMA (absent: the chooser's shared one):
     # what a verify does beyond the forward depends on the drafter (n-gram's one-hot q at T > 0, taps or none)
     verify_factor: dict = field(default_factory=dict)
@@ -826,6 +850,22 @@ class AutoChooser:
         opt.catch_up = (1 - ema) * opt.catch_up + ema * min(x, 2.0 * self.plain_cal)
         self._rescore(name)
 
+    def tenure(self, name: str, regime: str = "greedy") -> float:
+        """Tokens option `name`'s rounds commit per catch-up of its drafter in `regime`, as measured (`caught_up`,
+        `Option.tenure`) with one prior tenure of `SWITCH_HORIZON` tokens: what its catch-up is spread over (`rates`).
+        A drafter that drafts on once caught up serves the horizon or more; one that other options keep interrupting
+        (n-gram lookup taking over where the output copies) serves a round or two per catch-up."""
+        t = self.options[name].tenure.get(regime)
+        return SWITCH_HORIZON if t is None else (t[0] + SWITCH_HORIZON) / (t[1] + 1.0)
+
+    def caught_up(self, name: str, regime: str = "greedy") -> None:
+        """A round of option `name` in `regime` caught its drafter up on a backlog (`steady` says it was behind): a
+        new tenure begins (`tenure`)."""
+        opt = self.options[name]
+        t = opt.tenure.get(regime)
+        opt.tenure[regime] = [0.0, 1.0] if t is None else [TENURE_DECAY * t[0], TENURE_DECAY * t[1] + 1.0]
+        self._forget(name)  # (its tokens come with `update`, which scores its tables again as any estimate does)
+
     @property
     def plain_cost(self) -> float:
         """Seconds per pipelined plain token now."""
@@ -843,22 +883,27 @@ class AutoChooser:
         """[rate(name, k) for k = 1..min(cap, max_k)] in one pass; shift: every position's acceptance moved by it
         (a scenario of `explore`). After a plain round a drafter's round also carries the cost of switching to it,
         spread over the tokens the stretch can run: the horizon, or as many as its stretches measurably last
-        (`Option.stretch`), if fewer. phase: whose acceptance estimates (`set_phase`; "now": the current one).
+        (`Option.stretch`), if fewer; and a drafter that is behind its catch-up, spread over as many tokens as its
+        catch-ups measurably serve (`tenure`), if fewer still. phase: whose acceptance estimates (`set_phase`; "now":
+        the current one).
         free: as if its round paid no switch and no catch-up (its drafter in step, inside a stretch): a bound on
         every rate it can have with the same estimates, whatever came last, its backlog and the horizon
         (`_bounded_by`)."""
         opt = self.options[name]
         alphas = opt.alphas(self._key(regime, phase))
-        switch = 0.0 if free else self._switch(name)
+        switch = 0.0 if free or self._spec_last else max(0.0, self.switch_cost)
+        catch = 0.0 if free else self.catch_up_cost(name)
         span = self.horizon
         if regime in opt.stretch and not self._spec_last:
             span = max(1.0, min(span, opt.stretch[regime]))
+        held = min(span, tenure_bucket(self.tenure(name, regime))) if catch else span  # what its catch-up serves
         out, e, p, scale = [], 1.0, 1.0, self.scale
         for a, base in zip(alphas[:min(cap, opt.max_k)], self._round_costs(name, regime)):
             a += shift
             p *= 1.0 if a >= 1.0 else (a if a > 0.0 else 0.0)
             e += p
-            out.append(e / (scale * (base + (switch if e >= span else switch * e / span))))
+            out.append(e / (scale * (base + (switch if e >= span else switch * e / span)
+                                     + (catch if e >= held else catch * e / held))))
         return out
 
     def _round_costs(self, name: str, regime: str) -> list[float]:
@@ -1268,6 +1313,9 @@ class AutoChooser:
             if self._stretch_from is not None:
                 self._stretch_tokens += n_accepted + 1
             opt = self.options[name]
+            t = opt.tenure.get(regime)
+            if t is not None:
+                t[0] += n_accepted + 1
             key = self._key(regime)
             stats = opt.acceptance(key)
             if self._contexts and not opt.shadowed:

@@ -603,6 +603,8 @@ class AutoDrafter:
             if building:
                 self.built.add((name, k))
             steady = not k or self.chooser.steady(name, lag)
+            if not steady:  # a new tenure of its drafter: what its catch-up serves is measured from here
+                self.chooser.caught_up(name, regime)
             if not steady and not building:  # what it spent beyond a steady round is its own catch-up cost
                 opt = self.chooser.options[name]
                 self.chooser.observe_catch_up(name, lag, t_draft - self.chooser.scale * opt.draft(regime)(k),

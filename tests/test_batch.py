@@ -1732,11 +1732,13 @@ def test_a_batch_closed_to_speculation_asks_its_rows_nothing(sess, ids, ba, monk
 
 def test_a_batch_that_seldom_speculates_asks_its_choice_every_few_steps(sess, ids, ba, monkeypatch):
     """`BatchAuto.asks`: while fewer than `QUIET_RATE` of its latest answers took a speculative step (`quiet.hits`,
-    an EMA from 1 over answers), the batch asks its rows and its choice only every `QUIET_EVERY`th step; right after a
-    speculative answer, and while they often are speculative, every step. Unasked steps are plain for every auto row
-    and the output stays plain decoding's. Catches: a quiet batch asking every step (at 8 rows the asks were ~1.4 %
-    of every step, auto rows 3.5-4.5 % behind plain ones), a stretch the quiet rule interrupts, a batch that never
-    asks again once quiet."""
+    an EMA from 1 over answers), the batch asks its rows and its choice only every `QUIET_EVERY`th step, the gap
+    doubling with each plain answer up to `QUIET_MOST`; right after a speculative answer, and while they often are
+    speculative, every step, and quiet again from QUIET_EVERY. Unasked steps are plain for every auto row and the
+    output stays plain decoding's. Catches: a quiet batch asking every step (at 8 rows the asks were ~1.4 % of every
+    step, auto rows 3.5-4.5 % behind plain ones), a stretch the quiet rule interrupts, a batch that never asks again
+    once quiet, a gap that does not grow or does not go back."""
+    from glimmer_mlx.speculative.auto.batch import QUIET_MOST
     from glimmer_mlx.speculative.auto.chooser import QUIET_EMA, QUIET_EVERY, QUIET_RATE
     from glimmer_mlx.speculative.batch import Row
 
@@ -1770,16 +1772,23 @@ def test_a_batch_that_seldom_speculates_asks_its_choice_every_few_steps(sess, id
     assert asks(3) == [True] * 3 and ba.quiet.hits == pytest.approx(0.5 * (1 - QUIET_EMA) ** 3)
     ba.quiet.hits, ba.quiet.since = QUIET_RATE, 0  # at the rate: asked; its plain answer takes it under
     assert asks(2) == [True, False] and ba.quiet.hits < QUIET_RATE
-    ba.quiet.hits, ba.quiet.since = 0.0, 0
-    pattern = [False] * (QUIET_EVERY - 1) + [True]
+    ba.quiet.hits, ba.quiet.since, ba.quiet.every = 0.0, 0, QUIET_EVERY
+
+    def gap(n):
+        return [False] * (n - 1) + [True]
+
     unasked = ba.quiet.unasked
-    assert asks(2 * QUIET_EVERY) == pattern * 2
-    assert ba.quiet.unasked - unasked == 2 * (QUIET_EVERY - 1)
+    # quiet: every QUIET_EVERY steps, the gap doubling with each plain answer up to QUIET_MOST
+    gaps = [QUIET_EVERY, 2 * QUIET_EVERY] + [QUIET_MOST] * 2
+    assert 4 * QUIET_EVERY <= QUIET_MOST  # (the doubling reaches the cap after two asks, as `gaps` says)
+    assert asks(sum(gaps)) == [a for n in gaps for a in gap(n)]
+    assert ba.quiet.unasked - unasked == sum(gaps) - len(gaps)
     assert ba.counts()["unasked_steps"] == ba.quiet.unasked  # (/health)
     spec = (3, [("ngram@1", 2), (None, 0)])
-    assert asks(QUIET_EVERY, spec) == pattern  # quiet: the next ask finds a speculative step...
+    assert asks(QUIET_MOST, spec) == gap(QUIET_MOST)  # quiet: the next ask finds a speculative step...
     assert asks(3, spec) == [True] * 3  # ... and the stretch is asked about every step while it goes on
     assert asks(2) == [True, True] and ba.quiet.hits >= QUIET_RATE  # its answers raised the rate: every step still
+    assert ba.quiet.every == QUIET_EVERY  # and quiet again, it starts from QUIET_EVERY steps
 
     monkeypatch.undo()
     ba.quiet.hits, ba.quiet.since = 0.0, 0

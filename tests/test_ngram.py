@@ -80,6 +80,32 @@ def test_incremental_index_equals_rebuilt():
         assert i == 300
 
 
+def test_a_drafters_accepted_tokens_are_indexed_when_it_is_next_read():
+    """`NGramDrafter.accept` only notes the tokens; reading `index` (a lookup, an offer, a draft, the context's
+    length) indexes them first, in order: after any mix of accepts and reads its index is the one a build from the
+    same tokens makes, and what it drafts is what that index drafts. Catches: tokens dropped or indexed twice, a
+    read that does not index them first, a restart that keeps the noted tokens."""
+    rng = np.random.RandomState(1)
+    toks = [int(x) for x in rng.randint(0, 5, size=200)]
+    d = NGramDrafter(8, max_drafts=6)
+    d.start([], toks[:10])
+    i = 10
+    for step, read in [(1, False), (3, True), (1, False), (1, False), (7, True), (2, False), (30, True), (1, True)]:
+        for j in range(i, i + step):
+            d.accept([], [toks[j]])
+        i += step
+        assert len(d._index.tokens) <= i and d._unindexed == toks[len(d._index.tokens):i]  # noted, not indexed
+        if read:
+            full = NGramIndex(1, 4)
+            full.reset(toks[:i])
+            assert d.peek(6) == full.lookup(6) and d.context_length() == i - 1
+            assert (d.index.last, d.index.prev, d.index.tokens) == (full.last, full.prev, full.tokens)
+            assert d._unindexed == []
+    d.accept([], toks[i:i + 5])
+    d.start([], toks[:4])  # a new context: what was noted for the old one goes with it
+    assert d.index.tokens == toks[:4] and d._unindexed == []
+
+
 def test_offer_names_a_copy_the_output_follows():
     """`offer` is `peek` named as the option auto prices it as: "ngram@run" only where the tokens committed since the
     latest earlier offer are its drafts and the new offer's first draft is its next; else the matched size's."""

@@ -252,11 +252,12 @@ class Row:
         (the cache keeps the anchor and the accepted drafts: len(new) rows)."""
         p = self.sampler.params
         first = self.first_pending  # its first token: the prefill's sample, not a round
+        drafters = self.drafters
         if self.drafts is None:  # a plain round (PlainDecoder's sampler call)
             if token is None:
                 token = int(self.sampler(logits[-1:], history_window(p, self.history)).item())
             new = [token]
-            self.plain_rounds += int(bool(self.drafters) and not first)
+            self.plain_rounds += int(bool(drafters) and not first)
         else:
             if p.greedy:
                 n, nxt = verify_greedy(logits, self.drafts, self.sampler, self.history)
@@ -265,7 +266,6 @@ class Row:
                                          self.q, self.drafts, self.sampler)
             new = self.drafts[:n] + [nxt]
         self.history.extend(new)
-        drafters = self.drafters
         if drafters:
             cut = {}
             if taps is not None:

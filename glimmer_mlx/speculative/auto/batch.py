@@ -69,6 +69,12 @@ SPAN_AFTER = 8
 # rows DFlash ran on a 1-row plain price of 5.7 ms for five requests where plain steps took 3.7 (0.84-0.93x ar in
 # them), and on 9.4 ms against 6.4 in another sitting (auto 0.91x ar over 16 runs). An option that wins by more than
 # the price's own error runs on as before: a check ends its stretch for a wake and CHECK_SAMPLES priced steps
+# a quiet batch (`asks`) asks every QUIET_EVERY steps at first, then at most every QUIET_MOST: at 8 rows of the
+# embedded model an ask (the rows' n-gram offers, phases and measures, the bounds) was ~150-180 us of a ~10 ms step
+# here — every 4th step ~0.4 % of every step, in batches that speculated in 1 step of ~700 — where a lone request's ask
+# is ~25 us of a 3.4 ms token and its plain stretches stay at QUIET_EVERY (an opportunity waits at most QUIET_MOST − 1
+# steps there; a speculative answer brings the gap back to QUIET_EVERY, and its stretch is asked every step)
+QUIET_MOST = 16
 THIN_MARGIN = 0.5
 THIN_DIVISOR = 8
 
@@ -133,7 +139,8 @@ class BatchAuto:
         # rows -> [Σ tokens × the plain price they were credited at, Σ tokens] credited since a plain step of that
         # many rows was last priced (`book`): a check re-prices them (`observe`)
         self._unconfirmed: dict[int, list[float]] = {}
-        self.quiet = QuietAsks()  # whether a step asks `choose` (`asks`), the answers' share of speculative steps
+        # whether a step asks `choose` (`asks`), the answers' share of speculative steps
+        self.quiet = QuietAsks(most=QUIET_MOST)
         self._spec_last = False  # whether the latest ask took a speculative step
 
     def key(self, regime: str, generated: int) -> str:
@@ -287,6 +294,8 @@ class BatchAuto:
         m = self.measured
         if rows:
             price = self.plain_by_rows.get(rows)
+            if n == rows and price is not None:  # a plain step of rows already priced: its price (what the rest gives,
+                return price  # at a fraction of the work; asked every step of a batch, `speculative.batch._observe`)
             if price is not None:
                 rel = {**self._relative_prior(rows), **self.relative.get(rows, {})}  # its own widths over the prior's
                 m = {rows * L: r * price for L, r in rel.items()}
@@ -572,7 +581,8 @@ class BatchAuto:
     def asks(self) -> bool:
         """Whether this step asks `choose` (`speculative.batch.BatchGenerator` asks it before asking the rows what
         they offer; not asked, every auto row steps plainly): always while at least `QUIET_RATE` of the latest asks
-        took a speculative step (`chooser.QuietAsks`), or right after one that did; else every `QUIET_EVERY`th step."""
+        took a speculative step (`chooser.QuietAsks`), or right after one that did; else every `QUIET_EVERY`th step,
+        the gap doubling with every plain answer up to `QUIET_MOST`."""
         return self.quiet.asks(self._spec_last)
 
     def choose(self, rows, fixed_rows: int, fixed_width: int, fixed_tokens: float, k_max: int) -> tuple[int, list]:

@@ -158,8 +158,8 @@ class NGramDrafter:
         """The index of every token accepted so far. Accepted tokens are indexed when it is next read, not as they
         come: a batch row that is not asked for a draft every step (`auto.batch.BatchAuto.asks`) indexes a few
         steps' tokens at once, the same work in one pass rather than a pass after every step's forward (8 auto rows
-        of the embedded model on this repository's CPU: their `accept` 81 µs a step against plain rows' 20, 36 with
-        the tokens indexed when asked — the asks 9 µs a step more; out of the loop a token costs ~1.6 µs)."""
+        of the embedded model on this repository's CPU: their `accept` 80-93 µs a step against plain rows' 17, 30 with
+        the tokens indexed when asked; out of the loop a token costs ~1.6 µs)."""
         if self._unindexed:
             new, self._unindexed = self._unindexed, []
             self._index.extend(new)

@@ -62,6 +62,12 @@ CARRIED_MEMO = 256  # answers of `BatchAuto.carries` kept (all dropped when full
 # step of the window adds its own noise to the stretch's ledger credit: a longer one charges longer wakes and is
 # noisier (24 one-row runs of the embedded model: the stretches' spans lost 321 / 392 / 407 ms over 4 / 8 / 32 steps)
 SPAN_AFTER = 8
+# a quiet batch (`asks`) asks every QUIET_EVERY steps at first, then at most every QUIET_MOST: at 8 rows of the
+# embedded model an ask (the rows' n-gram offers, phases and measures, the bounds) was ~150-180 us of a ~10 ms step
+# here — every 4th step ~0.4 % of every step, in batches that speculated in 1 step of ~700 — where a lone request's ask
+# is ~25 us of a 3.4 ms token and its plain stretches stay at QUIET_EVERY (an opportunity waits at most QUIET_MOST − 1
+# steps there; a speculative answer brings the gap back to QUIET_EVERY, and its stretch is asked every step)
+QUIET_MOST = 16
 # a stretch chosen by a thin margin over the plain step's price re-prices plain steps sooner (`BatchAuto.stale_after`):
 # STALE_ROUNDS steps after the latest priced one at a margin of 1 + THIN_MARGIN or more, down to STALE_ROUNDS //
 # THIN_DIVISOR at no margin. A price set at a slow moment (a fresh process's first steps, another process) makes a
@@ -69,12 +75,6 @@ SPAN_AFTER = 8
 # rows DFlash ran on a 1-row plain price of 5.7 ms for five requests where plain steps took 3.7 (0.84-0.93x ar in
 # them), and on 9.4 ms against 6.4 in another sitting (auto 0.91x ar over 16 runs). An option that wins by more than
 # the price's own error runs on as before: a check ends its stretch for a wake and CHECK_SAMPLES priced steps
-# a quiet batch (`asks`) asks every QUIET_EVERY steps at first, then at most every QUIET_MOST: at 8 rows of the
-# embedded model an ask (the rows' n-gram offers, phases and measures, the bounds) was ~150-180 us of a ~10 ms step
-# here — every 4th step ~0.4 % of every step, in batches that speculated in 1 step of ~700 — where a lone request's ask
-# is ~25 us of a 3.4 ms token and its plain stretches stay at QUIET_EVERY (an opportunity waits at most QUIET_MOST − 1
-# steps there; a speculative answer brings the gap back to QUIET_EVERY, and its stretch is asked every step)
-QUIET_MOST = 16
 THIN_MARGIN = 0.5
 THIN_DIVISOR = 8
 

@@ -172,8 +172,8 @@ class NGramDrafter:
 
     def fork(self) -> "NGramDrafter":
         """The same drafter with its own, empty index (a batch row's)."""
-        return NGramDrafter(self.vocab_size, self.max_drafts, self.index.min_n, self.index.max_n,
-                            trees=self.index.all_ends)
+        ix = self._index  # (its settings only: the tokens still to index stay this drafter's)
+        return NGramDrafter(self.vocab_size, self.max_drafts, ix.min_n, ix.max_n, trees=ix.all_ends)
 
     def start(self, taps: list[mx.array], ids: list[int]) -> None:
         self._restart(ids)

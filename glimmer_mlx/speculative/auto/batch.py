@@ -64,9 +64,9 @@ CARRIED_MEMO = 256  # answers of `BatchAuto.carries` kept (all dropped when full
 SPAN_AFTER = 8
 # a quiet batch (`asks`) asks every QUIET_EVERY steps at first, then at most every QUIET_MOST: at 8 rows of the
 # embedded model an ask (the rows' n-gram offers, phases and measures, the bounds) was ~150-180 us of a ~10 ms step
-# here — every 4th step ~0.4 % of every step, in batches that speculated in 1 step of ~700 — where a lone request's ask
-# is ~25 us of a 3.4 ms token and its plain stretches stay at QUIET_EVERY (an opportunity waits at most QUIET_MOST − 1
-# steps there; a speculative answer brings the gap back to QUIET_EVERY, and its stretch is asked every step)
+# here — every 4th step ~0.4 % of every step, in batches that speculated in 1 step of ~700 — where a lone request's
+# ask is ~25 us of a 3.4 ms token and its plain stretches stay at QUIET_EVERY (an opportunity waits at most
+# QUIET_MOST − 1 steps there; a speculative answer brings the gap back to QUIET_EVERY, its stretch asked every step)
 QUIET_MOST = 16
 # a stretch chosen by a thin margin over the plain step's price re-prices plain steps sooner (`BatchAuto.stale_after`):
 # STALE_ROUNDS steps after the latest priced one at a margin of 1 + THIN_MARGIN or more, down to STALE_ROUNDS //
@@ -294,9 +294,9 @@ class BatchAuto:
         m = self.measured
         if rows:
             price = self.plain_by_rows.get(rows)
-            if n == rows and price is not None:  # a plain step of rows already priced: its price (what the rest gives,
-                return price  # at a fraction of the work; asked every step of a batch, `speculative.batch._observe`)
             if price is not None:
+                if n == rows:  # a plain step of rows already priced: its price (what the rest gives, at a fraction of
+                    return price  # the work; asked every step of a batch, `speculative.batch._observe`)
                 rel = {**self._relative_prior(rows), **self.relative.get(rows, {})}  # its own widths over the prior's
                 m = {rows * L: r * price for L, r in rel.items()}
                 m[rows] = price

@@ -605,10 +605,10 @@ class AutoDrafter:
             steady = not k or self.chooser.steady(name, lag)
             if not steady:  # a new tenure of its drafter: what its catch-up serves is measured from here
                 self.chooser.caught_up(name, regime)
-            if not steady and not building:  # what it spent beyond a steady round is its own catch-up cost
-                opt = self.chooser.options[name]
-                self.chooser.observe_catch_up(name, lag, t_draft - self.chooser.scale * opt.draft(regime)(k),
-                                              at=len(self._tokens) - 1)
+                if not building:  # what it spent beyond a steady round is its own catch-up cost
+                    opt = self.chooser.options[name]
+                    self.chooser.observe_catch_up(name, lag, t_draft - self.chooser.scale * opt.draft(regime)(k),
+                                                  at=len(self._tokens) - 1)
             self.chooser.update(name if k else None, k, len(new_tokens) - 1, regime,
                                 t_draft if steady and not building else None, None if building else now - t1)
             self._round = t_draft + now - t1 if k and not building else None

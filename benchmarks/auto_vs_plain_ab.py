@@ -24,9 +24,9 @@ acceptance estimates and ledger entries for a whole response, as before the tent
 round; and the same without phases); dfforced (auto over the DFlash drafter alone, made to draft every round it can:
 what auto's own machinery costs against DFlash alone); ngauto (auto over n-gram lookup alone: plain or n-gram per
 round); ngdf, ngdf_never (auto over n-gram lookup and the DFlash drafter; and the same with the drafter's ledger
-entries barred throughout: what carrying it costs where it never drafts); nowarm
-(auto whose plain forwards never yield the model drafters' taps); norun, ngnorun (auto, and auto over n-gram lookup
-alone, whose n-gram offers are named by matched size only: no "ngram@run", as before the twelfth session); nowake,
+entries barred throughout: what carrying it costs where it never drafts); never (auto whose model
+drafters' entries are all barred throughout); nowarm (auto whose plain forwards never yield the model drafters'
+taps); norun, ngnorun (auto, and auto over n-gram lookup alone, whose n-gram offers are named by matched size only: no "ngram@run", as before the twelfth session); nowake,
 ngnowake (auto, and auto over n-gram lookup alone, charging a stretch the first plain token after it only, the slow
 ones after that measuring the speed scale, as before the thirteenth session: `chooser.SETTLE_SLACK`); noz (auto whose
 ledger bars on its floor and budget alone, as before the seventeenth session: `chooser.LEDGER_Z`); nohere (auto whose
@@ -415,6 +415,7 @@ make = {
     "dfauto_nophase": lambda: no_phase(make_auto(m, dflash=copy.copy(d.dflash), ngram=False)),
     "ngauto": lambda: make_auto(m, ngram=8),
     "nowarm": lambda: no_warm(second_auto()),
+    "never": lambda: never_models(second_auto()),
     "norun": lambda: no_run(second_auto()), "ngnorun": lambda: no_run(make_auto(m, ngram=8)),
     "nowake": lambda: no_wake(second_auto()), "ngnowake": lambda: no_wake(make_auto(m, ngram=8)),
     "dflash": lambda: d.dflash, "ngram": d.ngram, "mtp": lambda: d.mtp,

@@ -85,13 +85,40 @@ def second_auto(session):
         d._auto = first
 
 
-VARIANTS = ("ngauto", "nowarm", "nokeep", "auto2")
+class _Every(frozenset):
+    """A barred set holding every ledger entry of the options named (`never_models`)."""
+
+    def __new__(cls, names):
+        names = frozenset(names)
+        out = super().__new__(cls, names)  # (listed as the options' names)
+        out.names = names
+        return out
+
+    def __contains__(self, entry) -> bool:
+        return entry.split("#", 1)[0] in self.names
+
+    def __bool__(self) -> bool:
+        return True
+
+
+def never_models(auto):
+    """auto whose model drafters' ledger entries (chains and trees, every phase) are barred throughout: they are
+    carried and offered, and never drafted."""
+    ch = auto.chooser
+    ch._bar = lambda: None
+    ch.barred = _Every(n for n in ch.options if not n.startswith("ngram"))
+    ch.rescore()
+    return auto
+
+
+VARIANTS = ("ngauto", "nowarm", "nokeep", "auto2", "never")
 
 
 def auto_variant(session, mode: str):
     """An auto of its own for `mode` (one of `VARIANTS`): ngauto, auto over n-gram lookup alone; nowarm, auto whose
     forwards never yield the model drafters' taps; nokeep, auto whose chooser never keeps a stretch's option by
-    bounds (`AutoChooser.keep`); auto2, a second auto built as the session's (an A/A control)."""
+    bounds (`AutoChooser.keep`); auto2, a second auto built as the session's (an A/A control); never, auto whose
+    model drafters are carried and offered and never drafted (`never_models`)."""
     if mode not in VARIANTS:
         raise ValueError(f"no auto variant {mode!r}: one of {', '.join(VARIANTS)}")
     if mode == "ngauto":
@@ -103,6 +130,8 @@ def auto_variant(session, mode: str):
         a._warm = lambda regime, remaining: False
     elif mode == "nokeep":
         a.chooser.keep = lambda *args, **kw: None
+    elif mode == "never":
+        never_models(a)
     return a
 
 

@@ -70,7 +70,7 @@ import time
 
 import glimmer_mlx
 import ab_setup
-from ab_setup import args, session_and_prompts
+from ab_setup import args, never_models, session_and_prompts
 from glimmer_mlx.bench.runner import task_order
 from glimmer_mlx.speculative.auto import make_auto
 from glimmer_mlx.speculative.auto.chooser import HERE_WEIGHT, LEDGER_FLOOR, SWITCH_HORIZON
@@ -229,32 +229,6 @@ def forced_dflash(auto):
     ch.keep = lambda name, available, regime="greedy", remaining=None: pick(available, regime, remaining)
     ch.relevant = lambda regime="greedy", remaining=None: None
     ch.check_due = lambda: False
-    return auto
-
-
-class _Every(frozenset):
-    """A barred set holding every ledger entry of the options named (`never_models`)."""
-
-    def __new__(cls, names):
-        names = frozenset(names)
-        out = super().__new__(cls, names)  # (listed as the options' names)
-        out.names = names
-        return out
-
-    def __contains__(self, entry) -> bool:
-        return entry.split("#", 1)[0] in self.names
-
-    def __bool__(self) -> bool:
-        return True
-
-
-def never_models(auto):
-    """auto whose model drafters' ledger entries (chains and trees, every phase) are barred throughout: they are
-    carried and offered, and never drafted."""
-    ch = auto.chooser
-    ch._bar = lambda: None
-    ch.barred = _Every(n for n in ch.options if not n.startswith("ngram"))
-    ch.rescore()
     return auto
 
 

@@ -14,7 +14,8 @@ what the rows' bookkeeping and the choice cost); nochoice (auto rows the batch n
 bookkeeping alone, the n-gram index kept); eager (auto asking its choice every step, as before the thirtieth
 session, however seldom it speculates: `BatchAuto.asks`); quietplain (auto whose every answer is plain, asked as
 seldom as such a batch asks: what asking costs it); ngauto (auto rows carrying n-gram lookup only, no model drafter:
-`BatchAuto.carries` always no); plainngauto (both); stale (auto as before the twenty-eighth session: a check after
+`BatchAuto.carries` always no); plainngauto (both); plaincarry (auto rows whose every step is plain, carrying
+every model drafter: what carrying costs); stale (auto as before the twenty-eighth session: a check after
 `STALE_ROUNDS` steps whatever the margin a stretch was chosen by, `BatchAuto.stale_after`, and no credit re-priced by a
 check, `BatchAuto._confirm`); warm (auto started from what another auto learned over AB_LEARN runs, default 16, of
 the same rows before the A/B — as a process does from what the last one kept, `speculative.auto.learned`); warmfull
@@ -106,7 +107,7 @@ def noted_observe(self, n, seconds, spec, rows=None):
 
 
 def variant_choose(self, rows, *a):
-    if self.variant in ("plainauto", "plainngauto"):
+    if self.variant in ("plainauto", "plainngauto", "plaincarry"):
         self.exploring = None
         return 0, [(None, 0)] * len(rows)
     return noted_choose(self, rows, *a)
@@ -119,7 +120,8 @@ auto_batch.BatchAuto.stale_after = property(lambda self: (
 auto_batch.BatchAuto._confirm = lambda self, *a: None if self.variant == "stale" else confirm(self, *a)
 auto_batch.BatchAuto.choose, auto_batch.BatchAuto.observe = variant_choose, noted_observe
 auto_batch.BatchAuto.carries = lambda self, *a, **k: (
-    False if self.variant in ("ngauto", "plainngauto") else carries(self, *a, **k))
+    False if self.variant in ("ngauto", "plainngauto") else True if self.variant == "plaincarry"
+    else carries(self, *a, **k))
 asks, pick = auto_batch.BatchAuto.asks, auto_batch.BatchAuto._pick
 auto_batch.BatchAuto._pick = lambda self, rows, *a: (
     (0, [(None, 0)] * len(rows)) if self.variant == "quietplain" else pick(self, rows, *a))

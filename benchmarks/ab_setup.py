@@ -135,6 +135,20 @@ def auto_variant(session, mode: str):
     return a
 
 
+def timed_method(cls, name: str, add) -> None:
+    """Wrap method `name` of `cls` so that each call's seconds go to add(name, seconds) (`time.perf_counter`; not a
+    profiler, which inflates small Python calls many times over)."""
+    f = getattr(cls, name)
+
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            add(name, time.perf_counter() - t)
+    setattr(cls, name, wrapper)
+
+
 def time_verifies() -> list[float]:
     """Time every greedy verify (`verify_greedy`, where a verify forward is evaluated) from now on: returns the
     one-element list its seconds add up in (the caller reads and resets it)."""

@@ -26,7 +26,8 @@ what auto's own machinery costs against DFlash alone); ngauto (auto over n-gram 
 round); ngdf, ngdf_never (auto over n-gram lookup and the DFlash drafter; and the same with the drafter's ledger
 entries barred throughout: what carrying it costs where it never drafts); never (auto whose model
 drafters' entries are all barred throughout); nowarm (auto whose plain forwards never yield the model drafters'
-taps); norun, ngnorun (auto, and auto over n-gram lookup alone, whose n-gram offers are named by matched size only: no "ngram@run", as before the twelfth session); nowake,
+taps); norun, ngnorun (auto, and auto over n-gram lookup alone, whose n-gram offers are named by matched size
+only: no "ngram@run", as before the twelfth session); nowake,
 ngnowake (auto, and auto over n-gram lookup alone, charging a stretch the first plain token after it only, the slow
 ones after that measuring the speed scale, as before the thirteenth session: `chooser.SETTLE_SLACK`); noz (auto whose
 ledger bars on its floor and budget alone, as before the seventeenth session: `chooser.LEDGER_Z`); nohere (auto whose

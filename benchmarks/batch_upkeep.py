@@ -11,9 +11,8 @@ used: it inflates small Python calls many times over.
 import collections
 import statistics
 import sys
-import time
 
-from ab_setup import batch_prompts, second_auto, timed_steps
+from ab_setup import batch_prompts, second_auto, timed_method, timed_steps
 
 from glimmer_mlx.sampling import Sampler, SamplingParams
 from glimmer_mlx.session import load_session
@@ -27,22 +26,14 @@ spent = collections.defaultdict(float)
 mode = ["ar"]
 
 
-def timed(cls, name):
-    f = getattr(cls, name)
-
-    def wrapper(*a, **k):
-        t = time.perf_counter()
-        try:
-            return f(*a, **k)
-        finally:
-            spent[(mode[0], name)] += time.perf_counter() - t
-    setattr(cls, name, wrapper)
+def add(name: str, seconds: float) -> None:
+    spent[(mode[0], name)] += seconds
 
 
 PARTS = ("_chainable", "_choose", "_launch", "_land", "_observe")
 for part in PARTS:
-    timed(B.BatchGenerator, part)
-timed(B.Row, "accept")
+    timed_method(B.BatchGenerator, part, add)
+timed_method(B.Row, "accept", add)
 ba = BatchAuto(second_auto(s))
 ms, steps = collections.defaultdict(list), collections.Counter()
 for r in range(RUNS):

@@ -15,9 +15,8 @@ Modes: auto (built as the session's) and its variants (`ab_setup.VARIANTS`: ngau
 import collections
 import statistics
 import sys
-import time
 
-from ab_setup import VARIANTS, auto_variant, second_auto, session_and_prompts
+from ab_setup import VARIANTS, auto_variant, second_auto, session_and_prompts, timed_method
 
 import glimmer_mlx
 from glimmer_mlx.speculative import engine
@@ -39,20 +38,12 @@ plain = collections.defaultdict(list)  # mode -> (pipelined plain token's second
 chosen = {}  # id(chooser) -> (family, round seconds, one-time seconds) of its latest speculative choice
 
 
-def timed(cls, name):
-    f = getattr(cls, name)
-
-    def wrapper(*a, **k):
-        t = time.perf_counter()
-        try:
-            return f(*a, **k)
-        finally:
-            host[name] += time.perf_counter() - t
-    setattr(cls, name, wrapper)
+def add(name: str, seconds: float) -> None:
+    host[name] += seconds
 
 
 for part in ("plan", "propose", "accept", "end_round"):
-    timed(MX.AutoDrafter, part)
+    timed_method(MX.AutoDrafter, part, add)
 choose = C.AutoChooser.choose
 
 
@@ -109,12 +100,12 @@ for mode in modes:
             continue
         line = f"  {kind:7s} {rounds / n:5.1f} rounds {1e3 * sec / n:6.2f} ms {tok / n:5.1f} tokens a request"
         if priced[(m, kind)]:
-            xs = priced[(m, kind)]
-            line += (f"; a round took {1e3 * statistics.mean(x[0] for x in xs):.2f} ms, priced "
-                     f"{1e3 * statistics.mean(x[1] for x in xs):.2f} + one-time {1e3 * statistics.mean(x[2] for x in xs):.2f}")
+            took, price, once = (1e3 * statistics.mean(x[i] for x in priced[(m, kind)]) for i in range(3))
+            line += f"; a round took {took:.2f} ms, priced {price:.2f} + one-time {once:.2f}"
         print(line)
-        print("          µs a round: " + " ".join(f"{p}={1e6 * v / rounds:.0f}" for p, v in sorted(parts[(m, kind)].items())))
+        print("          µs a round: " + " ".join(f"{p}={1e6 * v / rounds:.0f}"
+                                               for p, v in sorted(parts[(m, kind)].items())))
     if plain[mode]:
-        xs = plain[mode]
-        print(f"  pipelined plain tokens in plain stretches: {len(xs)}, median {1e3 * statistics.median(x[0] for x in xs):.3f}"
-              f" ms; the chooser's price then, median {1e3 * statistics.median(x[1] for x in xs):.3f} ms")
+        took, price = (1e3 * statistics.median(x[i] for x in plain[mode]) for i in range(2))
+        print(f"  pipelined plain tokens in plain stretches: {len(plain[mode])}, median {took:.3f} ms; the chooser's "
+              f"price then, median {price:.3f} ms")

@@ -2296,3 +2296,90 @@ def test_a_row_carries_a_model_drafter_only_where_the_batch_s_choice_could_take_
         assert ba.could_pay("mtp", "greedy", 1) is carried
         k, plan = ba.choose([("greedy", 64, {"mtp": 1})], 0, 1, 0.0, 1)
         assert (k > 0) is carried and (plan[0][0] == "mtp") is carried
+
+
+def test_a_row_s_drafting_is_priced_with_its_drafter_s_backlog(ba):
+    """`StepChoice`: a row whose model drafter has a backlog to take in (`BatchAuto.backlog_cost`, the rows' fifth
+    element) pays it in its round's drafting: beside a row in step, with every round cheap and good, the row in step
+    drafts and the one whose catch-up costs more than its extra tokens are worth at the step's rate steps plainly;
+    told no backlog, both draft. Catches: the backlog left out of a row's price (every row's round priced as a steady
+    one, a served row's first DFlash draft over its whole prompt among them)."""
+    ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+    ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}
+    pin(ba, "dflash", "greedy", 0.8)
+    steady = [("greedy", 100, {"dflash": 8}, ()), ("greedy", 100, {"dflash": 8}, ())]
+    k, plan = ba.choose(steady, 0, 1, 0.0, 8)
+    assert k > 0 and plan == [("dflash", k)] * 2, plan
+    behind = [steady[0] + ((),), steady[1] + ((("dflash", 0.05),),)]  # 5 plain steps of catch-up
+    k, plan = ba.choose(behind, 0, 1, 0.0, 8)
+    assert k > 0 and plan[0] == ("dflash", k) and plan[1] == (None, 0), plan
+    from glimmer_mlx.speculative.auto.batch import StepChoice
+
+    step = StepChoice(ba, behind, 0, 1, 0.0, 8)
+    tokens, seconds = step.cost([("dflash", 4), ("dflash", 4)])
+    assert seconds == pytest.approx(step.step_cost(5) + 2 * ba.draft_cost("dflash", 4) + 0.05)
+
+
+def test_a_model_drafter_counts_its_backlog_and_the_batch_prices_it(sess, ids, ba):
+    """`DFlashDrafter.backlog`: the target positions whose taps wait for its next round — a started state's whole
+    prompt, plus each position handed over while it does not draft (a batch row carrying it along plain steps), none
+    once it drafted. `BatchAuto.backlog_cost` prices nothing up to a steady round's backlog (`Option.steady`) and
+    the measured per-position catch-up beyond it, at the speed its batch rounds measure. Catches: a backlog that
+    forgets the pieces a carried drafter gathers or survives its round, a price on a steady backlog."""
+    d = sess.drafters.dflash.fork()
+    prompt = ids[4]
+    cache = sess.model.make_cache()
+    logits, taps = sess.model(mx.array([prompt]), cache, taps=d.taps)
+    first = int(mx.argmax(logits[0, -1]).item())
+    d.start(taps, prompt + [first])
+    assert d.backlog == len(prompt)
+    history = prompt + [first]
+    for _ in range(3):  # plain steps: one position each
+        logits, taps = sess.model(mx.array([[history[-1]]]), cache, taps=d.taps)
+        t = int(mx.argmax(logits[0, -1]).item())
+        d.accept(taps, [t])
+        history.append(t)
+    assert d.backlog == len(prompt) + 3
+    d.propose(history[-1], len(history) - 1, 4, Sampler(params(), 0), history)
+    assert d.backlog == 0
+    opt = ba.chooser.options["dflash"]
+    saved = opt.catch_up, opt.catch_quad
+    try:
+        opt.catch_up, opt.catch_quad = 1e-4, 0.0
+        ba.draft_factor["dflash"] = 2.0
+        assert ba.backlog_cost("dflash", opt.steady, 100) == 0.0
+        assert ba.backlog_cost("dflash", opt.steady + 8, 100) == pytest.approx(2.0 * 1e-4 * 8)
+        assert ba.backlog_cost("dflash", 190, 200) > ba.backlog_cost("dflash", 40, 200)
+    finally:
+        opt.catch_up, opt.catch_quad = saved
+
+
+def test_the_batch_hands_each_row_s_backlog_to_the_choice_and_keeps_it_out_of_the_draft_price(sess, ids,
+                                                                                              monkeypatch):
+    """`BatchGenerator._choose` gives the choice each auto row's model drafters' backlog price (`_behind`: a row that
+    carries DFlash along plain steps is asked about with its whole backlog priced), and a round that took one in
+    teaches `BatchAuto.observe_draft` its time less that price (the steady drafting price is not a catch-up's).
+    Greedy output equals plain decoding's. Catches: the rows' backlogs not handed over, a catch-up's time learned as
+    what every round of the drafter costs."""
+    auto = sess.drafters.batch_auto()
+    monkeypatch.setattr(auto, "carries", lambda *a, **k: True)
+    monkeypatch.setattr(auto, "backlog_cost", lambda name, lag, at: 1000.0 if lag > 20 else 0.0)  # unmistakable
+    asked, drafts = [], []
+    real_choose = auto.choose
+
+    def choose(rows, fixed_rows, fixed_width, fixed_tokens, k_max):
+        asked.append([row[4] for row in rows])
+        k, plan = real_choose(rows, fixed_rows, fixed_width, fixed_tokens, k_max)
+        if len(asked) >= 3 and not drafts:  # from the third ask on, DFlash for every row, its backlog and all
+            return 2, [("dflash", 2)] * len(rows)
+        return 0, [(None, 0)] * len(rows)
+
+    monkeypatch.setattr(auto, "choose", choose)
+    monkeypatch.setattr(auto, "asks", lambda: True)
+    monkeypatch.setattr(auto, "closed", lambda fixed_width: False)
+    monkeypatch.setattr(auto, "observe_draft", lambda name, k, seconds: drafts.append((name, k, seconds)))
+    gen = BatchGenerator(sess.model, auto=auto)
+    out, rows = run(gen, [(0, request(sess, ids[-1], "auto", params(), 0, 12))])
+    assert asked and all(("dflash", 1000.0) in a[0] for a in asked[:3]), asked[:3]
+    assert drafts and drafts[0][0] == "dflash" and -1000.0 < drafts[0][2] < -999.0, drafts
+    assert out[0][0] == solo(sess, ids[-1], "ar", params(), 0, 12)[0]

@@ -496,9 +496,21 @@ class BatchGenerator:
         k_max = max(d.max_drafts for b in autos for d in rows[b].options.values())
         fixed_tokens = sum(r.tau() for r in fixed)
         _, plan = self.auto.choose([(self.auto.key(r.regime, r.out.n), r.out.budget, r.available(k_max),
-                                     self.auto.rhos(r.here, r.regime)) for r in (rows[b] for b in autos)],
-                                   len(fixed), fixed_width, fixed_tokens, k_max)
+                                     self.auto.rhos(r.here, r.regime), self._behind(r))
+                                    for r in (rows[b] for b in autos)], len(fixed), fixed_width, fixed_tokens, k_max)
         return dict(zip(autos, plan))
+
+    def _behind(self, row: Row) -> tuple:
+        """((option, seconds), ...): what each of an auto row's model drafters would spend beyond a steady round
+        taking in its backlog, where it has one (`BatchAuto.backlog_cost`)."""
+        at = len(row.history) - 1
+        out = []
+        for kind, d in row.options.items():
+            if d.taps:
+                cost = self.auto.backlog_cost(kind, d.backlog, at)
+                if cost > 0.0:
+                    out.append((kind, cost))
+        return tuple(out)
 
     def _launch(self, after: Launched | None) -> Launched:
         """Build (and queue) one batched forward. after: the launched step not read back yet whose sampled tokens
@@ -509,6 +521,10 @@ class BatchGenerator:
             self.auto.explored[self.auto.exploring] = self.auto.explored.get(self.auto.exploring, 0) + 1
         lazies = {b: after.tokens.get(id(r)) for b, r in enumerate(rows)} if after is not None else {}
         plans = {b: r.drafting(choices.get(b)) for b, r in enumerate(rows) if lazies.get(b) is None}
+        # what each auto row's drafter takes in beyond a steady round, priced (`_behind`): its round's time less that
+        # is what its drafting costs in a run of rounds (`BatchAuto.observe_draft`)
+        behind = {b: self.auto.backlog_cost(rows[b].choice[0], d.backlog, len(rows[b].history) - 1)
+                  for b, (d, k) in plans.items() if k > 0 and rows[b].choice is not None and d.taps}
         t = time.perf_counter()
         drafted = batch_drafts(rows, plans)
         shared = (time.perf_counter() - t) / max(1, len(drafted))  # each batched row's share of the drafting
@@ -531,7 +547,7 @@ class BatchGenerator:
                     drafting += spent  # (counted in, a fixed DFlash row's drafter forward priced every 1 × 16 step
                     # ~1.8x what its forward costs, and auto's own rounds paid their drafting twice on that price)
                 if r.choice is not None:  # what the chosen drafter's round measurably costs
-                    self.auto.observe_draft(c[0], c[1], spent + (shared if b in drafted else 0.0))
+                    self.auto.observe_draft(c[0], c[1], spent + (shared if b in drafted else 0.0) - behind.get(b, 0.0))
                 parts.append(f)
                 widths.append(len(f))
         L = max(widths)

@@ -116,6 +116,13 @@ class DFlashDrafter:
     @ctx.setter
     def ctx(self, value: mx.array | None) -> None:
         self._rows = () if value is None else (value,)
+        self._backlog = 0 if value is None else value.shape[1]
+
+    @property
+    def backlog(self) -> int:
+        """Target positions whose taps wait in `ctx` for the next round to take in (what its next round catches up
+        on; counted as they come: a batch row carrying the drafter along plain steps holds one piece a step)."""
+        return self._backlog
 
     @property
     def max_drafts(self) -> int:
@@ -243,6 +250,7 @@ class DFlashDrafter:
     def accept(self, taps: list[mx.array], new_tokens: list[int]) -> None:
         """The target's taps of the newly committed positions (anchor + accepted drafts) become the next context."""
         self._rows = self._rows + (tuple(taps),)  # joined when `ctx` is read
+        self._backlog += taps[0].shape[1]
         if self.tree_pending is not None:  # the round verified a calibrated tree: count its ranks
             tree, lists, drawn, greedy = self.tree_pending
             self.tree_pending = None

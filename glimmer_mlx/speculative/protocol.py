@@ -8,7 +8,9 @@ positions with the committed tokens (`accept`). `start` follows a fresh prefill;
 
 A drafter that can decode inside a batch (`batch.BatchGenerator`: each row needs its own state) also has `fork()`:
 the same drafter (shared weights, the same width) with its own, empty state. DFlash, DFlash 2, MTP and n-gram have
-it; `auto` does not (in a batch the choice is made for all rows together).
+it; `auto` does not (in a batch the choice is made for all rows together). A model drafter (one with taps) there
+also tells its `backlog`: the target positions its next round takes in (what the batch's choice prices a row's round
+by beyond a steady one's, `auto.batch.BatchAuto.backlog_cost`).
 
 Implemented by `dflash.DFlashDrafter`, `mtp.MTPDrafter`, `ngram.NGramDrafter` and `auto.multiplex.AutoDrafter`.
 """

@@ -541,6 +541,16 @@ class BatchAuto:
         batches measure (EMA of measured / shape; before any, the solo chooser's machine scale)."""
         return self.draft_factor.get(name, self.chooser.scale) * self.chooser.options[name].cost(k)
 
+    def backlog_cost(self, name: str, lag: int, at: int) -> float:
+        """Seconds a row's drafter of option `name` spends beyond a steady round taking in a backlog of `lag` positions
+        ending at target position `at` (`AutoChooser.backlog_cost`, at the speed its rounds in batches measure, as
+        `draft_cost`). A row that joins on a prompt-cache entry whose DFlash state never drafted takes in the whole
+        prompt at its first draft (63–192 positions in a served sitting at 2 rows here, 1–15 at the later ones): one
+        price per option priced that round as a steady one, and learned every catch-up into the steady price."""
+        if lag <= 0:
+            return 0.0
+        return self.draft_factor.get(name, self.chooser.scale) * self.chooser.backlog_cost(name, lag, at)
+
     def observe_draft(self, name: str, k: int, seconds: float) -> None:
         shape = self.chooser.options[name].cost(k)
         if shape <= 0 or seconds <= 0:
@@ -760,9 +770,10 @@ class BatchAuto:
 
 class StepChoice:
     """One step's choice for `BatchAuto.choose`: the auto rows ((regime, budget, {option: most drafts it gives}[,
-    ((option, ρ), ...)])),
-    the fixed rows (their count, widest block, expected tokens) and the widest block to consider. Rows alike for the
-    choice (the same regime and offers, budgets past the widest block) are scored once, as a group (`groups`, with
+    ((option, ρ), ...)[, ((option, seconds), ...)]]) — the last: what its model drafters' backlogs cost it to take in
+    beyond a steady round, `BatchAuto.backlog_cost`), the fixed rows (their count, widest block, expected tokens) and
+    the widest block to consider. Rows alike for the choice (the same regime, offers and backlogs, budgets past the
+    widest block) are scored once, as a group (`groups`, with
     their `counts`; a plan is one (option or None, drafts) per group: `expand` makes it one per row). Each option's
     expected tokens per round (`expected`), optionally in a scenario of its acceptance (`shift`: (option, z) — its
     every position moved by z of its spread), and the batch's rate of the best plan at a width (`at`)."""
@@ -778,15 +789,18 @@ class StepChoice:
         index: dict = {}
         self.groups, self.counts, self.of = [], [], []  # group g: (regime, budget, offers), its rows; row -> group
         self.rhos = []  # group g: ((option, ρ), ...) of its rows (`BatchAuto.rhos`)
+        self.backlogs = []  # group g: {option: seconds its rows' drafter takes beyond a steady round} (its backlog)
         for row in rows:
             regime, budget, avail = row[:3]
             rho = row[3] if len(row) > 3 else ()
-            key = (regime, min(budget, k_top + 1), tuple(avail.items()), rho)
+            behind = row[4] if len(row) > 4 else ()
+            key = (regime, min(budget, k_top + 1), tuple(avail.items()), rho, behind)
             g = index.get(key)
             if g is None:
                 g = index[key] = len(self.groups)
                 self.groups.append((regime, key[1], avail))
                 self.rhos.append(rho)
+                self.backlogs.append(dict(behind))
                 self.counts.append(0)
             self.counts[g] += 1
             self.of.append(g)
@@ -849,11 +863,12 @@ class StepChoice:
             got = self.costs[L] = self.auto.step_cost(self.B * L, rows=self.B)
         return got
 
-    def draft_cost(self, pick: tuple) -> float:
+    def draft_cost(self, pick: tuple, g: int | None = None) -> float:
+        """Seconds of a round of `pick` (option, drafts); with g, for group g's rows: their drafter's backlog too."""
         got = self.drafts.get(pick)
         if got is None:
             got = self.drafts[pick] = self.auto.draft_cost(*pick)
-        return got
+        return got if g is None else got + self.backlogs[g].get(pick[0], 0.0)
 
     def bound(self, shift: tuple | None = None) -> float:
         """A bound on every width's rate: each row at its most expected tokens, the step at its cheapest
@@ -891,7 +906,7 @@ class StepChoice:
             tokens += count * e
             plan.append((None, 0) if pick is None else pick)
             if pick is not None:
-                d = self.draft_cost(pick)
+                d = self.draft_cost(pick, g)
                 drafting += count * d
                 worth.append(((e - 1.0) / d if d > 0 else float("inf"), g, e, d))
         worth.sort()
@@ -925,6 +940,6 @@ class StepChoice:
                 tokens += count
                 continue
             tokens += count * self.expected(name, regime, k, rho=self.rho(g, name))
-            drafting += count * self.draft_cost((name, k))
+            drafting += count * self.draft_cost((name, k), g)
             L = max(L, k + 1)
         return tokens, self.step_cost(L) + drafting

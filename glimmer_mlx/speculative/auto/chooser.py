@@ -761,10 +761,18 @@ class AutoChooser:
         lag, rows, at = self.lags.get(name, (0, 0, 0))
         if lag <= 0:
             return 0.0
-        L = lag_bucket(lag)
+        return self.backlog_cost(name, lag, at) + (self.forward_cost(lag_bucket(rows)) if rows > 0 else 0.0)
+
+    def backlog_cost(self, name: str, lag: int, at: int) -> float:
+        """Calibrated seconds option `name`'s drafter spends taking in a backlog of `lag` positions ending at target
+        position `at` beyond what a steady round's backlog costs (`Option.catch_up`, `Option.catch_quad`), the
+        positions rounded up to a `lag_bucket`; a batch row's drafter prices its backlog so too
+        (`auto.batch.BatchAuto.backlog_cost`)."""
         opt = self.options.get(name)
-        own = 0.0 if opt is None else opt.catch_up * max(0, L - opt.steady) + self._quad(opt, L, lag_bucket(at))
-        return own + (self.forward_cost(lag_bucket(rows)) if rows > 0 else 0.0)
+        if opt is None or lag <= 0:
+            return 0.0
+        L = lag_bucket(lag)
+        return opt.catch_up * max(0, L - opt.steady) + self._quad(opt, L, lag_bucket(at))
 
     @staticmethod
     def _quad(opt: Option, lag: int, at: int) -> float:

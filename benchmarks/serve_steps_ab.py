@@ -4,7 +4,8 @@ client process of its own per pass — as `glimmer bench serve` runs it, the ser
 N clients, R requests each per pass (64 tokens, greedy), PASSES passes with the modes in alternated order
 (A B C, C B A, ...). Prints each mode's aggregate tok/s over ar's, and the batch's steps of each mode by kind —
 rows, plain or speculative, whether a prefill ran before it, whether it was queued behind the step before it
-(`chained`) and the next behind it (`queued`) — with their median and summed seconds (`BatchGenerator.step_seconds`):
+(`chained`) and the next behind it (`queued`) — with their median and summed seconds (`BatchGenerator.step_seconds`),
+and what the steps where an auto row drafted took against their committed tokens as plain steps of as many rows:
 a mode's loss splits into its plain steps' own cost and what its speculative steps and the steps after them took.
 
 Modes: ar, ar2 (plain again: an A/A control), auto; variants of auto, patched on the server's batch chooser for
@@ -51,12 +52,16 @@ AB.BatchAuto.carries = lambda self, *a, **k: (
     False if current[0] in ("quiet", "ngauto") else carries(self, *a, **k))
 AB.BatchAuto.explore = lambda self, *a, **k: None if current[0] == "noexplore" else explore(self, *a, **k)
 steps = collections.defaultdict(list)  # (mode, kind) -> seconds of each step
+spec = collections.defaultdict(list)  # (mode, rows) -> (seconds, tokens committed) of each speculative step
 
 
 def noted_observe(self, st, rows, L, now, committed, queued):
     kind = (rows, "spec" if L > 1 else "plain", "prefill" if self._prefilling > 0 else "",
             "chained" if st.chained else "", "queued" if queued else "")
-    steps[(current[0], kind)].append(self.step_seconds(st, now))
+    seconds = self.step_seconds(st, now)
+    steps[(current[0], kind)].append(seconds)
+    if L > 1 and committed is not None:
+        spec[(current[0], rows)].append((seconds, committed))
     return observe(self, st, rows, L, now, committed, queued)
 
 
@@ -102,4 +107,12 @@ for mode in MODES:
             rows, what, *how = kind
             print(f"  {rows} rows {what:5s} {' '.join(h for h in how if h) or '-':24s} {len(v):5d} steps, median "
                   f"{1e3 * statistics.median(v):6.2f} ms, {sum(v):6.2f} s")
+    for rows in sorted({r for m, r in spec if m == mode}):
+        v = spec[(mode, rows)]
+        plain = [x for k, x in mine.items() if k[:2] == (rows, "plain") and k[3:] == ("chained", "queued")]
+        if plain and plain[0]:
+            step = statistics.median(plain[0])
+            took, tokens = sum(s for s, _ in v), sum(n for _, n in v)
+            print(f"  {rows} rows: {len(v)} drafting steps took {took:.2f} s for {tokens} tokens, as plain steps "
+                  f"{tokens / rows * step:.2f} s (the plain steps after them, their wake, are in the table above)")
 print("auto's counts:", server.worker.auto_counts())

@@ -2300,24 +2300,32 @@ def test_a_row_carries_a_model_drafter_only_where_the_batch_s_choice_could_take_
 
 def test_a_row_s_drafting_is_priced_with_its_drafter_s_backlog(ba):
     """`StepChoice`: a row whose model drafter has a backlog to take in (`BatchAuto.backlog_cost`, the rows' fifth
-    element) pays it in its round's drafting: beside a row in step, with every round cheap and good, the row in step
-    drafts and the one whose catch-up costs more than its extra tokens are worth at the step's rate steps plainly;
-    told no backlog, both draft. Catches: the backlog left out of a row's price (every row's round priced as a steady
-    one, a served row's first DFlash draft over its whole prompt among them)."""
+    element) pays it in its round's drafting, spread over the tokens a catch-up of that drafter serves
+    (`AutoChooser.tenure`, as the solo chooser spreads one): beside a row in step, with every round cheap and good,
+    the row in step drafts and one whose catch-up is worth more than its drafts steps plainly; told no backlog, both
+    draft; a short catch-up does not hold a row back. Catches: the backlog left out of a row's price (every row's
+    round priced as a steady one, a served row's first DFlash draft over its whole prompt among them), or charged
+    whole to one round (a row behind would never catch up)."""
+    from glimmer_mlx.speculative.auto.batch import StepChoice
+    from glimmer_mlx.speculative.auto.chooser import tenure_bucket
+
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
     ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}
     pin(ba, "dflash", "greedy", 0.8)
     steady = [("greedy", 100, {"dflash": 8}, ()), ("greedy", 100, {"dflash": 8}, ())]
     k, plan = ba.choose(steady, 0, 1, 0.0, 8)
     assert k > 0 and plan == [("dflash", k)] * 2, plan
-    behind = [steady[0] + ((),), steady[1] + ((("dflash", 0.05),),)]  # 5 plain steps of catch-up
-    k, plan = ba.choose(behind, 0, 1, 0.0, 8)
+    held = tenure_bucket(ba.chooser.tenure("dflash", "greedy"))
+    far = [steady[0] + ((),), steady[1] + ((("dflash", 0.2 * held),),)]  # 20 plain steps a token of tenure
+    k, plan = ba.choose(far, 0, 1, 0.0, 8)
     assert k > 0 and plan[0] == ("dflash", k) and plan[1] == (None, 0), plan
-    from glimmer_mlx.speculative.auto.batch import StepChoice
-
-    step = StepChoice(ba, behind, 0, 1, 0.0, 8)
+    near = [steady[0] + ((),), steady[1] + ((("dflash", 0.05),),)]  # 5 plain steps, spread over its tenure
+    k, plan = ba.choose(near, 0, 1, 0.0, 8)
+    assert k > 0 and plan == [("dflash", k)] * 2, plan
+    step = StepChoice(ba, near, 0, 1, 0.0, 8)
+    e = step.expected("dflash", "greedy", 4)
     tokens, seconds = step.cost([("dflash", 4), ("dflash", 4)])
-    assert seconds == pytest.approx(step.step_cost(5) + 2 * ba.draft_cost("dflash", 4) + 0.05)
+    assert seconds == pytest.approx(step.step_cost(5) + 2 * ba.draft_cost("dflash", 4) + 0.05 * min(1.0, e / held))
 
 
 def test_a_model_drafter_counts_its_backlog_and_the_batch_prices_it(sess, ids, ba):

@@ -46,7 +46,7 @@ import collections
 
 from .chooser import (CHECK_SAMPLES, ENTER_GAIN, FUTURE_TOKENS, LEDGER_FLOOR, LEDGER_ROUND_CAP, LEDGER_ROUNDS,
                       LOSS_BUDGET, MIN_GAIN, PRICE_WINDOW, SCALE_WINDOW, SCENARIOS, SETTLE_TOKEN_CAP, STALE_ROUNDS,
-                      AcceptanceStats, QuietAsks, phase_of, plain_price, robust_ema, scaled_alphas)
+                      AcceptanceStats, QuietAsks, phase_of, plain_price, robust_ema, scaled_alphas, tenure_bucket)
 from .multiplex import AutoDrafter
 
 EMA = 0.2  # weight of a new step time in its n's estimate (each sample at most 3x the estimate: `chooser.robust_ema`)
@@ -863,12 +863,22 @@ class StepChoice:
             got = self.costs[L] = self.auto.step_cost(self.B * L, rows=self.B)
         return got
 
-    def draft_cost(self, pick: tuple, g: int | None = None) -> float:
-        """Seconds of a round of `pick` (option, drafts); with g, for group g's rows: their drafter's backlog too."""
+    def draft_cost(self, pick: tuple) -> float:
         got = self.drafts.get(pick)
         if got is None:
             got = self.drafts[pick] = self.auto.draft_cost(*pick)
-        return got if g is None else got + self.backlogs[g].get(pick[0], 0.0)
+        return got
+
+    def behind(self, g: int, name: str, e: float) -> float:
+        """Group g's rows' backlog price for a round of option `name` that commits `e` tokens: spread, as the solo
+        chooser spreads a catch-up (`AutoChooser.rates`), over the tokens a catch-up of it measurably serves
+        (`AutoChooser.tenure`) — a drafter caught up drafts on at its steady price; charged whole to one round, a
+        row behind would never catch up."""
+        seconds = self.backlogs[g].get(name, 0.0)
+        if seconds <= 0.0:
+            return 0.0
+        held = tenure_bucket(self.auto.chooser.tenure(name, self.groups[g][0].split("#", 1)[0]))
+        return seconds * min(1.0, e / held)
 
     def bound(self, shift: tuple | None = None) -> float:
         """A bound on every width's rate: each row at its most expected tokens, the step at its cheapest
@@ -906,7 +916,7 @@ class StepChoice:
             tokens += count * e
             plan.append((None, 0) if pick is None else pick)
             if pick is not None:
-                d = self.draft_cost(pick, g)
+                d = self.draft_cost(pick) + self.behind(g, pick[0], e)
                 drafting += count * d
                 worth.append(((e - 1.0) / d if d > 0 else float("inf"), g, e, d))
         worth.sort()
@@ -939,7 +949,8 @@ class StepChoice:
             if name is None:
                 tokens += count
                 continue
-            tokens += count * self.expected(name, regime, k, rho=self.rho(g, name))
-            drafting += count * self.draft_cost((name, k), g)
+            e = self.expected(name, regime, k, rho=self.rho(g, name))
+            tokens += count * e
+            drafting += count * (self.draft_cost((name, k)) + self.behind(g, name, e))
             L = max(L, k + 1)
         return tokens, self.step_cost(L) + drafting

@@ -97,8 +97,9 @@ finally:
     server.shutdown()
 for mode in MODES:
     per = [b / a for a, b in zip(tps["ar"], tps[mode])]
-    print(f"{mode:9s} {statistics.mean(tps[mode]):6.1f} tok/s; ÷ ar {statistics.mean(tps[mode]) / statistics.mean(tps['ar']):.3f}"
-          f" (passes {', '.join(f'{x:.2f}' for x in per)})")
+    ratio = statistics.mean(tps[mode]) / statistics.mean(tps["ar"])
+    print(f"{mode:9s} {statistics.mean(tps[mode]):6.1f} tok/s; ÷ ar {ratio:.3f} "
+          f"(passes {', '.join(f'{x:.2f}' for x in per)})")
 for mode in MODES:
     mine = {k[1]: v for k, v in steps.items() if k[0] == mode}
     print(f"{mode}: {sum(len(v) for v in mine.values())} steps, {sum(sum(v) for v in mine.values()):.2f} s")
@@ -109,9 +110,9 @@ for mode in MODES:
                   f"{1e3 * statistics.median(v):6.2f} ms, {sum(v):6.2f} s")
     for rows in sorted({r for m, r in spec if m == mode}):
         v = spec[(mode, rows)]
-        plain = [x for k, x in mine.items() if k[:2] == (rows, "plain") and k[3:] == ("chained", "queued")]
-        if plain and plain[0]:
-            step = statistics.median(plain[0])
+        plain = mine.get((rows, "plain", "", "chained", "queued"))  # the steady plain step: no prefill before it
+        if plain:
+            step = statistics.median(plain)
             took, tokens = sum(s for s, _ in v), sum(n for _, n in v)
             print(f"  {rows} rows: {len(v)} drafting steps took {took:.2f} s for {tokens} tokens, as plain steps "
                   f"{tokens / rows * step:.2f} s (the plain steps after them, their wake, are in the table above)")

@@ -547,8 +547,6 @@ class BatchAuto:
         `draft_cost`). A row that joins on a prompt-cache entry whose DFlash state never drafted takes in the whole
         prompt at its first draft (63–192 positions in a served sitting at 2 rows here, 1–15 at the later ones): one
         price per option priced that round as a steady one, and learned every catch-up into the steady price."""
-        if lag <= 0:
-            return 0.0
         return self.draft_factor.get(name, self.chooser.scale) * self.chooser.backlog_cost(name, lag, at)
 
     def observe_draft(self, name: str, k: int, seconds: float) -> None:

@@ -88,6 +88,64 @@ def test_acceptance_update_counts_positions_up_to_first_rejection():
     assert s.acc == [2, 2, 0, 0] and s.tried == [2, 2, 1, 0]
 
 
+def test_kept_estimates_follow_every_change_of_their_counts():
+    """The estimates are kept between observations (the chooser prices every option many times a round from them),
+    and every way the counts change drops them: a round (`update`), idle fading (`age`), pinned tables
+    (`set_alphas`), and counts set from outside (a learned state put back). Checked against the per-position
+    ratios worked out by hand (no shrinkage: prior (0, 0)). Catches: a kept list that any of these leaves stale."""
+    s = AcceptanceStats(3, decay=1.0, prior=(0.0, 0.0))
+    first = s.alphas()
+    assert first == [0.5, 0.5, 0.5] and s.alphas() is first  # kept: the same list until the counts change
+    s.update(3, 1)  # acc [1, 0, 0], tried [1, 1, 0]
+    assert s.alphas() == [1.0, 0.0, 0.0]
+    s.update(3, 3)  # acc [2, 1, 1], tried [2, 2, 1]
+    assert s.alphas() == [1.0, 0.5, 1.0]
+    faded = AcceptanceStats(3, decay=1.0, prior=(1.0, 2.0))
+    faded.update(3, 0)
+    before = list(faded.alphas())
+    assert faded.age(0.5)  # acc[0] 1 → 1, tried[0] 3 → 2.5: 0.4
+    assert faded.alphas()[0] == pytest.approx(1.0 / 2.5) and faded.alphas()[0] != before[0]
+    s.set_alphas([0.25])
+    assert s.alphas() == [0.25, 0.25, 0.25]
+    s.acc, s.tried = [3.0, 1.0, 0.0], [4.0, 2.0, 0.0]
+    assert s.alphas() == [0.75, 0.5, 0.5]
+    s.shrink = 2.0  # position j ≥ 1 shrunk toward j − 1 with weight 2: (1 + 2·0.75) / 4, then 0.625
+    assert s.alphas() == pytest.approx([0.75, 0.625, 0.625])
+
+
+def test_kept_prices_follow_what_they_are_priced_from():
+    """An option's estimates as this request measures them (ρ: `Option.alphas`) and a drafter's catch-up price
+    (`AutoChooser.catch_up_cost`) are kept between the lookups of a round; each follows what it rests on: a round
+    of this request (ρ), the counts, the backlog and the position it ends at (`set_lag`), the measured per-position
+    and context costs, the calibration's wide forward. Catches: either kept past a change of any of them."""
+    ch = chooser(flat(), {"mtp": (2, "block", 1 * MS, [0.8])})
+    opt = ch.options["mtp"]
+    ch.new_context()  # (requests are told: a request's rounds scale the estimates by ρ)
+    assert opt.alphas("greedy") == pytest.approx([0.8, 0.8])
+    opt.note_here("greedy", 2, 0)  # this request's round accepted none of 0.8 expected: ρ < 1
+    rho = opt.rho("greedy")
+    assert rho < 1.0 and opt.alphas("greedy") == pytest.approx([0.8 * rho, 0.8 * rho])
+    opt.acceptance("greedy").set_alphas([0.5])
+    assert opt.alphas("greedy") == pytest.approx([0.5 * rho, 0.5 * rho])
+    opt.catch_up = 1 * MS
+    ch.set_lag("mtp", 40, fill=False, at=40)
+    assert ch.catch_up_cost("mtp") == pytest.approx(1 * MS * (40 - opt.steady))
+    opt.catch_up = 2 * MS
+    assert ch.catch_up_cost("mtp") == pytest.approx(2 * MS * (40 - opt.steady))
+    ch.set_lag("mtp", 20, fill=False, at=40)
+    assert ch.catch_up_cost("mtp") == pytest.approx(2 * MS * (20 - opt.steady))
+    opt.catch_quad = 1e-3 * MS
+    assert ch.catch_up_cost("mtp") == pytest.approx(2 * MS * (20 - opt.steady)
+                                                    + 1e-3 * MS * ((40 - opt.steady) ** 2 - 20 ** 2))
+    opt.catch_quad = 0.0
+    ch.set_lag("mtp", 20, fill=True, at=40)  # its taps to recompute too: a forward over 20 rows, off the flat curve
+    with_fill = ch.catch_up_cost("mtp")
+    assert with_fill == pytest.approx(2 * MS * (20 - opt.steady) + ch.forward_cost(20))
+    ch.wide = (64, 640 * MS)  # a wide forward measured: 20 rows priced toward it
+    assert ch.catch_up_cost("mtp") == pytest.approx(2 * MS * (20 - opt.steady) + ch.forward_cost(20))
+    assert ch.catch_up_cost("mtp") > with_fill
+
+
 def test_unreached_positions_follow_the_position_before_not_the_prior():
     """Drafts whose first token is mostly rejected (n-gram at T = 1): the deeper positions, rarely reached, are
     estimated like the first rather than at the prior's 0.5 — which made such rounds look ~25 % better than they

@@ -93,8 +93,18 @@ class AcceptanceStats:
         self._prior_alphas = self._alphas(*self.base, prior[1])  # what the prior alone says (`prior_variance`)
         self._prior_var: dict[int, float] = {}  # k -> `prior_variance(k)` (the prior never changes)
 
+    def __setattr__(self, name: str, value) -> None:
+        # counts set from outside (`learned`, a saved state put back) make the kept estimates stale
+        object.__setattr__(self, name, value)
+        if name in ("acc", "tried", "shrink", "then"):
+            object.__setattr__(self, "_kept", None)
+
     def alphas(self) -> list[float]:
-        return self._alphas(self.acc, self.tried, self.shrink)
+        """The estimates, kept until the counts change (the chooser prices every option's rounds from them many
+        times between two observations). The list is shared: read it, never change it."""
+        if self._kept is None:
+            self._kept = self._alphas(self.acc, self.tried, self.shrink)
+        return self._kept
 
     def _alphas(self, acc: list[float], tried: list[float], shrink: float) -> list[float]:
         out = [acc[0] / tried[0] if tried[0] > 0 else 0.5]
@@ -127,7 +137,7 @@ class AcceptanceStats:
         for j in range(self.max_k):
             a = alphas[min(j, len(alphas) - 1)]
             self.acc[j], self.tried[j] = a * weight, weight
-        self.shrink = 0.0
+        self.shrink = 0.0  # (drops the kept estimates: `__setattr__`)
 
     def expected_tokens(self, k: int) -> float:
         return expected_tokens(self.alphas()[:k])
@@ -138,7 +148,7 @@ class AcceptanceStats:
         for j in range(self.max_k):
             self.acc[j] *= self.decay
             self.tried[j] *= self.decay
-        self.shrink *= self.decay
+        self.shrink *= self.decay  # (drops the kept estimates: `__setattr__`)
         for j in range(min(n_accepted + 1, k, self.max_k)):  # positions up to the first rejection were tried
             self.tried[j] += 1
             if j < n_accepted:
@@ -153,7 +163,7 @@ class AcceptanceStats:
         for j in range(self.max_k):
             self.acc[j] = self.base[0][j] + (self.acc[j] - self.base[0][j]) * factor
             self.tried[j] = self.base[1][j] + (self.tried[j] - self.base[1][j]) * factor
-        self.shrink = self.prior[1] + (self.shrink - self.prior[1]) * factor
+        self.shrink = self.prior[1] + (self.shrink - self.prior[1]) * factor  # (drops the kept estimates)
         return True
 
     def spread(self) -> float:
@@ -529,6 +539,8 @@ class Option:
     sampling_cost: DraftCost | None = None
     # regime -> (requests counted, σ², q): how a request's acceptance varies around the estimates (`here_weight`)
     between: dict = field(default_factory=dict)
+    # key -> (its estimates' list, ρ, those scaled by ρ): `alphas`
+    _scaled: dict = field(default_factory=dict, repr=False, compare=False)
 
     def draft(self, regime: str) -> DraftCost:
         """What a round's draft costs in `regime` ("greedy" | "sampling"): each learns from its own rounds."""
@@ -536,8 +548,12 @@ class Option:
 
     def alphas(self, key: str) -> list[float]:
         """The acceptance estimates of `key` (`acceptance`) as this request's rounds measure them (`here`): each
-        scaled by ρ (`scaled_alphas`)."""
-        return scaled_alphas(self.acceptance(key).alphas(), self.rho(key.split("#", 1)[0]))
+        scaled by ρ (`scaled_alphas`); kept while the estimates and ρ are what they were (shared: read only)."""
+        base, rho = self.acceptance(key).alphas(), self.rho(key.split("#", 1)[0])
+        kept = self._scaled.get(key)
+        if kept is None or kept[0] is not base or kept[1] != rho:
+            kept = self._scaled[key] = (base, rho, scaled_alphas(base, rho))
+        return kept[2]
 
     def rho(self, regime: str, here: dict | None = None) -> float | None:
         """How this request's rounds of `regime` did against its estimates (`HERE_WEIGHT`; None: no round yet);
@@ -692,6 +708,8 @@ class AutoChooser:
         # first catches up on them (`catch_up_cost`), a one-time cost spread over the horizon like the switch cost
         self._contexts = False  # told when requests begin (`new_context`)
         self.lags: dict[str, tuple[int, int, int]] = {}  # set through `set_lag` / `clear_lags` (they keep `_lag_sig`)
+        self._catch: dict[str, tuple] = {}  # name -> (what its catch-up was priced from, that price): `catch_up_cost`
+        self._lag_keys: dict[str, tuple] = {}  # name -> its backlog's buckets (`_lag_key`)
         self._lag_sig: tuple = ()  # the lags' buckets (`lag_bucket`), part of the memo keys
         self.chosen: Counter = Counter()  # (name or "plain", k) -> rounds
         self.explored: Counter = Counter()  # name -> rounds chosen to explore it
@@ -758,10 +776,19 @@ class AutoChooser:
         the positions to run again rounded up to `lag_bucket`s, so the memoised tables stay few): the forward that
         recomputes the taps of those of them no forward kept (`forward_cost`), plus what the drafter itself
         measurably spends per position beyond a steady round's backlog (`Option.catch_up`)."""
-        lag, rows, at = self.lags.get(name, (0, 0, 0))
-        if lag <= 0:
+        lags = self.lags.get(name)
+        if lags is None or lags[0] <= 0:
             return 0.0
-        return self.backlog_cost(name, lag, at) + (self.forward_cost(lag_bucket(rows)) if rows > 0 else 0.0)
+        opt = self.options.get(name)
+        # kept while what it is computed from is what it was: asked of every option at every memo lookup (`_where`)
+        key = (lags, self.wide) if opt is None else (lags, self.wide, opt.catch_up, opt.catch_quad)
+        kept = self._catch.get(name)
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        lag, rows, at = lags
+        out = self.backlog_cost(name, lag, at) + (self.forward_cost(lag_bucket(rows)) if rows > 0 else 0.0)
+        self._catch[name] = (key, out)
+        return out
 
     def backlog_cost(self, name: str, lag: int, at: int) -> float:
         """Calibrated seconds option `name`'s drafter spends taking in a backlog of `lag` positions ending at target
@@ -814,7 +841,8 @@ class AutoChooser:
             return
         old = self._lag_key(name)
         self.lags[name] = new
-        if self._lag_key(name) != old:
+        key = self._lag_keys[name] = self._bucketed(name)
+        if key != old:
             self._lag_sig = tuple(sorted((n, self._lag_key(n)) for n in self.lags if self.lags[n][0] > 0))
 
     def new_context(self) -> None:
@@ -830,10 +858,15 @@ class AutoChooser:
     def clear_lags(self) -> None:
         """A new context: no drafter is behind."""
         self.lags.clear()
+        self._lag_keys.clear()
         self._lag_sig = ()
         self.version += 1  # a drafter's catch-up no longer weighs on it: a decision taken behind does not hold
 
     def _lag_key(self, name: str) -> tuple:
+        """Option `name`'s backlog as its memo keys hold it (`_bucketed`, worked out when `set_lag` is told)."""
+        return self._lag_keys.get(name, (0, 0))
+
+    def _bucketed(self, name: str) -> tuple:
         lag, rows, at = self.lags.get(name, (0, 0, 0))
         if lag <= 0:
             return (0, 0)  # (in step: what `_bounded_by` and `_where` test for)

@@ -983,6 +983,26 @@ def _auto(model, dpath, tmp_path, **kw):
     return make_auto(model, dflash=d, mtp=m, ngram=4, calibration_dir=tmp_path, **kw)
 
 
+def test_forwards_yield_a_drafter_s_taps_only_where_it_is_chosen(tiny, tmp_path):
+    """`AutoDrafter._warm`: a model drafter that pays by its estimates keeps the other rounds' forwards yielding its
+    taps only once it was chosen by them in this phase (`AutoChooser.drafted_lately`). Catches: `_warm` asking
+    `paying` alone (carrying for a drafter the options on offer keep beating)."""
+    model, _, dpath = tiny
+    auto = _auto(model, dpath, tmp_path, verify_costs=flat(6))
+    ch = auto.chooser
+    for name in auto._model_options:
+        for key in ("greedy", "greedy#0", "greedy#1", "greedy#2"):
+            ch.options[name].acceptance(key).set_alphas([0.95])
+    ch.rescore()
+    ch.set_phase(20)
+    assert ch.paying("greedy", 64, auto._model_options)  # flat curve, 0.95 acceptance: they pay
+    assert not auto._warm("greedy", 64)
+    ch.choose({"mtp": 1}, remaining=64)  # chosen by its estimates here
+    assert auto._warm("greedy", 64)
+    ch.set_phase(80)
+    assert not auto._warm("greedy", 64)
+
+
 def test_auto_drafter_taps_union_and_validation(tiny, tmp_path):
     model, _, dpath = tiny
     auto = _auto(model, dpath, tmp_path)
@@ -2399,6 +2419,37 @@ def test_only_a_drafter_that_would_be_entered_keeps_its_taps_warm():
         opt.acceptance("greedy").set_alphas([gain])
         assert ch.best({"d": 1})[0] == ("d" if warm else None)
         assert ("d" in ch.paying()) == warm
+
+
+def test_a_drafter_is_kept_in_step_only_where_it_is_chosen():
+    """Another option's forwards yield a model drafter's taps (`AutoDrafter._warm`) only while it pays by its
+    estimates and was chosen by them (not to explore it) in this phase of the response within `CARRY_ROUNDS` rounds
+    (`AutoChooser.drafted_lately`): one the options on offer keep beating catches up when it next drafts instead of
+    costing every forward (on the trained tiny set, DFlash carried through every n-gram round after the opening,
+    where it never drafted, made each 5-7 % longer). Catches: carrying for a drafter never chosen here, one chosen
+    in another phase, one chosen to explore it, or one whose last round is long past."""
+    from glimmer_mlx.speculative.auto.chooser import CARRY_ROUNDS
+
+    ch = AutoChooser(flat(3))
+    ch.add("d", 1, "free").acceptance("greedy").set_alphas([0.5])  # pays: 1.5 tokens a plain step's time
+    ch.add("n", 1, "free").acceptance("greedy").set_alphas([0.9])  # beats it wherever it is offered
+    ch.set_phase(20)  # the response's middle phase
+    assert "d" in ch.paying() and not ch.drafted_lately("d")
+    for _ in range(8):  # n is offered every round: d is never chosen
+        assert ch.choose({"n": 1, "d": 1})[0] == "n"
+    assert not ch.drafted_lately("d")
+    assert ch.choose({"d": 1})[0] == "d"  # n not offered: d is chosen by its estimates
+    assert ch.drafted_lately("d")
+    ch.set_phase(80)  # the next phase: chosen in the one before, not here
+    assert not ch.drafted_lately("d")
+    ch.set_phase(20)
+    for _ in range(CARRY_ROUNDS):
+        ch.choose({"n": 1, "d": 1})
+    assert ch.drafted_lately("d")
+    ch.choose({"n": 1, "d": 1})
+    assert not ch.drafted_lately("d")  # its round is CARRY_ROUNDS + 1 rounds past
+    ch.choose({"d": 1}, picked=("d", 1, True))  # a round drafted to explore it: not in use
+    assert not ch.drafted_lately("d")
 
 
 # -- the ledger: what speculation measurably did against plain decoding (`AutoChooser.credit`) -----------------------

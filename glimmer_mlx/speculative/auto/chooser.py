@@ -223,6 +223,11 @@ PRICE_WINDOW = 4 * SCALE_WINDOW
 # as cheap and its ledger in surplus, and nothing in it would ever sample plain decoding again: on the embedded model
 # such a stretch of DFlash rounds ran for ~1 500 rounds at 0.81x plain
 STALE_ROUNDS = 256
+# a model drafter is kept in step on the taps of other options' rounds while it was chosen by its estimates in this
+# phase of the response within this many rounds (`AutoChooser.drafted_lately`): one in use drafts every few rounds;
+# on the trained tiny set DFlash, chosen once in a sitting after a response's opening, was carried through every
+# n-gram round there for the 256 rounds after it (an n-gram round 5-7 % longer with the taps)
+CARRY_ROUNDS = 64
 CHECK_SAMPLES = 2
 # what a speculative stretch leaves behind (`multiplex.AutoDrafter.plain_token`): after it, pipelined plain tokens
 # slower than the scale's price by more than SETTLE_SLACK of it are its wake. A wake that ends — a token at the price
@@ -539,6 +544,9 @@ class Option:
     sampling_cost: DraftCost | None = None
     # regime -> (requests counted, σ², q): how a request's acceptance varies around the estimates (`here_weight`)
     between: dict = field(default_factory=dict)
+    # key ("greedy#1": regime and phase) -> the chooser's round of its latest round chosen by its estimates (not to
+    # explore it): `AutoChooser.drafted_lately`
+    picked: dict = field(default_factory=dict)
     # key -> (its estimates' list, ρ, those scaled by ρ): `alphas`
     _scaled: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -1219,6 +1227,8 @@ class AutoChooser:
         self._tick()
         if explores:
             self.explored[name] += 1
+        elif name is not None:
+            self.options[name].picked[self._key(regime)] = self.round
         self.chosen[(name or "plain", k)] += 1
         self.served[name] = self.served.get(name, 0.0) + 1.0  # its first token; the accepted drafts: `update`
         if name is None:
@@ -1260,6 +1270,15 @@ class AutoChooser:
             finally:
                 self._spec_last = spec_last
         return out
+
+    def drafted_lately(self, name: str, regime: str = "greedy") -> bool:
+        """Whether option `name` was chosen by its estimates (not to explore it) in the current phase of the
+        response (`set_phase`) within the latest `CARRY_ROUNDS` rounds: a drafter worth keeping in step on other
+        rounds' forwards (`AutoDrafter._warm`). One that pays by its estimates but is not chosen here is one the
+        options on offer keep beating (on the trained tiny set DFlash, by its prior, after a response's opening,
+        where n-gram lookup offers every round): the taps kept for it would serve no catch-up."""
+        r = self.options[name].picked.get(self._key(regime))
+        return r is not None and self.round - r <= CARRY_ROUNDS
 
     def could_pay(self, regime: str = "greedy", remaining: int | None = None) -> frozenset:
         """The options whose optimistic scenario beats plain by `MIN_GAIN` at some width, whatever came last."""

@@ -534,10 +534,18 @@ class AutoDrafter:
 
     def _warm(self, regime: str, remaining: int | None) -> bool:
         """Whether a forward should yield the model drafters' taps although this round's drafter reads none: while
-        one of them pays by its mean estimate (`AutoChooser.paying`), it stays in step on them instead of catching up
-        later; one that is only worth exploring catches up when it is tried (on a small model the taps of every
-        plain token cost a few percent)."""
-        pays = {self._kind_of[o] for o in self.chooser.paying(regime, remaining, self._model_options)}
+        one of them pays by its mean estimate (`AutoChooser.paying`) and drafts in this phase of the response
+        (`AutoChooser.drafted_lately`), it stays in step on them instead of catching up later; one that is only
+        worth exploring, or that the options on offer keep beating here, catches up when it next drafts (its
+        catch-up is priced with the forward that recomputes them: `AutoChooser.catch_up_cost`). On a small model
+        the taps of every forward cost a few percent: on the trained tiny set, carried for DFlash through every
+        n-gram round after the opening (it paid by its prior there and never drafted), an n-gram round took 5-7 %
+        longer than one without them."""
+        ch = self.chooser
+        lately = frozenset(o for o in self._model_options if ch.drafted_lately(o, regime))
+        if not lately:
+            return False
+        pays = {self._kind_of[o] for o in ch.paying(regime, remaining, lately)}
         return any(n in pays for n in self._model if n not in self._lost)
 
     def _phase(self) -> None:

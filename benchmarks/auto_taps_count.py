@@ -1,6 +1,7 @@
 """How many target forwards of `auto` compute the drafters' taps (issue 20): the embedded set, the shipped prompts (2
-per category, chat template, 64 tokens, seed 1), T = 0 and 1, one session; `old` restores the previous rule (a
-plain stretch kept a drafter's taps warm at 1 % over plain). Counts, not times: independent of the machine's load.
+per category, chat template, 64 tokens, seed 1), T = 0 and 1, one session; `old` restores the previous rules (a
+plain stretch kept a drafter's taps warm at 1 % over plain, wherever it paid, chosen there or not). Counts, not
+times: independent of the machine's load.
 Usage: python benchmarks/auto_taps_count.py old|new"""
 import sys
 import ab_setup  # noqa: F401  (sets GLIMMER_MLX_AUTO_LEARNED=off: every auto here starts cold)
@@ -10,15 +11,17 @@ from glimmer_mlx.bench.settings import load_prompts
 old = sys.argv[1] == "old"
 if old:
     # the previous bar: MIN_GAIN
-    def paying(self, regime="greedy", remaining=None):
+    def paying(self, regime="greedy", remaining=None, among=None):
         self.set_horizon(remaining)
         spec_last, self._spec_last = self._spec_last, False
         try:
             bar = (1 + ch.MIN_GAIN) / self.plain_cal
-            return frozenset(n for n in self.options if self._leaders(n, regime)[-1][1] > bar)
+            return frozenset(n for n in self.options if (among is None or n in among)
+                             and self._leaders(n, regime)[-1][1] > bar)
         finally:
             self._spec_last = spec_last
     ch.AutoChooser.paying = paying
+    ch.AutoChooser.drafted_lately = lambda self, name, regime="greedy": True  # (before the forty-second session)
 s = load_session(None)
 m = s.model
 calls = {"taps": 0, "plain": 0}

@@ -502,15 +502,14 @@ class BatchGenerator:
 
     def _behind(self, row: Row) -> tuple:
         """((option, seconds), ...): what each of an auto row's model drafters would spend beyond a steady round
-        taking in its backlog, where it has one (`BatchAuto.backlog_cost`)."""
-        at = len(row.history) - 1
-        out = []
-        for kind, d in row.options.items():
-            if d.taps:
-                cost = self.auto.backlog_cost(kind, d.backlog, at)
-                if cost > 0.0:
-                    out.append((kind, cost))
-        return tuple(out)
+        taking in its backlog, where it has one (`_backlog_price`)."""
+        prices = ((kind, self._backlog_price(row, kind, d)) for kind, d in row.options.items())
+        return tuple((kind, cost) for kind, cost in prices if cost > 0.0)
+
+    def _backlog_price(self, row: Row, kind: str, d) -> float:
+        """What row `row`'s drafter `d` of option `kind` spends beyond a steady round taking in its backlog
+        (`BatchAuto.backlog_cost`; a drafter without taps has none)."""
+        return self.auto.backlog_cost(kind, d.backlog, len(row.history) - 1) if d.taps else 0.0
 
     def _launch(self, after: Launched | None) -> Launched:
         """Build (and queue) one batched forward. after: the launched step not read back yet whose sampled tokens
@@ -523,8 +522,8 @@ class BatchGenerator:
         plans = {b: r.drafting(choices.get(b)) for b, r in enumerate(rows) if lazies.get(b) is None}
         # what each auto row's drafter takes in beyond a steady round, priced (`_behind`): its round's time less that
         # is what its drafting costs in a run of rounds (`BatchAuto.observe_draft`)
-        behind = {b: self.auto.backlog_cost(rows[b].choice[0], d.backlog, len(rows[b].history) - 1)
-                  for b, (d, k) in plans.items() if k > 0 and rows[b].choice is not None and d.taps}
+        behind = {b: self._backlog_price(rows[b], rows[b].choice[0], d)
+                  for b, (d, k) in plans.items() if k > 0 and rows[b].choice is not None}
         t = time.perf_counter()
         drafted = batch_drafts(rows, plans)
         shared = (time.perf_counter() - t) / max(1, len(drafted))  # each batched row's share of the drafting

@@ -405,9 +405,10 @@ def test_keep_answers_as_pick_does_or_not_at_all():
 
 def test_options_are_scored_with_switch_and_backlog_only_where_free_of_them_they_could_win(monkeypatch):
     """An option is scored with its switch and its drafter's backlog only where, free of both, it could beat what
-    it has to (both only add to a round's cost): `best`, `pick` (exploration included), `relevant`,
-    `could_pay_ahead` and `paying` decide exactly as when every option is scored in full (random tables, uncertain
-    estimates, lags, switch costs, phases, horizons), and a dominated drafter's full tables are never computed."""
+    it has to (both only add to a round's cost): `best`, `pick` (exploration included, with the share of the
+    tokens an explored option could serve: `_servable`), `relevant`, `could_pay_ahead` and `paying` decide exactly as
+    when every option is scored in full (random tables, uncertain estimates, lags, switch costs, phases, horizons,
+    what each option served lately), and a dominated drafter's full tables are never computed."""
     rng = np.random.default_rng(11)
     for _ in range(150):
         costs, opts = random_tables(rng, slope=0.4, top=1.0, ngram="ngram@4")
@@ -430,8 +431,13 @@ def test_options_are_scored_with_switch_and_backlog_only_where_free_of_them_they
                     ch.set_lag(n, int(r.integers(0, 600)), fill=int(r.integers(0, 600)))
                 remaining = int(r.integers(2, 300))
                 avail = {"dflash": 15, "mtp": 3, "ngram@4": int(r.integers(1, 9))}
+                # the tokens each served lately: what an explored option's answer could serve (`_servable`)
+                ch.served = {None: float(r.uniform(0, 8)), "ngram@4": float(r.uniform(0, 60)),
+                             "dflash": float(r.uniform(0, 20)), "mtp": float(r.uniform(0, 20))}
                 out.append((ch.best(avail), ch.pick(avail, remaining=remaining), ch.relevant(remaining=remaining),
                             ch.could_pay_ahead(), ch.paying(remaining=remaining)))
+                out.append([ch._servable(n, ch._optimistic(n, ch.options[n].max_k, "greedy"), "greedy")
+                            for n in ("dflash", "mtp", "ngram@4")])
                 if step % 3 == 2:  # an estimate changes: its tables go
                     ch.update("ngram@4", 8, int(r.integers(0, 9)))
             picks.append(out)
@@ -440,9 +446,9 @@ def test_options_are_scored_with_switch_and_backlog_only_where_free_of_them_they
     ch = chooser(flat(), {"dflash": (15, "block", 5 * MS, [0.3]), "ngram@4": (8, "free", 0.0, [0.95])})
     ch.set_lag("dflash", 500)
     calls = []
-    real = ch.rates
-    monkeypatch.setattr(ch, "rates", lambda name, *a, **kw: calls.append((name, kw.get("free", False)))
-                        or real(name, *a, **kw))
+    real = ch._rate_rows  # (every rate is scored there: `rates`, the exploration scenarios)
+    monkeypatch.setattr(ch, "_rate_rows", lambda name, cap, regime, shifts, phase="now", free=False:
+                        calls.append((name, free)) or real(name, cap, regime, shifts, phase, free))
     for spec_last in (True, False):
         ch._spec_last = spec_last
         for remaining in (200, 40, 9):
@@ -461,8 +467,8 @@ def test_a_phase_change_keeps_the_other_phases_tables(monkeypatch):
         ch.set_phase(g)
         seen[g] = ch.pick(avail, remaining=100)
     calls = []
-    real = ch.rates
-    monkeypatch.setattr(ch, "rates", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    real = ch._rate_rows  # (every rate is scored there)
+    monkeypatch.setattr(ch, "_rate_rows", lambda *a, **kw: calls.append(a) or real(*a, **kw))
     version = ch.version
     for g in (0, 20, 70):
         ch.set_phase(g)
@@ -489,8 +495,8 @@ def test_a_spectators_tables_are_scored_again_when_what_every_round_shares_has_m
     ch._spec_last = True
     avail = {"dflash": 15, "ngram@4": 8}
     calls = []
-    real = ch.rates
-    monkeypatch.setattr(ch, "rates", lambda name, *a, **kw: calls.append(name) or real(name, *a, **kw))
+    real = ch._rate_rows  # (every rate is scored there)
+    monkeypatch.setattr(ch, "_rate_rows", lambda name, *a, **kw: calls.append(name) or real(name, *a, **kw))
 
     def round_(verify_seconds, overhead):
         name, k = ch.choose(avail, remaining=200)

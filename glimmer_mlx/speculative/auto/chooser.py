@@ -177,6 +177,7 @@ class AcceptanceStats:
 # five equally likely values of a normal variable (the midpoints of its quintiles, in standard deviations): the
 # scenarios an option's uncertain acceptance is explored over
 SCENARIOS = (-1.28, -0.52, 0.0, 0.52, 1.28)
+_MEAN_SCENARIO = SCENARIOS.index(0.0)  # the mean estimates' own scenario
 # a scenario counts as a saving only if it beats the incumbent by this much: nothing is explored for a gain that
 # unmeasured per-round overheads would eat
 MIN_GAIN = 0.01
@@ -344,6 +345,9 @@ class QuietAsks:
 # run (1.0x plain where DFlash alone ran 1.7-1.9x); on the embedded model a drafter that pays in the opening only is
 # averaged away by the rest
 PHASES = (16, 64)
+
+
+_KEYS: dict[tuple[str, int], str] = {}  # (regime, phase) -> its estimates' key (`AutoChooser._key`)
 
 
 def phase_of(generated: int, bounds=PHASES) -> int:
@@ -938,22 +942,32 @@ class AutoChooser:
         free: as if its round paid no switch and no catch-up (its drafter in step, inside a stretch): a bound on
         every rate it can have with the same estimates, whatever came last, its backlog and the horizon
         (`_bounded_by`)."""
+        return self._rate_rows(name, cap, regime, (shift,), phase, free)[0]
+
+    def _rate_rows(self, name: str, cap: int, regime: str, shifts, phase: int | None | str = "now",
+                   free: bool = False) -> list[list[float]]:
+        """`rates` at each of `shifts`, what they share (the switch, the catch-up and what it is spread over, the
+        rounds' costs) looked up once: `_scenarios` scores five."""
         opt = self.options[name]
-        alphas = opt.alphas(self._key(regime, phase))
+        key = self._key(regime, phase)
         switch = 0.0 if free or self._spec_last else max(0.0, self.switch_cost)
         catch = 0.0 if free else self.catch_up_cost(name)
         span = self.horizon
         if regime in opt.stretch and not self._spec_last:
             span = max(1.0, min(span, opt.stretch[regime]))
         held = min(span, tenure_bucket(self.tenure(name, regime))) if catch else span  # what its catch-up serves
-        out, e, p, scale = [], 1.0, 1.0, self.scale
-        for a, base in zip(alphas[:min(cap, opt.max_k)], self._round_costs(name, regime)):
-            a += shift
-            p *= 1.0 if a >= 1.0 else (a if a > 0.0 else 0.0)
-            e += p
-            out.append(e / (scale * (base + (switch if e >= span else switch * e / span)
-                                     + (catch if e >= held else catch * e / held))))
-        return out
+        alphas, costs, scale = opt.alphas(key)[:min(cap, opt.max_k)], self._round_costs(name, regime), self.scale
+        rows = []
+        for shift in shifts:
+            out, e, p = [], 1.0, 1.0
+            for a, base in zip(alphas, costs):
+                a += shift
+                p *= 1.0 if a >= 1.0 else (a if a > 0.0 else 0.0)
+                e += p
+                out.append(e / (scale * (base + (switch if e >= span else switch * e / span)
+                                         + (catch if e >= held else catch * e / held))))
+            rows.append(out)
+        return rows
 
     def _round_costs(self, name: str, regime: str) -> list[float]:
         """[calibrated seconds of a round of option `name` at k drafts, without a switch or catch-up, for k = 1..max_k]:
@@ -963,10 +977,12 @@ class AutoChooser:
         vf = opt.verify_factor.get(regime, self.verify_factor.get(regime, 1.0))
         memo = self._memo_of(name)
         got = memo.get(("round costs", regime))
-        if got is None or got[0] != (vf, fixed):
-            got = memo[("round costs", regime)] = ((vf, fixed), [
-                opt.draft(regime)(k) + vf * self.costs[opt.verify_rows(k)] + fixed for k in range(1, opt.max_k + 1)])
-        return got[1]
+        if got is None or got[0] != vf:  # [verify factor, draft + verify, the overhead added to them, their sums]
+            got = memo[("round costs", regime)] = [vf, [
+                opt.draft(regime)(k) + vf * self.costs[opt.verify_rows(k)] for k in range(1, opt.max_k + 1)], None, None]
+        if got[2] != fixed:  # (the overhead moves after every speculative round, the rest when an estimate does)
+            got[2], got[3] = fixed, [c + fixed for c in got[1]]
+        return got[3]
 
     def _switch(self, name: str) -> float:
         """Calibrated seconds a round of option `name` pays once, beyond its own work: the switch into a
@@ -993,7 +1009,12 @@ class AutoChooser:
     def _key(self, regime: str, phase: int | None | str = "now") -> str:
         """The acceptance estimates' key of `regime` in `phase` (the current one by default)."""
         phase = self.phase if phase == "now" else phase
-        return regime if phase is None else f"{regime}#{phase}"
+        if phase is None:
+            return regime
+        key = _KEYS.get((regime, phase))
+        if key is None:
+            key = _KEYS[(regime, phase)] = f"{regime}#{phase}"
+        return key
 
     def entry(self, name: str, phase: int | None | str = "now") -> str:
         """Option `name`'s ledger entry in `phase` (the current one by default), keyed as the estimates are: a
@@ -1096,13 +1117,13 @@ class AutoChooser:
         if out is None:
             stats = self.options[name].acceptance(self._key(regime))
             sd = stats.spread()
-            tops, k_e = [], 1
-            for z in SCENARIOS:
-                rs = [r * self.scale for r in self.rates(name, cap, regime, shift=z * sd)]
+            rows = self._rate_rows(name, cap, regime, [z * sd for z in SCENARIOS])
+            tops = []
+            for row in rows:
+                rs = [r * self.scale for r in row]
                 tops.append(max(rs))
-                if z == SCENARIOS[-1]:
-                    k_e = 1 + rs.index(tops[-1])
-            mean = self.rates(name, k_e, regime)[k_e - 1] * self.scale
+            k_e = 1 + rs.index(tops[-1])  # (the optimistic scenario's, the last)
+            mean = rows[_MEAN_SCENARIO][k_e - 1] * self.scale  # (its rate at k_e: the first k_e of the row)
             e_mean = expected_tokens(self.options[name].alphas(self._key(regime))[:k_e])
             n_new = min(e_mean, k_e)  # positions one round tries, about
             share = n_new / (max(stats.tried[0], 0.0) + n_new)
@@ -1129,7 +1150,7 @@ class AutoChooser:
         """(name, k) of the option worth exploring now, or None: remaining · (the share of it that option could
         serve: `_servable`) · EI · share must exceed the round's loss against the incumbent ((name or None,
         rate × scale)); the largest surplus wins."""
-        best, surplus, served = None, 0.0, None
+        best, surplus = None, 0.0
         # the incumbent's rate to 1 % (its estimate moves a little every round: the tables need not)
         incumbent = (incumbent[0], math.exp(round(100 * math.log(incumbent[1])) / 100))
         for name, cap in available.items():
@@ -1145,32 +1166,35 @@ class AutoChooser:
             if top <= bar:
                 continue  # not even its optimistic scenario beats the incumbent: EI = 0 (and no scoring pass)
             value, loss, k = self._explore_terms(name, cap, regime, incumbent)
-            if served is None:
-                served = self._served_by(regime)
-            gain = remaining * self._servable(name, top, regime, served) * value - loss
+            gain = remaining * self._servable(name, top, regime) * value - loss
             if gain > surplus:
                 best, surplus = (name, k), gain
         return best
 
-    def _servable(self, name: str, top: float, regime: str, served: list | None = None) -> float:
+    def _servable(self, name: str, top: float, regime: str) -> float:
         """The share of the tokens decoded lately (`served`) that option `name` could have served had it been as
         good as its optimistic rate `top` (× scale): those of plain rounds, its own, and those of options whose best
         rate by the mean estimates is below it. What is learned about it serves only such tokens: where n-gram
         lookup commits most of the tokens at five times plain speed, a DFlash drafter's answer serves the rest alone
-        (on the trained tiny set a fresh auto explored DFlash, its trees and MTP there again and again). served:
-        `_served_by(regime)` of this very state, when the caller has it."""
+        (on the trained tiny set a fresh auto explored DFlash, its trees and MTP there again and again). An option
+        whose free tables are below `top` is below it whatever its backlog (`_bounded_by`): a drafter far behind is
+        not scored with it here, at each new backlog bucket of a plain stretch (an option in step has its tables
+        scored anyway; those of an n-gram option's offers are scored again only every `SHADOW_BATCH` of them, so its
+        free ones may be older than the rest)."""
         total = sum(self.served.values())
         if total <= 0.0:
             return 1.0
-        rows = served if served is not None else self._served_by(regime)
-        ok = sum(v for y, v, best in rows if y is None or y == name or (best is not None and best < top))
+        under = math.nextafter(top, 0.0)  # below `top`: at most this
+        ok = 0
+        for y, v in self.served.items():
+            if y is None or y == name:
+                ok += v
+            elif y in self.options and (
+                    self._lag_key(y) != (0, 0)
+                    and self._bounded_by(y, under, lambda free, y=y: self._leaders(y, regime, True)[-1][1] * (1 + 1e-9))
+                    or self._leaders(y, regime)[-1][1] < top):
+                ok += v
         return ok / total
-
-    def _served_by(self, regime: str) -> list[tuple[str | None, float, float | None]]:
-        """[(option or None for plain, tokens it served lately, its best rate × scale by the mean estimates — None
-        for plain or an option no longer offered)] in `served`'s order (`_servable`)."""
-        return [(y, v, self._leaders(y, regime)[-1][1] if y in self.options else None)
-                for y, v in self.served.items()]
 
     def pick(self, available: dict[str, int], regime: str = "greedy",
              remaining: int | None = None) -> tuple[str | None, int, bool]:

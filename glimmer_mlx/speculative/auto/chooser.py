@@ -978,8 +978,9 @@ class AutoChooser:
         memo = self._memo_of(name)
         got = memo.get(("round costs", regime))
         if got is None or got[0] != vf:  # [verify factor, draft + verify, the overhead added to them, their sums]
-            got = memo[("round costs", regime)] = [vf, [
-                opt.draft(regime)(k) + vf * self.costs[opt.verify_rows(k)] for k in range(1, opt.max_k + 1)], None, None]
+            draft = opt.draft(regime)
+            got = memo[("round costs", regime)] = [
+                vf, [draft(k) + vf * self.costs[opt.verify_rows(k)] for k in range(1, opt.max_k + 1)], None, None]
         if got[2] != fixed:  # (the overhead moves after every speculative round, the rest when an estimate does)
             got[2], got[3] = fixed, [c + fixed for c in got[1]]
         return got[3]

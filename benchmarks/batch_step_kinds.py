@@ -13,7 +13,7 @@ import statistics
 import sys
 import time
 
-from ab_setup import batch_prompts, second_auto
+from ab_setup import batch_prompts, second_auto, timed_method
 
 from glimmer_mlx.sampling import Sampler, SamplingParams
 from glimmer_mlx.session import load_session
@@ -28,21 +28,13 @@ ba = BatchAuto(second_auto(s))
 spent = {}  # this step's host parts (seconds), and whether its choice was asked
 
 
-def timed(cls, name):
-    f = getattr(cls, name)
-
-    def wrapper(*a, **k):
-        t = time.perf_counter()
-        try:
-            return f(*a, **k)
-        finally:
-            spent[name] = spent.get(name, 0.0) + time.perf_counter() - t
-    setattr(cls, name, wrapper)
+def add(name: str, seconds: float) -> None:
+    spent[name] = spent.get(name, 0.0) + seconds
 
 
 for part in PARTS[:-1]:
-    timed(B.BatchGenerator, part)
-timed(B.Row, "accept")
+    timed_method(B.BatchGenerator, part, add)
+timed_method(B.Row, "accept", add)
 asks = ba.quiet.asks
 
 

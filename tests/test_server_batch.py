@@ -277,6 +277,33 @@ def test_full_queue_is_503(served, monkeypatch):
         server.shutdown()
 
 
+def test_auto_is_built_when_the_server_starts_where_a_model_drafter_is_loaded(served, monkeypatch):
+    """A server whose default mode is ar, with model drafters loaded, builds `auto` (its calibration check and its
+    drafters' timings) before it serves, not on the first request asking for it, where the build would stall the
+    running batch and be charged to that request; a server without a model drafter builds nothing at start.
+    Catches: auto built on a request again (the first auto request calls `make_auto`), or built for every server."""
+    import glimmer_mlx.strategy as strategy
+    from glimmer_mlx.session import Session
+
+    _, _, model, tok = served
+    loaded = served[0].session.drafters
+    real, built = strategy.make_auto, []
+    monkeypatch.setattr(strategy, "make_auto", lambda *a, **k: built.append(1) or real(*a, **k))
+    GlimmerServer(Session(model, tok, max_context=1024), port=0, quiet=True, mode="ar").shutdown()
+    assert built == []
+    session = Session(model, tok, drafters={"dflash": loaded.dflash, "mtp": loaded.mtp}, max_context=1024)
+    server = GlimmerServer(session, port=0, quiet=True, mode="ar", default_max_tokens=4)
+    assert built == [1]
+    server.start_http()
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        got = over_http(server, lambda: complete(base, "def f(x):", max_tokens=6, glimmer={"mode": "auto"}))
+    finally:
+        server.shutdown()
+    assert got["glimmer"]["mode"] == "auto" and got["usage"]["completion_tokens"] == 6
+    assert built == [1]
+
+
 def test_more_conversations_than_batch_rows_cycle_through_the_prompt_cache(served):
     """20 conversations taken in turn, twice (clients cycling through more conversations than the batch has rows —
     and more than a 16-entry LRU holds): on the second cycle every request continues its own first turn (cached

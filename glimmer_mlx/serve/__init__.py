@@ -69,6 +69,11 @@ class GlimmerServer:
         self.default_spec = DecodeSpec(self.default_mode, block_size)
         # a ModeError now; builds `auto` here (in the main thread, where the model runs)
         session.drafters.resolve(self.default_spec)
+        if not one_at_a_time and session.default_mode() == "auto":
+            # and wherever a model drafter is loaded, whatever the default mode: built by the first request asking
+            # for it, its calibration check and drafter timings (0.4 s for the embedded set on a 2-core CPU) would
+            # stall every row of the running batch and be charged to that request
+            session.drafters.batch_auto()
         self.default_max_tokens = default_max_tokens
         self.model_name = model_name or Path(str(getattr(session, "path", "glimmer"))).name or "glimmer"
         self.served_models = (self.model_name,)  # the ids /v1/models lists: what a request's `model` may name

@@ -71,7 +71,7 @@ class GlimmerServer:
         session.drafters.resolve(self.default_spec)
         if not one_at_a_time and session.default_mode() == "auto":
             # and wherever a model drafter is loaded, whatever the default mode: built by the first request asking
-            # for it, its calibration check and drafter timings (0.4 s for the embedded set on a 2-core CPU) would
+            # for it, its calibration check and drafter timings (~0.5 s for the embedded set on a 2-core CPU) would
             # stall every row of the running batch and be charged to that request
             session.drafters.batch_auto()
         self.default_max_tokens = default_max_tokens

@@ -69,7 +69,6 @@ print(f"T {T} reps {reps} tokens {maxt}: auto {sum(seconds['ar']) / sum(seconds[
       f"{1e3 * plain:.2f} ms a token; auto chose {dict(ch.chosen)}")
 print("option k after | rounds | seconds actual/priced | tokens actual/expected | rate/plain expected, actual | "
       "plain priced ms (÷ plain decoding's)")
-for (name, k, after_spec), (pc, ac, pt, at, n, pp) in sorted(sums.items(), key=lambda kv: (kv[0][0], kv[0][1],
-                                                                                              kv[0][2])):
+for (name, k, after_spec), (pc, ac, pt, at, n, pp) in sorted(sums.items()):  # (keys are unique)
     print(f"{name} {k} {'spec' if after_spec else 'plain'} | {n} | {ac / pc:.3f} | {at / pt:.3f} | "
           f"{pt * pp / n / pc:.3f}, {at * plain / ac:.3f} | {1e3 * pp / n:.2f} ({pp / n / plain:.3f})")

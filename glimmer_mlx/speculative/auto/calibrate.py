@@ -134,12 +134,14 @@ def scratch_cache(model, context: int = 32):
 
 def check_plain_token(model, cache=None, repeats: int = 2) -> float:
     """Seconds per pipelined plain token now: the least of `repeats` runs of the calibration's loop (8 tokens each,
-    on a short scratch context), as the calibration takes the least of its own. It is auto's speed scale until its
-    plain tokens measure one (a chooser whose every round drafts measures none), and a new process runs its first
+    on a short scratch context) after one untimed, as the calibration takes the least of its own. It is auto's speed
+    scale until its plain tokens measure one (`AutoChooser.first_check_rounds`), and a new process runs its first
     plain tokens slow: on the trained tiny set the first run after the session was set up took 3.0-3.5 ms a token
-    in four processes of five, where runs a few seconds later took 2.6-2.7 (the second run was as fast in two of
-    three processes that made one)."""
+    in four processes of five, where runs a few seconds later took 2.6-2.7. Without the untimed run the check read
+    3.3-3.7 ms in five new processes whose later checks settled at 2.7-2.9 (auto then started 15-30 % fast of the
+    machine, its drafters' rounds priced that much cheap); with it 2.8-3.0 in four of five, 3.4 in one."""
     cache = cache if cache is not None else scratch_cache(model)
+    plain_token_seconds(model, cache, n=8)  # the untimed run
     return min(plain_token_seconds(model, cache, n=8) for _ in range(repeats))
 
 

@@ -230,6 +230,14 @@ STALE_ROUNDS = 256
 # n-gram round there for the 256 rounds after it (an n-gram round 5-7 % longer with the taps)
 CARRY_ROUNDS = 64
 CHECK_SAMPLES = 2
+# ... and a scale auto starts with from a plain token checked when it was built (over a cached calibration's:
+# `calibrate.check_plain_token`) is checked the same way after this many rounds if none of them measured a plain
+# token (`AutoChooser.first_check_rounds`): a stretch that starts at once measures none (the plain round between two
+# stretches is the unpipelined first after one). On the trained tiny set at T = 1 a process whose check read 1.95
+# (the machine ran at ~1.35) drafted DFlash on that scale through its first six requests, three of them at
+# 0.77-0.86x plain decoding, until a plain token measured it; its ledger then barred DFlash in the phase where it
+# pays for the rest of the sitting
+FIRST_CHECK_ROUNDS = 16
 # what a speculative stretch leaves behind (`multiplex.AutoDrafter.plain_token`): after it, pipelined plain tokens
 # slower than the scale's price by more than SETTLE_SLACK of it are its wake. A wake that ends — a token at the price
 # comes, or the next stretch starts — within SETTLE_MAX tokens was the stretch's doing: its excess is the stretch's
@@ -684,6 +692,9 @@ class AutoChooser:
         self._sampled_at: int | None = None  # the round of the latest plain token measured (`check_due`)
         self._check_from: int | None = None  # the round a running check of the scale began at
         self.stale_rounds = STALE_ROUNDS
+        # rounds after which a check is due if no plain token was measured yet (`check_due`): `FIRST_CHECK_ROUNDS`
+        # where the starting scale was checked when auto was built, None where it is the calibration's own
+        self.first_check_rounds: int | None = None
         self.settle_max = SETTLE_MAX  # see SETTLE_SLACK (0: the first plain token after a stretch only)
         self.wake_tokens = 0  # slow plain tokens after stretches counted into their switch cost so far
         self.checks = 0  # checks of the scale begun (`check_due`)
@@ -1594,14 +1605,18 @@ class AutoChooser:
 
     def check_due(self) -> bool:
         """Whether this round must be plain to measure the scale again: no plain token was measured in the latest
-        `STALE_ROUNDS` rounds (or a check began and has not yet its `CHECK_SAMPLES` tokens); never before the first
-        (the scale is then the calibration's, measured when auto started). Every time auto compares
+        `STALE_ROUNDS` rounds — or, before the first, in the first `first_check_rounds` (the scale then being one
+        checked when auto was built; None: never before the first, the scale being the calibration's own) — or a
+        check began and has not yet its `CHECK_SAMPLES` tokens. Every time auto compares
         — each option's measured costs and the ledger's plain price — goes through the scale, so a stretch must not
         run on one measured long ago: the machine may have sped up since (a stretch entered on a slow moment then
         looks cheap, its ledger in surplus) or slowed down."""
         if self._check_from is not None:
             return True
-        if self._sampled_at is None or self.round - self._sampled_at <= self.stale_rounds:
+        if self._sampled_at is None:
+            if self.first_check_rounds is None or self.round < self.first_check_rounds:
+                return False
+        elif self.round - self._sampled_at <= self.stale_rounds:
             return False
         self._check_from = self.round
         self.checks += 1

@@ -17,7 +17,7 @@ from ..ngram import RUN as NGRAM_RUN
 from ..ngram import NGramDrafter
 from ..protocol import Drafter
 from .calibrate import load_or_calibrate, measure_catch_up, measure_draft_costs
-from .chooser import MODEL_DECAY, AutoChooser, QuietAsks, alpha_from_tau
+from .chooser import FIRST_CHECK_ROUNDS, MODEL_DECAY, AutoChooser, QuietAsks, alpha_from_tau
 from .learned import Memory, drafter_fingerprint, enabled, option_fingerprint
 
 _KINDS = ("dflash", "mtp", "ngram")
@@ -127,6 +127,8 @@ class AutoDrafter:
         speed = self._speed_now()
         self.chooser = AutoChooser(verify_costs, plain_cost=self.calibration.get("plain_token_s"),
                                    wide=(wide["rows"], wide["seconds"]) if wide else None, scale=speed)
+        if self.calibration.get("checked_plain_token_s"):  # a scale from a check is checked again soon
+            self.chooser.first_check_rounds = FIRST_CHECK_ROUNDS
         # {regime: {drafter: (fixed, per draft)}}: a round at T > 0 samples its drafts and keeps their distributions
         self.draft_costs = {regime: {n: (fixed / speed, per / speed) for n, (fixed, per) in measure_draft_costs(
             target, self.drafters, self.taps, self._tap_idx, temperature=t).items()}

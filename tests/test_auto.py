@@ -2320,6 +2320,24 @@ def test_auto_offers_dflash_trees_sized_from_the_curve(tiny, tmp_path):
     assert "dflash+tree" not in _auto(model, dpath, tmp_path, trees=False).chooser.options
 
 
+def test_a_tree_options_prior_rescues_each_regimes_chain_rejections_by_what_trees_measured_there(tiny):
+    """The tree option starts from the chain's measured τ with each depth's rejections cut by `TREE_RESCUE` of the
+    regime (and phase) it was measured in: 0.75 greedy, 0.88 at T = 1, where the embedded set's trees rescued less
+    (chain τ 1.33 → tree 1.51 against 1.50 → 2.02 greedy). Catches: the greedy share applied at T = 1 too, or the
+    shares swapped."""
+    from glimmer_mlx.speculative.auto.chooser import alpha_from_tau
+    from glimmer_mlx.speculative.auto.multiplex import TREE_RESCUE
+
+    model, _, dpath = tiny
+    d = glimmer_mlx.load_drafter(dpath, model)
+    d.measured_tau = {"width": d.max_drafts, "greedy": 2.4, "sampling": 1.8, "sampling#1": 2.1, "phases": (16, 64)}
+    tree = make_auto(model, dflash=d, ngram=False, verify_costs=flat(32)).chooser.options["dflash+tree"]
+    assert TREE_RESCUE == {"greedy": 0.75, "sampling": 0.88}
+    for key, tau, rescue in (("greedy", 2.4, 0.75), ("sampling", 1.8, 0.88), ("sampling#1", 2.1, 0.88)):
+        a = 1.0 - rescue * (1.0 - alpha_from_tau(tau, d.max_drafts))
+        assert tree.prior_alpha[key] == pytest.approx(a, rel=1e-6), key
+
+
 def test_tree_rows_follow_the_flat_stretch_of_the_curve():
     """`tree_rows`: the widest of TREE_ROWS_FLAT whose verify costs at most FLAT x the chain's, else TREE_ROWS or
     the widest round if narrower; a curve that does not reach a size never gives it."""

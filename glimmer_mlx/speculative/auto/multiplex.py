@@ -37,11 +37,14 @@ NGRAM_THEN = {"greedy": 0.8, "sampling": 0.3}
 # at T = 1 0 of 22 on both. Priced as a fresh 1-gram's, it waited for a 4-gram's estimates: on the tiny set auto
 # started every copy 1-3 plain rounds after n-gram lookup alone did
 NGRAM_RUN_ALPHA = {"greedy": 0.5, "sampling": 0.05}
-# `auto`'s DFlash token trees: verify rows per round, and the share of a depth's chain rejections a tree still
-# rejects — the embedded set's DFlash trees of 16 rows (BENCHMARKS.md, "Token trees"): chain τ 1.50 (α 0.33 at 15
-# drafts) → tree τ 2.0 at depth 6 (α 0.50): (1 − 0.50) / (1 − 0.33) ≈ 0.75
+# `auto`'s DFlash token trees: verify rows per round, and per regime the share of a depth's chain rejections a tree
+# still rejects — the embedded set's DFlash trees of 16 rows (BENCHMARKS.md, "Token trees"): greedy, chain τ 1.50
+# (α 0.33 at 15 drafts) → tree τ 2.02 at depth 6 (α 0.50): (1 − 0.50) / (1 − 0.33) ≈ 0.75; at T = 1, chain τ 1.33
+# (α 0.25) → tree τ 1.51 (α 0.34): (1 − 0.34) / (1 − 0.25) ≈ 0.88. (The greedy share was used at T = 1 too: a
+# prior a third more optimistic about what a tree rescues there than measured. On the trained tiny set at T = 1 the
+# change moved nothing measurable — auto 1.061x plain with it, 1.063x without, eight sittings: BENCHMARKS.md)
 TREE_ROWS = 16
-TREE_RESCUE = 0.75
+TREE_RESCUE = {"greedy": 0.75, "sampling": 0.88}
 # ... and where the cost curve stays flat past the chain's rows (an accelerator: on an NVIDIA H200 under MLX's CUDA
 # back-end a verify of 2 to 32 rows costs the same, and 32-row trees of the trained tiny set's block-8 drafter ran
 # 1.05-1.16x its chain — BENCHMARKS.md, "Chains vs trees on an NVIDIA H200"), a tree as wide as it stays flat: the
@@ -210,7 +213,7 @@ class AutoDrafter:
         """A token-tree option beside the DFlash drafter's chain ("dflash+tree"): each round `tree_rows` verify rows,
         the chain and the next likeliest nodes at most `depth` deep (`propose_tree`); its acceptance is the accepted
         path's, learned like a chain's. It starts from the chain's measured τ with each depth's rejections cut by
-        `TREE_RESCUE` — what the embedded set's trees measured (BENCHMARKS.md, "Token trees") — and pays only where
+        `TREE_RESCUE` of its regime — what the embedded set's trees measured (BENCHMARKS.md, "Token trees") — and pays only where
         a verify of its rows costs about what the chain's does (flat cost curves: Apple GPUs, OpenBLAS on a CPU).
         d: the DFlash drafter (tree-capable); widest: the most rows a round of any of auto's drafters verifies."""
         rows = tree_rows(self.chooser.costs, d.max_drafts + 1, widest)
@@ -222,7 +225,7 @@ class AutoDrafter:
             width, prior = int(d.measured_tau["width"]), {"width": depth, "phases": d.measured_tau.get("phases", ())}
             for key, tau in d.measured_tau.items():
                 if key not in ("width", "phases") and tau is not None:
-                    a = 1.0 - TREE_RESCUE * (1.0 - alpha_from_tau(tau, width))
+                    a = 1.0 - TREE_RESCUE[key.split("#", 1)[0]] * (1.0 - alpha_from_tau(tau, width))
                     prior[key] = sum(a**i for i in range(depth + 1))
         d.enable_trees()
         name = "dflash+tree"

@@ -234,7 +234,7 @@ CHECK_SAMPLES = 2
 # `calibrate.check_plain_token`) is checked the same way after this many rounds if none of them measured a plain
 # token (`AutoChooser.first_check_rounds`): a stretch that starts at once measures none (the plain round between two
 # stretches is the unpipelined first after one). On the trained tiny set at T = 1 a process whose check read 1.95
-# (the machine ran at ~1.35) drafted DFlash on that scale through its first six requests, three of them at
+# (the machine ran at ~1.35) drafted DFlash on that scale through its first six requests, four of them at
 # 0.77-0.86x plain decoding, until a plain token measured it; its ledger then barred DFlash in the phase where it
 # pays for the rest of the sitting
 FIRST_CHECK_ROUNDS = 16

@@ -41,8 +41,8 @@ NGRAM_RUN_ALPHA = {"greedy": 0.5, "sampling": 0.05}
 # still rejects — the embedded set's DFlash trees of 16 rows (BENCHMARKS.md, "Token trees"): greedy, chain τ 1.50
 # (α 0.33 at 15 drafts) → tree τ 2.02 at depth 6 (α 0.50): (1 − 0.50) / (1 − 0.33) ≈ 0.75; at T = 1, chain τ 1.33
 # (α 0.25) → tree τ 1.51 (α 0.34): (1 − 0.34) / (1 − 0.25) ≈ 0.88. (The greedy share was used at T = 1 too: a
-# prior a third more optimistic about what a tree rescues there than measured. On the trained tiny set at T = 1 the
-# change moved nothing measurable — auto 1.061x plain with it, 1.063x without, eight sittings: BENCHMARKS.md)
+# prior counting on twice the rescue measured there. On the trained tiny set at T = 1 the change moved nothing
+# measurable — auto 1.061x plain with it, 1.063x without, eight sittings: BENCHMARKS.md)
 TREE_ROWS = 16
 TREE_RESCUE = {"greedy": 0.75, "sampling": 0.88}
 # ... and where the cost curve stays flat past the chain's rows (an accelerator: on an NVIDIA H200 under MLX's CUDA
@@ -213,8 +213,9 @@ class AutoDrafter:
         """A token-tree option beside the DFlash drafter's chain ("dflash+tree"): each round `tree_rows` verify rows,
         the chain and the next likeliest nodes at most `depth` deep (`propose_tree`); its acceptance is the accepted
         path's, learned like a chain's. It starts from the chain's measured τ with each depth's rejections cut by
-        `TREE_RESCUE` of its regime — what the embedded set's trees measured (BENCHMARKS.md, "Token trees") — and pays only where
-        a verify of its rows costs about what the chain's does (flat cost curves: Apple GPUs, OpenBLAS on a CPU).
+        `TREE_RESCUE` of its regime — what the embedded set's trees measured (BENCHMARKS.md, "Token trees") — and
+        pays only where a verify of its rows costs about what the chain's does (flat cost curves: Apple GPUs, OpenBLAS
+        on a CPU).
         d: the DFlash drafter (tree-capable); widest: the most rows a round of any of auto's drafters verifies."""
         rows = tree_rows(self.chooser.costs, d.max_drafts + 1, widest)
         depth = max(2, min(d.max_drafts, (rows - 1) // 2))

@@ -12,6 +12,8 @@ tokens per second relative to plain decoding, averaged over seeds.
         [--age 0.9995]   (the chooser's fade of an idle option's evidence a round; default `AutoChooser`'s 0.998)
         [--fixed-here]   (ρ's weight fixed at HERE_WEIGHT, not measured between requests: `Option.here_weight`)
         [--decay 0.97]   (the drafter's counts' fade a round of its own; default `chooser.MODEL_DECAY`)
+        [--cost-noise 0.1]   (each timed draft, verify and plain token × a lognormal factor: the machine's jitter)
+        [--hold-rounds 0]   (no speculative stretch held: `chooser.HOLD_ROUNDS`)
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ PLAIN = 3.2 * MS
 # DFlash's conditional acceptance per position on the trained tiny set at T = 1 (issue20-tiny-trained-r0.json)
 ALPHAS = [0.508, 0.717, 0.627, 0.676, 0.669, 0.798, 0.46]
 AGE = None  # --age: the chooser's fade of idle evidence per round (`AutoChooser` age; None: its default)
+NOISE = 0.0  # --cost-noise: each timed draft, verify and plain token × a lognormal factor of this sd (jitter)
 DECAY = chooser_mod.MODEL_DECAY  # --decay: the drafter's counts' fade per round of its own (`AcceptanceStats.decay`)
 
 
@@ -65,6 +68,11 @@ def simulate(policy: str, draft: float, *, requests: int, tokens: int, seed: int
     the trained tiny set's DFlash at T = 1 does (driven alone there: ~0.92x plain in the opening and after 64 tokens,
     ~1.16x between). ch: the chooser auto decides with (default: a fresh one; "warm": `warmed`'s)."""
     rng = random.Random(seed)
+    noise = random.Random(seed + 3 * 10**6)
+
+    def jitter() -> float:
+        return noise.lognormvariate(-NOISE * NOISE / 2, NOISE) if NOISE > 0 else 1.0
+
     kinds = random.Random(seed + 10**6)  # the requests' draws, the same for every policy
     if policy == "warm":
         policy = "auto"
@@ -91,10 +99,11 @@ def simulate(policy: str, draft: float, *, requests: int, tokens: int, seed: int
                 ch.set_phase(generated if phased is not None else None)
                 name, kk = ch.choose({"dflash": k}, regime, left)
             if name is None:
-                seconds += PLAIN * (1.9 if spec_last else 1.0)
+                p = PLAIN * jitter()
+                seconds += p * (1.9 if spec_last else 1.0)
                 if policy == "auto":
-                    ch.elapse(PLAIN * (1.9 if spec_last else 1.0))
-                    ch.observe_plain(PLAIN)
+                    ch.elapse(p * (1.9 if spec_last else 1.0))
+                    ch.observe_plain(p)
                     if spec_last:
                         ch.observe_switch(0.9 * PLAIN)
                         ch.credit("dflash", 0, 0.9 * PLAIN)  # the stretch's unpipelined plain token (its ledger)
@@ -104,13 +113,14 @@ def simulate(policy: str, draft: float, *, requests: int, tokens: int, seed: int
             n = 0
             while n < kk and rng.random() < alphas[min(n, len(alphas) - 1)]:
                 n += 1
-            seconds += draft + COSTS[kk + 1] + fill
+            d, v = draft * jitter(), COSTS[kk + 1] * jitter()
+            seconds += d + v + fill
             got = min(n + 1, left)
             left, done, lag, spec_last = left - got, done + got, n + 1, True
             if policy == "auto":
-                ch.update("dflash", kk, n, regime, draft, COSTS[kk + 1])
-                ch.elapse(draft + COSTS[kk + 1] + fill)
-                ch.credit("dflash", got, draft + COSTS[kk + 1] + fill)
+                ch.update("dflash", kk, n, regime, d, v)
+                ch.elapse(d + v + fill)
+                ch.credit("dflash", got, d + v + fill)
     return done / seconds, sum(ch.explored.values())
 
 
@@ -137,10 +147,15 @@ def main() -> None:
     ap.add_argument("--phased", default=None, help="f0,f1,f2: acceptance × f_p in phase p of a response")
     ap.add_argument("--age", type=float, default=None, help="override AutoChooser's age (idle evidence's fade a round)")
     ap.add_argument("--decay", type=float, default=None, help="override chooser.MODEL_DECAY (0.97 before session 37)")
+    ap.add_argument("--cost-noise", type=float, default=0.0,
+                    help="each timed draft, verify and plain token × lognormal(sd): the machine's jitter")
+    ap.add_argument("--hold-rounds", type=int, default=None,
+                    help="override chooser.HOLD_ROUNDS (0: no stretch held, as before the forty-sixth session)")
     ap.add_argument("--warm", type=int, default=0, help="add `warm`: auto started from what one kept after N requests")
     a = ap.parse_args()
-    global AGE, DECAY
+    global AGE, DECAY, NOISE
     AGE = a.age
+    NOISE = a.cost_noise
     if a.decay is not None:
         DECAY = a.decay
     if a.future_tokens is not None:
@@ -153,6 +168,10 @@ def main() -> None:
         chooser_mod.HERE_WEIGHT = a.here_weight
     if a.fixed_here:
         chooser_mod.HERE_WEIGHT_MIN = chooser_mod.HERE_WEIGHT_MAX = chooser_mod.HERE_WEIGHT
+    if a.hold_rounds is not None:
+        chooser_mod.HOLD_ROUNDS = a.hold_rounds
+        if a.hold_rounds == 0:
+            chooser_mod.HOLD_REGIMES = frozenset()
     if a.ledger_floor is not None:
         chooser_mod.LEDGER_FLOOR = a.ledger_floor
     phased = tuple(float(x) for x in a.phased.split(",")) if a.phased else None
@@ -165,8 +184,9 @@ def main() -> None:
     rel = {p: round(statistics.mean(r for r, _ in v) / base, 3) for p, v in res.items()}
     print(f"draft {a.draft_ms} ms, prior τ {a.prior_tau}, FUTURE_TOKENS {chooser_mod.FUTURE_TOKENS}, PRIOR_WEIGHT "
           f"{chooser_mod.PRIOR_WEIGHT}, LOSS_BUDGET {chooser_mod.LOSS_BUDGET}, LEDGER_FLOOR "
-          f"{chooser_mod.LEDGER_FLOOR}, HERE_WEIGHT {chooser_mod.HERE_WEIGHT}, decay {DECAY}, spread {a.spread}, "
-          f"phased {phased}: "
+          f"{chooser_mod.LEDGER_FLOOR}, HOLD_ROUNDS {chooser_mod.HOLD_ROUNDS if chooser_mod.HOLD_REGIMES else 0}, "
+          f"HERE_WEIGHT {chooser_mod.HERE_WEIGHT}, decay {DECAY}, spread {a.spread}, "
+          f"phased {phased}, cost noise {NOISE}: "
           f"× plain {rel}, "
           f"auto explored "
           f"{statistics.mean(e for _, e in res['auto']):.1f} rounds a run"

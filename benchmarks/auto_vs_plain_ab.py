@@ -53,8 +53,7 @@ ends or the next stretch begins, as before the thirty-sixth session); onedraft (
 alike at T = 0 and T > 0, from the greedy calibration, as before the thirty-sixth session); before36 (all three);
 before37 (auto whose ρ weighs its prior by `chooser.HERE_WEIGHT` always, not by how far the requests measured
 differ, as before the thirty-seventh session); decay97 (auto whose model drafters' estimates fade by 0.97 a round
-of their own, as before the thirty-seventh session, not `chooser.MODEL_DECAY`); nohold (auto whose model drafters'
-stretches at T > 0 are not held, as before the forty-sixth session: `chooser.HOLD_ROUNDS`).
+of their own, as before the thirty-seventh session, not `chooser.MODEL_DECAY`).
 
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
     AB_OUT=FILE ...   also appends the sitting to FILE as one JSON line (every run, each auto's summary)
@@ -450,13 +449,6 @@ def one_draft_cost(auto):
     return auto
 
 
-def no_hold(auto):
-    """auto as before the forty-sixth session: no speculative stretch is held (`chooser.HOLD_ROUNDS`)."""
-    auto.chooser._holds = lambda name, regime: False
-    return auto
-
-
-make["nohold"] = lambda: no_hold(second_auto())
 make["trainprior"] = train_prior
 make["oldwake"] = lambda: old_wake(second_auto())
 make["onedraft"] = lambda: one_draft_cost(second_auto())

@@ -13,7 +13,6 @@ tokens per second relative to plain decoding, averaged over seeds.
         [--fixed-here]   (ρ's weight fixed at HERE_WEIGHT, not measured between requests: `Option.here_weight`)
         [--decay 0.97]   (the drafter's counts' fade a round of its own; default `chooser.MODEL_DECAY`)
         [--cost-noise 0.1]   (each timed draft, verify and plain token × a lognormal factor: the machine's jitter)
-        [--hold-rounds 0]   (no speculative stretch held: `chooser.HOLD_ROUNDS`)
 """
 
 from __future__ import annotations
@@ -149,8 +148,6 @@ def main() -> None:
     ap.add_argument("--decay", type=float, default=None, help="override chooser.MODEL_DECAY (0.97 before session 37)")
     ap.add_argument("--cost-noise", type=float, default=0.0,
                     help="each timed draft, verify and plain token × lognormal(sd): the machine's jitter")
-    ap.add_argument("--hold-rounds", type=int, default=None,
-                    help="override chooser.HOLD_ROUNDS (0: no stretch held, as before the forty-sixth session)")
     ap.add_argument("--warm", type=int, default=0, help="add `warm`: auto started from what one kept after N requests")
     a = ap.parse_args()
     global AGE, DECAY, NOISE
@@ -168,10 +165,6 @@ def main() -> None:
         chooser_mod.HERE_WEIGHT = a.here_weight
     if a.fixed_here:
         chooser_mod.HERE_WEIGHT_MIN = chooser_mod.HERE_WEIGHT_MAX = chooser_mod.HERE_WEIGHT
-    if a.hold_rounds is not None:
-        chooser_mod.HOLD_ROUNDS = a.hold_rounds
-        if a.hold_rounds == 0:
-            chooser_mod.HOLD_REGIMES = frozenset()
     if a.ledger_floor is not None:
         chooser_mod.LEDGER_FLOOR = a.ledger_floor
     phased = tuple(float(x) for x in a.phased.split(",")) if a.phased else None
@@ -184,7 +177,7 @@ def main() -> None:
     rel = {p: round(statistics.mean(r for r, _ in v) / base, 3) for p, v in res.items()}
     print(f"draft {a.draft_ms} ms, prior τ {a.prior_tau}, FUTURE_TOKENS {chooser_mod.FUTURE_TOKENS}, PRIOR_WEIGHT "
           f"{chooser_mod.PRIOR_WEIGHT}, LOSS_BUDGET {chooser_mod.LOSS_BUDGET}, LEDGER_FLOOR "
-          f"{chooser_mod.LEDGER_FLOOR}, HOLD_ROUNDS {chooser_mod.HOLD_ROUNDS if chooser_mod.HOLD_REGIMES else 0}, "
+          f"{chooser_mod.LEDGER_FLOOR}, "
           f"HERE_WEIGHT {chooser_mod.HERE_WEIGHT}, decay {DECAY}, spread {a.spread}, "
           f"phased {phased}, cost noise {NOISE}: "
           f"× plain {rel}, "

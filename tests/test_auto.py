@@ -15,7 +15,7 @@ import pytest
 import glimmer_mlx
 from glimmer_mlx.speculative.auto import (AcceptanceStats, AutoChooser, AutoDrafter, DraftCost, load_or_calibrate,
                                           make_auto)
-from glimmer_mlx.speculative.auto.chooser import ENTER_GAIN, FUTURE_TOKENS, HOLD_ROUNDS, MIN_GAIN
+from glimmer_mlx.speculative.auto.chooser import ENTER_GAIN, FUTURE_TOKENS, MIN_GAIN
 from glimmer_mlx.speculative.auto.multiplex import FLAT, TREE_ROWS_FLAT, tree_rows
 from glimmer_mlx.cache import keep_path as engine_keep_path
 from glimmer_mlx.speculative.engine import AutoDecoder, SpeculativeDecoder
@@ -763,57 +763,6 @@ def test_a_plain_stretch_is_only_interrupted_for_a_clear_gain():
     assert ch.choose({"mtp": 1}) == (None, 0)
     ch = chooser(costs, {"mtp": (1, "chain", 0.0, [0.08])})
     assert ch.choose({"mtp": 1}) == ("mtp", 1)
-
-
-def test_a_model_drafters_stretch_at_t1_is_held_for_its_rounds_whatever_its_estimates_then_say():
-    """At T > 0 a model drafter's stretch, once entered, goes on for `HOLD_ROUNDS` rounds although its estimates fall
-    below plain meanwhile (and `keep` says what `pick` says); then plain. Not at T = 0, not for an n-gram option
-    (its offers scored for free), and a hold ends early with a plain round, a new phase of the response, its ledger
-    entry barred, or a due check of the speed scale."""
-    costs = {L: 10 * MS for L in range(1, 17)}
-
-    def entered(regime="sampling", name="dflash", **kw):
-        ch = AutoChooser(costs)
-        ch.phases = None
-        ch.add(name, 3, "free" if name.startswith("ngram") else "block", draft_prior=1 * MS, **kw)
-        ch.options[name].acceptance(regime).set_alphas([0.3])  # 1.29x plain: a stretch starts
-        assert ch.choose({name: 3}, regime) == (name, 3)
-        ch.options[name].acceptance(regime).set_alphas([0.05])  # now 0.96x plain by its estimates
-        ch.rescore()
-        return ch
-
-    ch = entered()
-    for _ in range(HOLD_ROUNDS - 1):
-        assert ch.keep("dflash", {"dflash": 3}, "sampling") == ch.pick({"dflash": 3}, "sampling")
-        assert ch.choose({"dflash": 3}, "sampling")[0] == "dflash"
-    assert ch.held == HOLD_ROUNDS - 1
-    assert ch.keep("dflash", {"dflash": 3}, "sampling") is None
-    assert ch.choose({"dflash": 3}, "sampling") == (None, 0)
-    assert entered("greedy").choose({"dflash": 3}, "greedy") == (None, 0)
-    ch = entered(name="ngram@4", sporadic=True, shadowed=True)
-    assert ch.choose({"ngram@4": 3}, "sampling") == (None, 0)
-    ch = entered()
-    ch.count_plain()
-    assert ch.choose({"dflash": 3}, "sampling") == (None, 0)
-    ch = entered()
-    assert ch.choose({"dflash": 3}, "sampling")[0] == "dflash"
-    ch.barred = frozenset({ch.entry("dflash")})
-    assert ch.choose({"dflash": 3}, "sampling") == (None, 0)
-    ch = entered()
-    ch._check_from = ch.round  # a check of the scale is running
-    assert ch.choose({"dflash": 3}, "sampling") == (None, 0)
-    ch = AutoChooser(costs)  # phases told: the hold is its phase's
-    ch.add("dflash", 3, "block", draft_prior=1 * MS)
-    for ph in range(len(ch.phases) + 1):
-        ch.options["dflash"].acceptance(f"sampling#{ph}").set_alphas([0.3])
-    ch.set_phase(0)
-    assert ch.choose({"dflash": 3}, "sampling") == ("dflash", 3)
-    for ph in range(len(ch.phases) + 1):
-        ch.options["dflash"].acceptance(f"sampling#{ph}").set_alphas([0.05])
-    ch.rescore()
-    assert ch.choose({"dflash": 3}, "sampling")[0] == "dflash"
-    ch.set_phase(ch.phases[0])
-    assert ch.choose({"dflash": 3}, "sampling") == (None, 0)
 
 
 def test_calibrated_plain_cost_and_one_speed_scale_enter_the_rates():

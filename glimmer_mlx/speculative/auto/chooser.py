@@ -21,9 +21,8 @@ Rate of an option (drafter d, k drafts):  E_d(k) / s·(draft_d(k) + v·C(k+1) + 
   (`Option.catch_up`, its own: one drafter's catch-ups never tax another's rounds).
 To start a speculative stretch, a drafter must beat plain by `ENTER_GAIN` (5 %): every estimate is noisy and the best
 looking option is the one most likely overestimated; to go on with one, by `MIN_GAIN` (leaving and re-entering costs
-two switches); at T > 0 a model drafter's stretch, once entered, is held for `HOLD_ROUNDS` rounds whatever its
-estimates say meanwhile (its ledger still bars it). n-gram lookup is only an option in a round where the context's
-suffix occurred before (its drafts are known in advance: `peek`), one option per matched n-gram size. Because plain is
+two switches). n-gram lookup is only an option in a round where the context's suffix
+occurred before (its drafts are known in advance: `peek`), one option per matched n-gram size. Because plain is
 always one of the options and every option is scored in the same time unit, `auto` decodes plainly whenever no
 drafter pays, except for exploration rounds that the rest of the request can pay for (`AutoChooser.explore`: the
 expected saving over the remaining tokens if the option's uncertain acceptance turns out better, against what the
@@ -289,24 +288,6 @@ LEDGER_FLOOR = 4
 # barred within a few of them. At 2 deviations a drafter losing 27 % kept auto at 0.982x plain (0.990 with the floor
 # alone), at 1.5 0.984x, with the paying one at 1.117x (1.100)
 LEDGER_Z = 1.5
-
-# a model drafter's speculative stretch at T > 0, once entered (by its estimates or to explore it), is held for this
-# many rounds — within its phase of the response, while its ledger entry is not barred and no check of the speed
-# scale is due — whatever its per-round estimates say meanwhile (`AutoChooser.hold`): plain decoding and explorations
-# of the other options wait. At T > 0 a round's tokens swing by about one and a half either way by chance
-# (`prior_variance`) and a request's acceptance by ±20 % around the session's, so estimates learned mostly from the
-# first rounds of short stretches (explorations, in the wake of the plain tokens around them) sat below what a
-# committed stretch earns, and a stretch ended at the first round they dipped: on the trained tiny set at T = 1,
-# sampled through one sitting, auto's estimate of DFlash's 7-draft chain was 0.79-0.97x plain by phase while DFlash
-# alone at block 8 ran 1.08x plain decoding and its steady rounds inside auto took the same time and committed as
-# many tokens as DFlash's alone. Held: auto ÷ DFlash alone 0.940 against 0.909 without (eight alternated sittings,
-# paired +0.030). What keeps the promise is the ledger, which a held stretch feeds like any other: a drafter that
-# loses is barred within a few of its rounds, and the hold ends with the bar. Not at T = 0, where a round's tokens
-# are a far steadier measure and n-gram offers (scored for free, never held) alternate with the drafters round by
-# round: there holding cost the same set's auto 11-19 % (3.0-3.1x plain against 3.5-3.8x), 5 % where an option
-# that beats the held one by its estimates could take over
-HOLD_ROUNDS = 32
-HOLD_REGIMES = frozenset({"sampling"})
 
 
 # offers scored without a round (`observe_offer`) between two refreshes of the memo
@@ -731,9 +712,6 @@ class AutoChooser:
         self.decoded = 0  # tokens committed under this chooser so far (`FUTURE_TOKENS`)
         self._stretch_from: tuple | None = None  # (option, regime) that started the running speculative stretch
         self._stretch_tokens = 0  # tokens that stretch has committed so far
-        # (option, regime, phase, the round it ends before) of the held stretch (`HOLD_ROUNDS`), None: none
-        self._hold: tuple | None = None
-        self.held = 0  # rounds of held stretches after their first (`HOLD_ROUNDS`)
         self.horizon = SWITCH_HORIZON  # see `set_horizon`
         self.age_every, self.age = age_every, age  # idle evidence fades by age ** age_every every age_every rounds
         # per (regime, after a drafter?, option) its best width for each cap (`_leaders`), its exploration terms
@@ -1237,9 +1215,6 @@ class AutoChooser:
         self.set_horizon(remaining)
         if self.check_due():
             return None, 0, False
-        held = self.hold(available, regime)
-        if held is not None:
-            return held
         if self.barred:
             available = {n: c for n, c in available.items() if self.entry(n) not in self.barred}
         name, k, rate = self.best(available, regime)
@@ -1265,9 +1240,6 @@ class AutoChooser:
         self.set_horizon(remaining)
         if self.check_due() or self.entry(name) in self.barred:
             return None  # (`pick` says plain on a due check; `check_due` asked again answers the same)
-        held = self.hold(available, regime)
-        if held is not None:
-            return held if held[0] == name else None
         leaders = self._leaders(name, regime)
         k, r = leaders[min(cap, len(leaders)) - 1]
         if r <= (1 + 1e-9 + (MIN_GAIN if self._spec_last else ENTER_GAIN)) / self.plain_cal:
@@ -1283,39 +1255,11 @@ class AutoChooser:
                 return None
         return name, k, False
 
-    def hold(self, available: dict[str, int], regime: str = "greedy") -> tuple[str, int, bool] | None:
-        """The held stretch's option for this round at its best width by the mean estimates, (name, k, False), or
-        None where no hold applies (`HOLD_ROUNDS`): none was entered, it ran its rounds, the response's phase moved
-        on, its option is not on offer or its ledger entry is barred. (A due check of the scale: `pick`, `keep`.)"""
-        h = self._hold
-        if h is None:
-            return None
-        name, reg, phase, end = h
-        cap = available.get(name, 0)
-        if reg != regime or phase != self.phase or self.round >= end or cap < 1 or self.entry(name) in self.barred:
-            return None
-        leaders = self._leaders(name, regime)
-        return name, leaders[min(cap, len(leaders)) - 1][0], False
-
-    def _holds(self, name: str, regime: str) -> bool:
-        """Whether a stretch of option `name` entered now in `regime` is held (`HOLD_ROUNDS`): a model drafter's (one
-        that drafts whenever asked, its offers not scored for free) at T > 0."""
-        opt = self.options[name]
-        return regime in HOLD_REGIMES and not opt.sporadic and not opt.shadowed
-
     def choose(self, available: dict[str, int], regime: str = "greedy", remaining: int | None = None,
                picked: tuple | None = None) -> tuple[str | None, int]:
         """The option for this round (`pick`), counted. picked: what `pick` said of this very state (same estimates,
-        offers and budget), when it was already asked. A stretch it enters (after a plain round) is held where that
-        applies (`HOLD_ROUNDS`); a plain round ends a hold."""
+        offers and budget), when it was already asked."""
         name, k, explores = picked if picked is not None else self.pick(available, regime, remaining)
-        if name is None:
-            self._hold = None
-        elif not self._spec_last and self._holds(name, regime):
-            self._hold = (name, regime, self.phase, self.round + HOLD_ROUNDS)
-        elif self._hold is not None and self._hold[0] == name and self._hold[2] == self.phase \
-                and self.round < self._hold[3]:
-            self.held += 1
         self._tick()
         if explores:
             self.explored[name] += 1
@@ -1410,7 +1354,6 @@ class AutoChooser:
         """A plain round chosen without `choose` (nothing `relevant` was available, or `pick` said plain): counted as
         `choose` counts it."""
         self._tick()
-        self._hold = None
         self.chosen[("plain", 0)] += 1
         self.served[None] = self.served.get(None, 0.0) + 1.0
         self.end_stretch()
@@ -1701,7 +1644,7 @@ class AutoChooser:
             "verify_cost_ms": {L: round(1000 * c, 3) for L, c in sorted(self.costs.items())},
             "verify_cost_ratio": {L - 1: round(c / self.costs[1], 3) for L, c in sorted(self.costs.items())},
             "speed_scale_now": round(self.scale, 3),
-            "scale_checks": self.checks, "offers_scored": self.shadowed, "held_rounds": self.held,
+            "scale_checks": self.checks, "offers_scored": self.shadowed,
             "verify_factor": {r: round(v, 3) for r, v in sorted(self.verify_factor.items())},
             "round_overhead_ms": round(1000 * self.scale * self.round_overhead, 3),
             "switch_cost_ms": round(1000 * self.scale * self.switch_cost, 3),

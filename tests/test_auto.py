@@ -2563,10 +2563,23 @@ def test_a_stretch_on_a_stale_scale_is_checked_and_its_ledger_priced_again(monke
     assert ch.scale == pytest.approx(1.0) and ch.saved["dflash"] < 0 and "dflash" in ch.barred
 
 
+def check_measures_the_scale(ch, stale: float) -> None:
+    """A check of `ch`'s speed scale that began (an n-gram option paying by far, 8 drafts on offer): its rounds are
+    plain until `CHECK_SAMPLES` plain tokens of 10 ms are measured, the scale `stale` until the last of them and
+    then theirs alone (1.0), after which the option drafts again; one check counted."""
+    from glimmer_mlx.speculative.auto.chooser import CHECK_SAMPLES
+
+    for i in range(CHECK_SAMPLES):
+        assert ch.choose({"ngram": 8}) == (None, 0)
+        ch.observe_plain(10 * MS)
+        assert ch.scale == pytest.approx(stale if i + 1 < CHECK_SAMPLES else 1.0)
+    assert ch.choose({"ngram": 8})[0] == "ngram" and ch.summary()["scale_checks"] == 1
+
+
 def test_a_check_of_the_scale_keeps_only_its_own_plain_tokens():
     """Once due, every round is plain until `CHECK_SAMPLES` plain tokens are measured, and the scale is theirs alone
     (not the median with the stale ones); a chooser that never measured a plain token has nothing to check."""
-    from glimmer_mlx.speculative.auto.chooser import CHECK_SAMPLES, STALE_ROUNDS
+    from glimmer_mlx.speculative.auto.chooser import STALE_ROUNDS
 
     ch = chooser(flat(9), {"ngram": (8, "free", 0.0, [0.9] * 8)})
     for _ in range(STALE_ROUNDS + 10):
@@ -2577,11 +2590,7 @@ def test_a_check_of_the_scale_keeps_only_its_own_plain_tokens():
     for _ in range(STALE_ROUNDS):
         assert ch.choose({"ngram": 8})[0] == "ngram"
     assert ch.choose({"ngram": 8})[0] == "ngram"
-    for i in range(CHECK_SAMPLES):
-        assert ch.choose({"ngram": 8}) == (None, 0)
-        ch.observe_plain(10 * MS)
-        assert ch.scale == pytest.approx(3.0 if i + 1 < CHECK_SAMPLES else 1.0)
-    assert ch.choose({"ngram": 8})[0] == "ngram" and ch.summary()["scale_checks"] == 1
+    check_measures_the_scale(ch, 3.0)
 
 
 def test_a_starting_scale_from_a_check_is_checked_after_the_first_rounds_if_no_plain_token_measured_it():
@@ -2592,7 +2601,7 @@ def test_a_starting_scale_from_a_check_is_checked_after_the_first_rounds_if_no_p
     scale) until it is measured. Catches: no check before the first plain token (as before: such a stretch ran for
     `STALE_ROUNDS` rounds on the checked scale), the check due with plain tokens measured, or due on a scale that
     is the calibration's own (None: a curve measured now, or given)."""
-    from glimmer_mlx.speculative.auto.chooser import CHECK_SAMPLES, FIRST_CHECK_ROUNDS
+    from glimmer_mlx.speculative.auto.chooser import FIRST_CHECK_ROUNDS
 
     def started(first):
         ch = AutoChooser(flat(9), scale=1.5)
@@ -2603,11 +2612,7 @@ def test_a_starting_scale_from_a_check_is_checked_after_the_first_rounds_if_no_p
     ch = started(FIRST_CHECK_ROUNDS)
     for _ in range(FIRST_CHECK_ROUNDS):
         assert ch.choose({"ngram": 8})[0] == "ngram"
-    for i in range(CHECK_SAMPLES):
-        assert ch.choose({"ngram": 8}) == (None, 0)
-        ch.observe_plain(10 * MS)
-        assert ch.scale == pytest.approx(1.5 if i + 1 < CHECK_SAMPLES else 1.0)
-    assert ch.choose({"ngram": 8})[0] == "ngram" and ch.summary()["scale_checks"] == 1
+    check_measures_the_scale(ch, 1.5)
     ch = started(FIRST_CHECK_ROUNDS)  # a plain token measured the scale: the stale rule's, no first check
     ch.observe_plain(12 * MS)
     for _ in range(3 * FIRST_CHECK_ROUNDS):

@@ -99,9 +99,10 @@ def simulate(policy: str, draft: float, *, requests: int, tokens: int, seed: int
                 name, kk = ch.choose({"dflash": k}, regime, left)
             if name is None:
                 p = PLAIN * jitter()
-                seconds += p * (1.9 if spec_last else 1.0)
+                wall = p * (1.9 if spec_last else 1.0)
+                seconds += wall
                 if policy == "auto":
-                    ch.elapse(p * (1.9 if spec_last else 1.0))
+                    ch.elapse(wall)
                     ch.observe_plain(p)
                     if spec_last:
                         ch.observe_switch(0.9 * PLAIN)
@@ -113,13 +114,14 @@ def simulate(policy: str, draft: float, *, requests: int, tokens: int, seed: int
             while n < kk and rng.random() < alphas[min(n, len(alphas) - 1)]:
                 n += 1
             d, v = draft * jitter(), COSTS[kk + 1] * jitter()
-            seconds += d + v + fill
+            wall = d + v + fill
+            seconds += wall
             got = min(n + 1, left)
             left, done, lag, spec_last = left - got, done + got, n + 1, True
             if policy == "auto":
                 ch.update("dflash", kk, n, regime, d, v)
-                ch.elapse(d + v + fill)
-                ch.credit("dflash", got, d + v + fill)
+                ch.elapse(wall)
+                ch.credit("dflash", got, wall)
     return done / seconds, sum(ch.explored.values())
 
 
@@ -177,11 +179,8 @@ def main() -> None:
     rel = {p: round(statistics.mean(r for r, _ in v) / base, 3) for p, v in res.items()}
     print(f"draft {a.draft_ms} ms, prior τ {a.prior_tau}, FUTURE_TOKENS {chooser_mod.FUTURE_TOKENS}, PRIOR_WEIGHT "
           f"{chooser_mod.PRIOR_WEIGHT}, LOSS_BUDGET {chooser_mod.LOSS_BUDGET}, LEDGER_FLOOR "
-          f"{chooser_mod.LEDGER_FLOOR}, "
-          f"HERE_WEIGHT {chooser_mod.HERE_WEIGHT}, decay {DECAY}, spread {a.spread}, "
-          f"phased {phased}, cost noise {NOISE}: "
-          f"× plain {rel}, "
-          f"auto explored "
+          f"{chooser_mod.LEDGER_FLOOR}, HERE_WEIGHT {chooser_mod.HERE_WEIGHT}, decay {DECAY}, spread {a.spread}, "
+          f"phased {phased}, cost noise {NOISE}: × plain {rel}, auto explored "
           f"{statistics.mean(e for _, e in res['auto']):.1f} rounds a run"
           + (f", warm {statistics.mean(e for _, e in res['warm']):.1f}" if a.warm else ""))
 

@@ -53,7 +53,9 @@ ends or the next stretch begins, as before the thirty-sixth session); onedraft (
 alike at T = 0 and T > 0, from the greedy calibration, as before the thirty-sixth session); before36 (all three);
 before37 (auto whose ρ weighs its prior by `chooser.HERE_WEIGHT` always, not by how far the requests measured
 differ, as before the thirty-seventh session); decay97 (auto whose model drafters' estimates fade by 0.97 a round
-of their own, as before the thirty-seventh session, not `chooser.MODEL_DECAY`).
+of their own, as before the thirty-seventh session, not `chooser.MODEL_DECAY`); coins (auto whose estimates and ledger
+learn from what each round's uniforms decided, as before the forty-eighth session, not from what its drafts are
+accepted on average: `verify.expected_acceptance`).
 
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
     AB_OUT=FILE ...   also appends the sitting to FILE as one JSON line (every run, each auto's summary)
@@ -159,8 +161,8 @@ def ema_scale(auto):
     def observe_plain(seconds):
         ch.scale = robust_ema(ch.scale, seconds / ch.plain_cal, ch.scale_ema)
 
-    def update(name, k, n_accepted, regime="greedy", draft_time=None, verify_time=None):
-        AutoChooser.update(ch, name, k, n_accepted, regime, draft_time, verify_time)
+    def update(name, k, n_accepted, regime="greedy", draft_time=None, verify_time=None, expected=None):
+        AutoChooser.update(ch, name, k, n_accepted, regime, draft_time, verify_time, expected)
         if verify_time is not None and (name is None or k == 0):
             ch.scale = robust_ema(ch.scale, verify_time / ch.costs[1], ch.scale_ema)
 
@@ -351,7 +353,21 @@ def bare(auto):
     return auto
 
 
+def coins(auto):
+    """auto whose estimates and ledger learn from what each round's coins decided, as before the forty-eighth session,
+    not from what its drafts are accepted on average (`verify.expected_acceptance`)."""
+    accept = auto.accept
+
+    def accept_coins(taps, new_tokens):
+        auto.expected = None
+        return accept(taps, new_tokens)
+
+    auto.accept = accept_coins
+    return auto
+
+
 make = {
+    "coins": lambda: coins(second_auto()),
     "bare": lambda: bare(second_auto()),
     "noquiet": lambda: no_quiet(second_auto()),
     "nocatchup": lambda: no_catch_up(second_auto()),

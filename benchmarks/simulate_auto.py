@@ -34,6 +34,8 @@ ALPHAS = [0.508, 0.717, 0.627, 0.676, 0.669, 0.798, 0.46]
 AGE = None  # --age: the chooser's fade of idle evidence per round (`AutoChooser` age; None: its default)
 NOISE = 0.0  # --cost-noise: each timed draft, verify and plain token × a lognormal factor of this sd (jitter)
 DECAY = chooser_mod.MODEL_DECAY  # --decay: the drafter's counts' fade per round of its own (`AcceptanceStats.decay`)
+CONTEXT_SD = 0.0  # --context-sd: each round's acceptance × a lognormal factor of this sd (contexts differ)
+EXPECTED = False  # --expected: auto learns from (and its ledger credits) a round's expected acceptance, not its coins
 
 
 def new_chooser(draft: float, prior_tau: float, phased: tuple | None) -> AutoChooser:
@@ -68,6 +70,7 @@ def simulate(policy: str, draft: float, *, requests: int, tokens: int, seed: int
     ~1.16x between). ch: the chooser auto decides with (default: a fresh one; "warm": `warmed`'s)."""
     rng = random.Random(seed)
     noise = random.Random(seed + 3 * 10**6)
+    context = random.Random(seed + 4 * 10**6)
 
     def jitter() -> float:
         return noise.lognormvariate(-NOISE * NOISE / 2, NOISE) if NOISE > 0 else 1.0
@@ -110,18 +113,25 @@ def simulate(policy: str, draft: float, *, requests: int, tokens: int, seed: int
                 left, done, lag, spec_last = left - 1, done + 1, lag + 1, False
                 continue
             fill = COSTS[9] if lag > 8 else 0.0
+            c = context.lognormvariate(-CONTEXT_SD * CONTEXT_SD / 2, CONTEXT_SD) if CONTEXT_SD > 0 else 1.0
+            here = [min(a * c, 0.98) for a in alphas]
             n = 0
-            while n < kk and rng.random() < alphas[min(n, len(alphas) - 1)]:
+            while n < kk and rng.random() < here[min(n, len(here) - 1)]:
                 n += 1
+            expected, reach = [], 1.0  # (what `verify.expected_acceptance` measures: the coins averaged out)
+            for j in range(kk):
+                a = here[min(j, len(here) - 1)]
+                expected.append((reach, reach * a))
+                reach *= a
             d, v = draft * jitter(), COSTS[kk + 1] * jitter()
             wall = d + v + fill
             seconds += wall
             got = min(n + 1, left)
             left, done, lag, spec_last = left - got, done + got, n + 1, True
             if policy == "auto":
-                ch.update("dflash", kk, n, regime, d, v)
+                ch.update("dflash", kk, n, regime, d, v, expected if EXPECTED else None)
                 ch.elapse(wall)
-                ch.credit("dflash", got, wall)
+                ch.credit("dflash", 1 + sum(x for _, x in expected) if EXPECTED and got == n + 1 else got, wall)
     return done / seconds, sum(ch.explored.values())
 
 
@@ -150,11 +160,16 @@ def main() -> None:
     ap.add_argument("--decay", type=float, default=None, help="override chooser.MODEL_DECAY (0.97 before session 37)")
     ap.add_argument("--cost-noise", type=float, default=0.0,
                     help="each timed draft, verify and plain token × lognormal(sd): the machine's jitter")
+    ap.add_argument("--context-sd", type=float, default=0.0,
+                    help="each round's acceptance × lognormal(sd): contexts differ round to round")
+    ap.add_argument("--expected", action="store_true",
+                    help="auto learns from (and credits) a round's expected acceptance given its drafts, not its coins")
     ap.add_argument("--warm", type=int, default=0, help="add `warm`: auto started from what one kept after N requests")
     a = ap.parse_args()
-    global AGE, DECAY, NOISE
+    global AGE, DECAY, NOISE, CONTEXT_SD, EXPECTED
     AGE = a.age
     NOISE = a.cost_noise
+    CONTEXT_SD, EXPECTED = a.context_sd, a.expected
     if a.decay is not None:
         DECAY = a.decay
     if a.future_tokens is not None:

@@ -1421,6 +1421,69 @@ def test_auto_decoder_is_used_and_learns(tiny, tmp_path):
         assert learned  # its drafted rounds were learned as sampling's
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_sampled_rounds_teach_auto_what_their_drafts_are_accepted_on_average(tiny, tmp_path, monkeypatch,
+                                                                             temperature):
+    """At T > 0 every chain round's option learns, and its ledger credits, what its drafts are accepted on average
+    (`verify.expected_acceptance`), not what the round's coins decided: recomputed here in float64 numpy from the
+    very distributions the verifier saw, round by round (DFlash, MTP, n-gram's point masses). At T = 0 the coins are
+    the expectation: nothing else is passed. Catches: the expectation not passed on, passed to the next round, or
+    the ledger crediting the committed tokens."""
+    import glimmer_mlx.speculative.engine as engine
+
+    model, _, dpath = tiny
+    auto = _auto(model, dpath, tmp_path)
+    auto.chooser = ch = Scripted(auto.chooser, [("dflash", 3), ("mtp", 2), ("ngram", 3), (None, 0)])
+    seen, events = [], []
+    verify = engine.verify_sampling
+
+    def spy(p, q, drafts, sampler):
+        k = len(drafts)
+        seen.append((np.exp(np.array(p[:k].astype(mx.float32), dtype=np.float64)),
+                     None if q is None else np.exp(np.array(q.astype(mx.float32), dtype=np.float64)), list(drafts)))
+        return verify(p, q, drafts, sampler)
+
+    monkeypatch.setattr(engine, "verify_sampling", spy)
+    update, credit = ch.update, ch.credit
+
+    def on_update(name, k, n, regime="greedy", draft_time=None, verify_time=None, expected=None):
+        if name is not None and k > 0:
+            events.append(("round", k, n, expected))
+        return update(name, k, n, regime, draft_time, verify_time, expected)
+
+    def on_credit(name, tokens, seconds, entry=None):
+        if tokens > 0:
+            events.append(("credit", tokens))
+        return credit(name, tokens, seconds, entry)
+
+    ch.update, ch.credit = on_update, on_credit
+    prompt = [7, 8, 9, 10, 11] * 4  # repeated: n-gram lookup finds matches
+    for seed in range(3):
+        glimmer_mlx.generate(model, prompt, max_tokens=32, temperature=temperature, seed=seed, drafter=auto)
+    rounds = [e for e in events if e[0] == "round"]
+    assert len(rounds) >= 6
+    if temperature == 0.0:
+        assert not seen and all(e[3] is None for e in rounds)
+        assert all(e[1] == int(e[1]) for e in events if e[0] == "credit")
+        return
+    assert len(seen) == len(rounds)
+    last = None
+    for e in events:
+        if e[0] == "credit":
+            assert last is not None and e[1] == pytest.approx(last, rel=1e-5)  # its round's expectation
+            continue
+        (P, Q, drafts), (_, k, n, expected) = seen.pop(0), e
+        assert expected is not None and len(expected) == k == len(drafts)
+        w, want = 1.0, []
+        for j, x in enumerate(drafts):
+            a = P[j, x] if Q is None else np.minimum(P[j], Q[j]).sum()
+            want.append((w, w * a))
+            w *= P[j, x] if Q is None else min(1.0, P[j, x] / Q[j, x])
+        np.testing.assert_allclose(np.array(expected), np.array(want), rtol=1e-4, atol=1e-6)
+        last = 1.0 + sum(s for _, s in want)
+    assert any(e[1] != int(e[1]) for e in events if e[0] == "credit")
+
+
 @pytest.fixture(scope="module")
 def small_vocab_auto(tiny_checkpoint, tmp_path_factory):
     from hf_fixtures import build_hf_drafter, build_hf_mtp, save_mtp_weights
@@ -3038,8 +3101,8 @@ def test_the_first_round_of_an_option_at_a_width_is_not_timed(tiny, tmp_path, mo
     real_credit, real_update = AutoChooser.credit, AutoChooser.update
     monkeypatch.setattr(AutoChooser, "credit", lambda self, name, tokens, seconds, entry=None: (
         credits.append((name, tokens, seconds)), real_credit(self, name, tokens, seconds, entry))[1])
-    monkeypatch.setattr(AutoChooser, "update", lambda self, name, k, n, regime="greedy", d=None, v=None: (
-        updates.append((name, k, d, v)), real_update(self, name, k, n, regime, d, v))[1])
+    monkeypatch.setattr(AutoChooser, "update", lambda self, name, k, n, regime="greedy", d=None, v=None, e=None: (
+        updates.append((name, k, d, v)), real_update(self, name, k, n, regime, d, v, e))[1])
     target = FirstShapeStalls(model, 0.25)
     prompt = list(range(20, 40))
     r = glimmer_mlx.generate(target, prompt, max_tokens=40, drafter=auto)

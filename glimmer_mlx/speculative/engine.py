@@ -27,8 +27,8 @@ from ..runtime.prefill import DEFAULT_PREFILL_STEP
 from ..sampling import Sampler
 from .protocol import Drafter
 from .tree import TokenTree
-from .verify import (target_distribution, tree_target_distribution, verify_greedy, verify_sampling,
-                     verify_tree_greedy, verify_tree_sampling)
+from .verify import (expected_acceptance, target_distribution, tree_target_distribution, verify_greedy,
+                     verify_sampling, verify_tree_greedy, verify_tree_sampling)
 
 
 class SpeculativeDecoder:
@@ -136,8 +136,13 @@ class SpeculativeDecoder:
         else:
             p = target_distribution(logits[0], self.sampler, self.history, drafts)
             n, nxt = verify_sampling(p, q, drafts, self.sampler)
+            self.sampled(p, q, drafts)
         rewind_cache(self.cache, k - n)
         return self._close_round(drafts[:n] + [nxt], None if taps is None else [t[:, : n + 1] for t in taps], t0, t1)
+
+    def sampled(self, p, q, drafts: list[int]) -> None:
+        """A chain round at T > 0 was verified: p the target's processed log-probabilities, q the drafter's (None:
+        deterministic drafts). Nothing to do at a fixed width (`AutoDecoder` measures what they accept on average)."""
 
     def _tree_round(self, tree: TokenTree, q, pos: int, t0: float, t1: float) -> list[int]:
         """Verify token tree `tree` (root = the anchor at position `pos`; q: `propose_tree`'s) in one target forward
@@ -280,6 +285,11 @@ class AutoDecoder(SpeculativeDecoder):
 
     def verify_taps(self) -> tuple | None:
         return self.taps if self.drafter.needs_taps else None
+
+    def sampled(self, p, q, drafts: list[int]) -> None:
+        """What the round's drafts are accepted on average (`verify.expected_acceptance`): the drafter's chooser
+        learns from that rather than from the round's coins (`AutoDrafter.accept`)."""
+        self.drafter.expected = expected_acceptance(p, q, drafts)
 
     def _can_fill(self, n: int) -> bool:
         try:

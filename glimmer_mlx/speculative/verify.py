@@ -55,6 +55,35 @@ def verify_sampling(p_logprobs: mx.array, q_logprobs: mx.array, drafts: list[int
     return rejection_accept_logprobs(p_logprobs, q_logprobs, drafts, u)
 
 
+def expected_acceptance(p_logprobs: mx.array, q_logprobs: mx.array | None, drafts: list[int]) -> list[tuple[float, float]]:
+    """What `verify_sampling` accepts of these drafts on average, its uniforms integrated out (a Rao-Blackwellized
+    measure of the drafter's acceptance, for `auto`'s estimates): per draft j, (w_j, w_j · a_j) with
+    w_j = Π_{i<j} min(1, p_i(x_i) / q_i(x_i)) the probability the round reaches draft j given the drafts before it,
+    and a_j = Σ_x min(p_j(x), q_j(x)) the probability draft j is accepted there, over its own draw. 1 + Σ_j w_j a_j is
+    the round's expected tokens given its drafts: an unbiased measure of what its rounds commit, and of each α_j as
+    `auto.chooser.AcceptanceStats.update` counts them. q_logprobs None: deterministic drafts (n-gram lookup), q a
+    point mass, so both are p_j(x_j)."""
+    k = len(drafts)
+    if k == 0:
+        return []
+    p = mx.exp(p_logprobs[:k].astype(mx.float32))
+    idx = mx.array(drafts, dtype=mx.int32)[:, None]
+    px = mx.take_along_axis(p, idx, axis=1)[:, 0]
+    if q_logprobs is None:
+        r = a = px
+    else:
+        q = mx.exp(q_logprobs[:k].astype(mx.float32))
+        qx = mx.take_along_axis(q, idx, axis=1)[:, 0]
+        r = mx.where(qx > 0, mx.minimum(px / mx.maximum(qx, 1e-30), 1.0), 0.0)
+        a = mx.minimum(p, q).sum(axis=1)
+    rs, as_ = mx.stack([r, mx.minimum(a, 1.0)]).tolist()
+    out, w = [], 1.0
+    for j in range(k):
+        out.append((w, w * as_[j]))
+        w *= rs[j]
+    return out
+
+
 def draft_tokens(q_logits: mx.array, sampler: Sampler, history: list[int]):
     """Choose k drafts from raw draft logits [k, V]. Returns (drafts, q_logprobs or None).
 

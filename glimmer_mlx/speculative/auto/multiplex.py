@@ -180,6 +180,10 @@ class AutoDrafter:
         self.needs_taps = False  # whether the latest round's drafter reads taps (the verify forward then yields them)
         self._pending = None
         self._round = None  # (draft + verify seconds, catch-up seconds) of the last speculative round
+        # a chain round at T > 0: what its drafts are accepted on average (`verify.expected_acceptance`, set by the
+        # decoder between `propose` and `accept`): its option's estimates and ledger learn from that, not its coins
+        self.expected: list[tuple[float, float]] | None = None
+        self._credit_tokens: float | None = None  # the latest speculative round's tokens for its ledger (`end_round`)
         self._stretch = 0.0  # the running speculative stretch's cost beyond its rounds so far (`lead`)
         # the latest stretch's wake so far, (seconds, excess) per slow plain token after it (`plain_token`); None: none
         self._wake: list | None = None
@@ -623,9 +627,12 @@ class AutoDrafter:
                     opt = self.chooser.options[name]
                     self.chooser.observe_catch_up(name, lag, t_draft - self.chooser.scale * opt.draft(regime)(k),
                                                   at=len(self._tokens) - 1)
+            expected, self.expected = (self.expected if k and len(self.expected or ()) == k else None), None
             self.chooser.update(name if k else None, k, len(new_tokens) - 1, regime,
-                                t_draft if steady and not building else None, None if building else now - t1)
+                                t_draft if steady and not building else None, None if building else now - t1,
+                                expected)
             self._round = t_draft + now - t1 if k and not building else None
+            self._credit_tokens = None if expected is None else 1.0 + sum(x for _, x in expected)
             if k:
                 self._option, self._entry = name, self.chooser.entry(name)
             self._pending = None
@@ -649,8 +656,9 @@ class AutoDrafter:
         if self._round is None:
             return False
         self.chooser.observe_round_overhead(seconds - self._round)
-        if self._option is not None:
-            self.chooser.credit(self._option, tokens, seconds + lead, self._entry)
+        if self._option is not None:  # (what its drafts commit on average, where measured: `expected`)
+            credited = tokens if self._credit_tokens is None else self._credit_tokens
+            self.chooser.credit(self._option, credited, seconds + lead, self._entry)
         self._round = None
         return True
 

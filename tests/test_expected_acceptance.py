@@ -26,8 +26,9 @@ def _expected_tokens(out):
     return 1.0 + sum(s for _, s in out)
 
 
+@pytest.mark.parametrize("host", [True, False])  # numpy, or MLX on its device
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_expected_tokens_are_exact_over_every_draft_sequence(seed):
+def test_expected_tokens_are_exact_over_every_draft_sequence(seed, host):
     """Σ over every draft sequence x (probability Π q_j(x_j)) of expected_acceptance's 1 + Σ_j s_j equals the exact
     expected tokens of speculative sampling, Σ_x Π q_j(x_j) (1 + Σ_j Π_{i<=j} min(1, p_i(x_i) / q_i(x_i))), and
     each w_j, s_j averages to P(draft j reached), P(draft j accepted)."""
@@ -47,7 +48,7 @@ def test_expected_tokens_are_exact_over_every_draft_sequence(seed):
         exact_tokens += prob * (1.0 + run.sum())
         reach += prob * np.concatenate([[1.0], run[:-1]])
         accept += prob * run
-        out = expected_acceptance(mx.array(p), mx.array(q), list(xs))
+        out = expected_acceptance(mx.array(p), mx.array(q), list(xs), host=host)
         got_tokens += prob * _expected_tokens(out)
         got_reach += prob * np.array([w for w, _ in out])
         got_accept += prob * np.array([s for _, s in out])
@@ -77,17 +78,18 @@ def test_reach_weights_match_the_verifier_over_its_uniforms():
         assert abs(at_least[j] - w[j]) < 4 * se, (j, at_least[j], w[j])
 
 
-def test_deterministic_drafts_are_accepted_with_their_target_probability():
+@pytest.mark.parametrize("host", [True, False])
+def test_deterministic_drafts_are_accepted_with_their_target_probability(host):
     """q None (n-gram lookup's point masses): each draft is accepted with p_j(x_j), reached with the product before."""
     rng = np.random.default_rng(3)
     p = _rows(rng, 4, 7)
     drafts = [1, 2, 3]
     px = [float(np.exp(p[j, x])) for j, x in enumerate(drafts)]
-    out = expected_acceptance(mx.array(p), None, drafts)
+    out = expected_acceptance(mx.array(p), None, drafts, host=host)
     assert out[0] == pytest.approx((1.0, px[0]), rel=1e-5)
     assert out[1] == pytest.approx((px[0], px[0] * px[1]), rel=1e-5)
     assert out[2] == pytest.approx((px[0] * px[1], px[0] * px[1] * px[2]), rel=1e-5)
-    assert expected_acceptance(mx.array(p), None, []) == []
+    assert expected_acceptance(mx.array(p), None, [], host=host) == []
 
 
 def test_identical_distributions_accept_everything():

@@ -1906,8 +1906,8 @@ def test_a_row_drafts_by_the_estimates_of_its_phase_of_the_response(sess, ids, b
     assert opening != after and ba.key("greedy", 15) == opening
     ba.acceptance("dflash", opening).set_alphas([0.9])
     seen, real = [], ba.update
-    ba.update = lambda name, key, k, accepted, here=None: (seen.append((name, key, row.out.n)),
-                                                           real(name, key, k, accepted, here))
+    ba.update = lambda name, key, k, accepted, here=None, expected=None: (
+        seen.append((name, key, row.out.n)), real(name, key, k, accepted, here, expected))
     gen = BatchGenerator(sess.model, prefill_step=16, auto=ba)
     row = gen.add(request(sess, ids[3], "auto", params(), 0, 40))
     while len(gen) or gen.waiting:
@@ -1916,6 +1916,48 @@ def test_a_row_drafts_by_the_estimates_of_its_phase_of_the_response(sess, ids, b
     assert all(n < 16 for _, _, n in seen)
     assert ba.acceptance("dflash", after).tried[0] == 1000.0  # untouched by the opening's rounds
     assert row.history[len(ids[3]):] == solo(sess, ids[3], "ar", params(), 0, 40)[0]
+
+
+def test_sampled_auto_rows_teach_what_their_drafts_are_accepted_on_average(sess, ids, ba, monkeypatch):
+    """At T > 0 an auto row's round teaches its option what its drafts are accepted on average
+    (`verify.expected_acceptance`), recomputed here in float64 numpy from the distributions the verifier saw, row by
+    row; a fixed-mode row computes nothing. Catches: the expectation not passed on, or passed with another row's."""
+    import glimmer_mlx.speculative.batch as sb
+
+    ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # flat: verification is free
+    ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}
+    ba.observe = lambda n, seconds, spec, rows=None: None
+    for name in ba.chooser.options:
+        pin(ba, name, "sampling", 0.0)
+    for key in phase_keys(ba, "sampling"):
+        ba.acceptance("dflash", key).set_alphas([0.9])
+    seen, got, real, verify = [], [], ba.update, sb.verify_sampling
+
+    def spy(p, q, drafts, sampler):
+        k = len(drafts)
+        seen.append((tuple(drafts), np.exp(np.array(p[:k].astype(mx.float32), dtype=np.float64)),
+                     np.exp(np.array(q.astype(mx.float32), dtype=np.float64))))
+        return verify(p, q, drafts, sampler)
+
+    monkeypatch.setattr(sb, "verify_sampling", spy)
+    ba.update = lambda name, key, k, accepted, here=None, expected=None: (
+        got.append(expected), real(name, key, k, accepted, here, expected))
+    gen = BatchGenerator(sess.model, prefill_step=16, auto=ba)
+    for i, mode in enumerate(("auto", "dflash", "auto")):
+        gen.add(request(sess, ids[i], mode, params(1.0), i, 24))
+    while len(gen) or gen.waiting:
+        gen.step()
+    assert len(got) >= 4 and all(e is not None for e in got)
+    want = {}
+    for drafts, P, Q in seen:
+        w, rows = 1.0, []
+        for j, x in enumerate(drafts):
+            rows.append((w, w * np.minimum(P[j], Q[j]).sum()))
+            w *= min(1.0, P[j, x] / Q[j, x])
+        want.setdefault(len(drafts), []).append(np.array(rows))
+    for e in got:  # each matches one verified round of its width (rows of a step are verified in turn)
+        assert any(np.allclose(np.array(e), r, rtol=1e-4, atol=1e-6) for r in want[len(e)])
+    assert len(seen) > len(got)  # the fixed-mode row's rounds were verified too, and taught nothing
 
 
 def test_the_batch_does_not_explore_for_a_short_request_or_a_used_option(ba):

@@ -40,7 +40,7 @@ from .dflash import propose_batch as dflash_propose_batch
 from .mtp import batches_with as mtp_batches
 from .mtp import propose_batch as mtp_propose_batch
 from .protocol import Drafter
-from .verify import target_distribution, verify_greedy, verify_sampling
+from .verify import expected_acceptance, target_distribution, verify_greedy, verify_sampling
 
 DEFAULT_MAX_BATCH = 16
 PRUNE_EVERY = 16  # steps between two checks that an auto row's model drafters could still pay
@@ -143,6 +143,9 @@ class Row:
         self.req, self.sampler, self.drafter = req, req.sampler, req.drafter
         self.options = options  # auto: its own fork of every option's drafter, all kept in step ({kind: drafter})
         self.choice: tuple | None = None  # auto: (option name, its drafter kind) drafting this step, or None
+        # auto at T > 0: what this step's drafts are accepted on average (`verify.expected_acceptance`): its option's
+        # estimates learn from that, not from the step's coins (`auto.batch.BatchAuto.update`)
+        self.expected: list[tuple[float, float]] | None = None
         self.out = TokenStream(max_tokens=req.max_tokens, eos=req.eos, tokenizer=req.tokenizer, stop=req.stop)
         self.history = list(req.ids)
         self.cache = req.cache if req.cache is not None else model.make_cache()
@@ -262,8 +265,10 @@ class Row:
             if p.greedy:
                 n, nxt = verify_greedy(logits, self.drafts, self.sampler, self.history)
             else:
-                n, nxt = verify_sampling(target_distribution(logits, self.sampler, self.history, self.drafts),
-                                         self.q, self.drafts, self.sampler)
+                pd = target_distribution(logits, self.sampler, self.history, self.drafts)
+                if self.options is not None:  # (before the verify: it then reads the evaluated p)
+                    self.expected = expected_acceptance(pd, self.q, self.drafts)
+                n, nxt = verify_sampling(pd, self.q, self.drafts, self.sampler)
             new = self.drafts[:n] + [nxt]
         self.history.extend(new)
         if drafters:
@@ -594,7 +599,8 @@ class BatchGenerator:
             if r.choice is not None:
                 drafted = True
                 self.auto.update(r.choice[0], self.auto.key(r.regime, r.out.n), len(r.drafts), len(new) - 1,
-                                 here=r.here)
+                                 here=r.here, expected=r.expected)
+                r.expected = None
             if r.ahead:  # the step after this one already counted this token
                 r.ahead = False
             else:

@@ -718,13 +718,16 @@ class BatchAuto:
                 found, surplus = (name, k_e, plan_e, gain), gain
         return found
 
-    def update(self, name: str, regime: str, k: int, accepted: int, here: dict | None = None) -> None:
+    def update(self, name: str, regime: str, k: int, accepted: int, here: dict | None = None,
+               expected: list[tuple[float, float]] | None = None) -> None:
         """A round of `name` at k drafts accepted `accepted` of them; here: the row's own measure of its model
-        drafters' rounds (`rho`; `speculative.batch.Row.here`), noted first (before the estimates learn from it)."""
+        drafters' rounds (`rho`; `speculative.batch.Row.here`), noted first (before the estimates learn from it);
+        expected: what its drafts are accepted on average at T > 0 (`chooser.AcceptanceStats.update`)."""
         opt = self.chooser.options[name]
         if here is not None and not opt.shadowed:
             opt.note_here(regime, k, accepted, here.setdefault(name, {}))
-        self.acceptance(name, regime).update(k, accepted)
+        self.acceptance(name, regime).update(k, accepted, expected if expected is not None and len(expected) == k
+                                             else None)
 
     def close_row(self, here: dict) -> None:
         """A row finished: how its rounds of each model drafter did against the estimates (`update`) joins the

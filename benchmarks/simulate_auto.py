@@ -13,6 +13,9 @@ tokens per second relative to plain decoding, averaged over seeds.
         [--fixed-here]   (ρ's weight fixed at HERE_WEIGHT, not measured between requests: `Option.here_weight`)
         [--decay 0.97]   (the drafter's counts' fade a round of its own; default `chooser.MODEL_DECAY`)
         [--cost-noise 0.1]   (each timed draft, verify and plain token × a lognormal factor: the machine's jitter)
+        [--context-sd 0.3]   (each round's acceptance × a lognormal factor: contexts differ round to round)
+        [--expected]   (auto learns from, and its ledger credits, each round's expected acceptance given its drafts —
+                        `verify.expected_acceptance`, exact here — not the coins its round drew)
 """
 
 from __future__ import annotations

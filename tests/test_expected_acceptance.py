@@ -117,3 +117,15 @@ def test_acceptance_stats_learn_the_expected_counts():
     for _ in range(600):
         coins.update(3, 0)
     assert coins.alphas()[0] < 0.05  # without them: what the coins said
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_a_nan_accepts_nothing_and_never_reaches_the_estimates(host):
+    """A NaN in the target's row (a broken forward) counts as the verifier counts it at a draft's entry — nothing
+    accepted from there — instead of poisoning every count the estimates keep."""
+    rng = np.random.default_rng(9)
+    p, q = _rows(rng, 4, 6), _rows(rng, 3, 6)
+    p[1, :] = np.nan
+    out = expected_acceptance(mx.array(p), mx.array(q), [0, 1, 2], host=host)
+    assert all(np.isfinite(w) and np.isfinite(s) and 0.0 <= s <= w <= 1.0 for w, s in out)
+    assert out[1][1] == 0.0 and out[2] == (0.0, 0.0)

@@ -93,9 +93,10 @@ def expected_acceptance(p_logprobs: mx.array, q_logprobs: mx.array | None, draft
             as_ = mx.exp(mx.minimum(p, q)).sum(axis=1)
         rs, as_ = mx.stack([rs, as_]).tolist()
     out, w = [], 1.0
-    for j in range(k):
-        out.append((w, w * min(as_[j], 1.0)))
-        w *= rs[j]
+    for j in range(k):  # (a NaN, as the verifier treats one at a draft's entry, accepts nothing)
+        a, r = as_[j], rs[j]
+        out.append((w, w * (min(max(a, 0.0), 1.0) if a == a else 0.0)))
+        w *= min(max(r, 0.0), 1.0) if r == r else 0.0
     return out
 
 

@@ -1472,7 +1472,7 @@ class AutoChooser:
         if self.elapsed > self._reopen:
             self._bar()
 
-    def credit(self, name: str, tokens: int, seconds: float, entry: str | None = None) -> None:
+    def credit(self, name: str, tokens: float, seconds: float, entry: str | None = None) -> None:
         """Option `name`'s ledger: a round of it committed `tokens` in `seconds` of wall time — or, tokens = 0,
         `seconds` its stretch cost beyond pipelined plain tokens (the plain tokens that start and end it). Its
         saving over plain decoding, tokens × a plain token now − seconds, is added (in calibrated seconds; a loss
@@ -1483,7 +1483,10 @@ class AutoChooser:
         once, which puts it on the ledger; one that lost a round's worth beside one that lost hundreds is not
         barred with it), until `elapse` has brought the budget back (module docstring). entry: the ledger entry
         (`entry`) of the phase its rounds ran in, if not the current one (the plain token that ends a stretch may
-        fall in the next phase of the response)."""
+        fall in the next phase of the response). At T > 0 a chain round's tokens are what its drafts commit on average
+        (`verify.expected_acceptance`, `multiplex.AutoDrafter.end_round`): its swing by chance is then less than the
+        coins' variance `LEDGER_Z` counts, which only makes a bar slower to come (a true loss barred later, a chance one
+        less often)."""
         gain = max(tokens * self.plain_cal - seconds / self.scale, -LEDGER_ROUND_CAP * self.plain_cal)
         name = entry if entry is not None else self.entry(name)
         self.saved[name] = self.saved.get(name, 0.0) + gain

@@ -581,6 +581,7 @@ class AutoDrafter:
         """`remaining`: the request's tokens still to generate in this round (set by the decoder)."""
         regime = "greedy" if sampler.params.greedy else "sampling"
         self._phase()
+        self.expected = None  # (the decoder measures this round's, if sampled)
         planned, self._planned = self._planned, None
         if planned is not None and planned[0] == (self.chooser.version, regime, self.remaining, k, len(self._tokens)):
             available, picked = planned[1], planned[2]  # `plan` asked of this same state (the round after a spec one)

@@ -726,8 +726,7 @@ class BatchAuto:
         opt = self.chooser.options[name]
         if here is not None and not opt.shadowed:
             opt.note_here(regime, k, accepted, here.setdefault(name, {}))
-        self.acceptance(name, regime).update(k, accepted, expected if expected is not None and len(expected) == k
-                                             else None)
+        self.acceptance(name, regime).update(k, accepted, expected)
 
     def close_row(self, here: dict) -> None:
         """A row finished: how its rounds of each model drafter did against the estimates (`update`) joins the

@@ -628,7 +628,7 @@ class AutoDrafter:
                     opt = self.chooser.options[name]
                     self.chooser.observe_catch_up(name, lag, t_draft - self.chooser.scale * opt.draft(regime)(k),
                                                   at=len(self._tokens) - 1)
-            expected, self.expected = (self.expected if k and len(self.expected or ()) == k else None), None
+            expected, self.expected = self.expected, None  # (this round's: reset by `propose`)
             self.chooser.update(name if k else None, k, len(new_tokens) - 1, regime,
                                 t_draft if steady and not building else None, None if building else now - t1,
                                 expected)

@@ -75,14 +75,21 @@ def timed_steps(g) -> float:
     return 1e3 * (time.perf_counter() - t) / n
 
 
-def second_auto(session):
-    """An auto built exactly as the session's (`strategy.Drafters.auto`), but its own."""
+def second_auto(session, **options):
+    """An auto built exactly as the session's (`strategy.Drafters.auto`: over copies of its drafters, MTP at auto's
+    depth), but its own; `options` go on to `make_auto` (e.g. trees=False)."""
+    import functools
+
+    from glimmer_mlx import strategy
+
     d = session.drafters
     first, d._auto = d._auto, None
+    build = strategy.make_auto
+    strategy.make_auto = functools.partial(build, **options)
     try:
         return d.auto()
     finally:
-        d._auto = first
+        d._auto, strategy.make_auto = first, build
 
 
 class _Every(frozenset):

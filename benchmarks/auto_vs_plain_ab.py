@@ -6,7 +6,9 @@ to plain's.
 
 Modes: ar; ar2 (plain again: an A/A control, how far two identical modes drift apart in the sitting); auto; forced
 (auto whose verify cost curve is linear, so that no drafter can ever pay: every round plain — what auto's own
-bookkeeping costs); notree (auto without its DFlash token-tree option); noledger (auto whose ledger never bars an
+bookkeeping costs); notree (auto without its DFlash token-tree option, built as auto: over copies of the drafters);
+notreeshared (the same over the session's own drafter objects, which the fixed dflash/mtp modes also drive: notree
+as the script built it before the fiftieth session); noledger (auto whose ledger never bars an
 option: what its estimates alone do); auto2 (a second auto built as the first: an A/A control for auto); emascale (auto
 with the speed scale of the sixth session: an EMA of plain tokens and unpipelined plain steps, not the median of the
 former); nocheck (auto whose speculative stretches never stop to measure plain tokens again, as in the seventh
@@ -92,9 +94,9 @@ d = s.drafters
 m.eos_token_ids = set()
 
 
-def second_auto():
-    """An auto built exactly as the session's (`strategy.Drafters.auto`), but its own."""
-    return ab_setup.second_auto(s)
+def second_auto(**options):
+    """An auto built exactly as the session's (`strategy.Drafters.auto`), but its own (`ab_setup.second_auto`)."""
+    return ab_setup.second_auto(s, **options)
 
 
 def unguarded(auto):
@@ -377,7 +379,8 @@ make = {
     "ar": lambda: None, "ar2": lambda: None, "auto": d.auto,
     "forced": lambda: make_auto(m, dflash=d.dflash, mtp=d.mtp, ngram=8,
                                 verify_costs={L: 0.005 * L for L in range(1, 17)}),
-    "notree": lambda: make_auto(m, dflash=d.dflash, mtp=d.mtp, ngram=8, trees=False),
+    "notree": lambda: second_auto(trees=False),
+    "notreeshared": lambda: make_auto(m, dflash=d.dflash, mtp=d.mtp, ngram=8, trees=False),
     "nomtp": lambda: make_auto(m, dflash=d.dflash, ngram=8),
     "linearcatch": lambda: linear_catch_up(second_auto()),
     "notenure": lambda: no_tenure(second_auto()),
@@ -522,6 +525,9 @@ if out:  # every run's seconds per token and each auto's summary, appended as on
                "ld_preload": os.environ.get("LD_PRELOAD", ""),
                "x_plain": {mo: base / sum(v) for mo, v in seconds.items()},
                "seconds_per_token": seconds,
-               "auto": {mo: dr.chooser.summary() for mo, dr in drafter.items() if hasattr(dr, "chooser")}}
+               "auto": {mo: dr.chooser.summary() for mo, dr in drafter.items() if hasattr(dr, "chooser")},
+               # what each auto measured as it was built (its draft and catch-up priors, in the calibration's seconds)
+               "built": {mo: {"draft_costs": dr.draft_costs, "catch_up": dr.catch_up}
+                         for mo, dr in drafter.items() if hasattr(dr, "draft_costs")}}
     with open(out, "a") as f:
         f.write(json.dumps(sitting) + "\n")

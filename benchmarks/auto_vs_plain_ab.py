@@ -495,14 +495,23 @@ def warmed(weight=None):
 make["warm"], make["warmfull"] = warmed, lambda: warmed(1.0)
 drafter = {mo: make[mo]() for mo in modes}
 seconds = {mo: [] for mo in modes}
+requests = []  # per request: mode, category, repeat, seconds a token, rounds (plain among them), τ; an auto's choices
 toks = {}
 for r in range(reps):
     for ci, c in enumerate(cats):
         for mo in task_order(modes, r * len(cats) + ci):
             time.sleep(SETTLE)
+            before = dict(drafter[mo].chooser.chosen) if hasattr(drafter[mo], "chooser") else None
             res = glimmer_mlx.generate(m, ids[c], max_tokens=maxt, temperature=T, seed=r, drafter=drafter[mo],
                                        block_size=8 if mo == "dflash" else None)
             seconds[mo].append(res.stats.generation_time / res.stats.generation_tokens)
+            ex = res.stats.extra
+            rec = {"mode": mo, "category": c, "rep": r, "s_token": seconds[mo][-1], "tokens": len(res.tokens),
+                   "rounds": ex.get("rounds"), "plain_rounds": ex.get("plain_rounds"), "tau": ex.get("tau")}
+            if before is not None:
+                rec["chosen"] = {f"{n}:{k}": v - before.get((n, k), 0)
+                                 for (n, k), v in drafter[mo].chooser.chosen.items() if v != before.get((n, k), 0)}
+            requests.append(rec)
             if T == 0:
                 toks.setdefault(c, res.tokens)
                 assert res.tokens == toks[c], (mo, c)
@@ -526,6 +535,7 @@ if out:  # every run's seconds per token and each auto's summary, appended as on
                "x_plain": {mo: base / sum(v) for mo, v in seconds.items()},
                "seconds_per_token": seconds,
                "auto": {mo: dr.chooser.summary() for mo, dr in drafter.items() if hasattr(dr, "chooser")},
+               "requests": requests,
                # what each auto measured as it was built (its draft and catch-up priors, in the calibration's seconds)
                "built": {mo: {"draft_costs": dr.draft_costs, "catch_up": dr.catch_up}
                          for mo, dr in drafter.items() if hasattr(dr, "draft_costs")}}

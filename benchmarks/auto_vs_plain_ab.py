@@ -57,7 +57,10 @@ before37 (auto whose ρ weighs its prior by `chooser.HERE_WEIGHT` always, not by
 differ, as before the thirty-seventh session); decay97 (auto whose model drafters' estimates fade by 0.97 a round
 of their own, as before the thirty-seventh session, not `chooser.MODEL_DECAY`); coins (auto whose estimates and ledger
 learn from what each round's uniforms decided, as before the forty-eighth session, not from what its drafts are
-accepted on average: `verify.expected_acceptance`).
+accepted on average: `verify.expected_acceptance`); wholeratio (auto whose ρ's weight is measured from each finished
+request's whole acceptance ratio squared less its sampling part, as before the fiftieth session, not from what its
+odd and even rounds share: `chooser.Option.close_here`; that measure is kept from sitting to sitting in a file of
+its own beside AB_OUT, FILE.wholeratio.json, as the learned file kept it then).
 
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
     AB_OUT=FILE ...   also appends the sitting to FILE as one JSON line (every run, each auto's summary)
@@ -355,6 +358,46 @@ def bare(auto):
     return auto
 
 
+def whole_ratio(auto):
+    """auto whose options measure how far requests differ as before the fiftieth session (`Option.close_here`): each
+    finished request's (accepted / expected − 1)² less its sampling part, weighed by the share of its ratio that was
+    its own rounds'. Its measure starts from, and is written back to, FILE.wholeratio.json beside AB_OUT (the
+    learned file, which the other autos of the sitting share, keeps the current measure)."""
+    import json
+
+    from glimmer_mlx.speculative.auto.chooser import HERE_REQUESTS
+
+    path = os.environ.get("AB_OUT", "") + ".wholeratio.json" if os.environ.get("AB_OUT") else None
+
+    def close_here(opt):
+        def close(here=None):
+            for regime, h in (opt.here if here is None else here).items():
+                if h[1] <= 0.0:
+                    continue
+                w = h[1] / (h[1] + opt.here_weight(regime))
+                n, s2, q = opt._between(regime)
+                n = min(n + w, HERE_REQUESTS)
+                s2 += w * ((h[0] / h[1] - 1.0) ** 2 - h[2] / h[1] ** 2 - s2) / n
+                q += w * (h[2] / h[1] - q) / n
+                opt.between[regime] = (n, s2, q)
+            if here is None:
+                opt.here = {}
+        return close
+
+    kept = json.loads(open(path).read()) if path and os.path.exists(path) else {}
+    for name, opt in auto.chooser.options.items():
+        opt.close_here = close_here(opt)
+        opt.between = {r: tuple(v) for r, v in kept.get(name, {}).items()}
+    auto.memory = None  # (it neither reads nor writes the learned file's measure)
+    if path:
+        import atexit
+
+        atexit.register(lambda: open(path, "w").write(json.dumps(
+            {n: {r: list(v) for r, v in o.between.items()} for n, o in auto.chooser.options.items() if o.between})))
+    auto.chooser.rescore()
+    return auto
+
+
 def coins(auto):
     """auto whose estimates and ledger learn from what each round's coins decided, as before the forty-eighth session,
     not from what its drafts are accepted on average (`verify.expected_acceptance`)."""
@@ -370,6 +413,7 @@ def coins(auto):
 
 make = {
     "coins": lambda: coins(second_auto()),
+    "wholeratio": lambda: whole_ratio(second_auto()),
     "bare": lambda: bare(second_auto()),
     "noquiet": lambda: no_quiet(second_auto()),
     "nocatchup": lambda: no_catch_up(second_auto()),

@@ -626,7 +626,7 @@ def test_a_rows_own_rounds_scale_its_estimates_and_a_row_drafting_at_a_loss_step
         ba.update("dflash", "greedy", 15, 15, here=lucky)
         pin(ba, "dflash", "greedy", 0.3)
     # against the estimates before learning (accepted, expected, their variance Σ α(1 − α))
-    assert lucky["dflash"]["greedy"] == [60.0, pytest.approx(4 * 15 * 0.3), pytest.approx(4 * 15 * 0.3 * 0.7)]
+    assert lucky["dflash"]["greedy"][:3] == [60.0, pytest.approx(4 * 15 * 0.3), pytest.approx(4 * 15 * 0.3 * 0.7)]
     assert ba.rho("dflash", "greedy", lucky) > 2.0
     k, plan = ba.choose([("greedy", 100, {"dflash": 15}, ba.rhos(lucky, "greedy"))], 0, 1, 0.0, 15)
     assert k > 0 and plan == [("dflash", k)]

@@ -397,9 +397,15 @@ MODEL_DECAY = 0.99
 # 30 % less (`--spread 0.3`), 1.166 without, 1.241 / 1.222 / 1.215
 HERE_WEIGHT = 16.0
 # ... and that weight is measured, per option and regime (`Option.here_weight`): a Bayesian ρ weighs its prior
-# by q / σ², σ² the variance of a request's acceptance ratio between requests (the mean over finished requests of
-# (accepted / expected − 1)² less its sampling part, Σ α(1 − α) / expected², each weighed by its share of what it
-# measured; `Option.close_here`) and q the sampling variance per expected draft (Σ α(1 − α) / Σ α, ~1 − α).
+# by q / σ², σ² the variance of a request's acceptance ratio between requests and q the sampling variance per
+# expected draft (Σ α(1 − α) / Σ α, ~1 − α). σ² is what a request's two interleaved halves share — the mean over
+# finished requests of (accepted / expected − 1) of its odd rounds times the same of its even rounds, each weighed by
+# its share of what it measured (`Option.close_here`): chance moves the halves apart, only what the request carries
+# throughout moves them together. (Measured as the request's whole ratio squared less its sampling part, as before
+# the fiftieth session, σ² was biased up by auto itself: a request whose opening rounds accepted little went plain
+# and ended its measure there, its ratio kept at a low swing. On the trained tiny set at T = 1 a request's first
+# half of DFlash rounds predicted nothing of its second — correlation −0.003 over 140 requests, drafting every
+# round — yet auto measured W 49 against 164-180 drafting every round, and ~30 % of its rounds went plain on ρ.)
 # Where requests accept alike σ² falls and ρ stays near 1; where they differ (prompts a drafter copies well against
 # ones it does not) ρ follows the request within a round or two. (`benchmarks/here_weight_replay.py`: on the
 # embedded model's 20 shipped prompts DFlash's requests differ little beyond chance, W stays 16-32.) From
@@ -597,12 +603,18 @@ class Option:
     def note_here(self, key: str, k: int, n_accepted: int, here: dict | None = None) -> None:
         """A round of k drafts, n accepted, in this request (before its estimates of `key` learn from it); here: a
         batch row's measure (`rho`) instead of the option's own."""
-        h = (self.here if here is None else here).setdefault(key.split("#", 1)[0], [0.0, 0.0, 0.0])
+        # [accepted, expected, their sampling variance; accepted and expected of the odd rounds; rounds]
+        h = (self.here if here is None else here).setdefault(key.split("#", 1)[0], [0.0] * 6)
         alphas = self.acceptance(key).alphas()
         tried = min(n_accepted + 1, k, self.max_k)
-        h[0] += min(n_accepted, tried)
-        h[1] += sum(alphas[:tried])
+        accepted, expected = min(n_accepted, tried), sum(alphas[:tried])
+        h[0] += accepted
+        h[1] += expected
         h[2] += sum(a * (1.0 - a) for a in alphas[:tried])
+        if h[5] % 2 == 0:  # one of the request's two interleaved halves (`close_here`)
+            h[3] += accepted
+            h[4] += expected
+        h[5] += 1
 
     def _between(self, regime: str) -> tuple[float, float, float]:
         return self.between.get(regime, (HERE_PRIOR_REQUESTS, HERE_Q / HERE_WEIGHT, HERE_Q))
@@ -615,16 +627,22 @@ class Option:
 
     def close_here(self, here: dict | None = None) -> None:
         """A request ended: what its rounds measured (`here`; a batch row's measure where given) joins the spread
-        between requests (`here_weight`), weighed by the share of its ratio that was not its prior's; the option's
-        own measure starts afresh."""
+        between requests (`here_weight`: what its odd and even rounds' ratios share), weighed by the share of its
+        ratio that was not its prior's; the option's own measure starts afresh."""
         for regime, h in (self.here if here is None else here).items():
-            if h[1] <= 0.0:
+            odd, even = h[4], h[1] - h[4]
+            if odd <= 0.0 or even <= 0.0:  # (a request of one round tells nothing of how far requests differ)
                 continue
-            w = h[1] / (h[1] + self.here_weight(regime))
+            # weighed as its halves' expected drafts multiply while few (the share of each half's ratio that was
+            # not its prior's, multiplied): the product of their surpluses has mean 0 by chance however early a
+            # request ended — its ratios' product, or its whole ratio squared, weighed as its drafts add up, had
+            # not: a request that ended early ended on a low run, both halves in it
+            half = 0.5 * self.here_weight(regime)
+            u = odd * even / ((odd + half) * (even + half))
             n, s2, q = self._between(regime)
-            n = min(n + w, HERE_REQUESTS)
-            s2 += w * ((h[0] / h[1] - 1.0) ** 2 - h[2] / h[1] ** 2 - s2) / n
-            q += w * (h[2] / h[1] - q) / n
+            n = min(n + u, HERE_REQUESTS)
+            s2 += u * ((h[3] - odd) * (h[0] - h[3] - even) / (odd * even) - s2) / n
+            q += u * (h[2] / h[1] - q) / n
             self.between[regime] = (n, s2, q)
         if here is None:
             self.here = {}

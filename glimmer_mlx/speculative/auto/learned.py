@@ -10,7 +10,9 @@ that served this target left off, its evidence counted at `RESTORE_WEIGHT` of it
 been other work: the estimates still move, and exploring can still pay).
 
 With each option's estimates goes how far its requests were measured to differ from them (`Option.here_weight`,
-its "between"), restored as it was.
+its "halves": what the odd and even rounds of its requests shared), restored as it was. A file written before the
+fiftieth session keeps that measure as "between" (a request's whole ratio squared, which auto's own plain verdicts
+biased up: `chooser.HERE_WEIGHT`); it is left unused, the estimates beside it restored as ever.
 
 Each option's entry names the drafter it was measured with (`option_fingerprint`: its kind, draft width, tree rows
 and checkpoint files): an option whose drafter changed starts from its prior again, the others keep what they
@@ -37,6 +39,7 @@ FORMAT = 1
 RESTORE_WEIGHT = 0.5  # the share of a saved estimate's evidence (beyond its prior) a new process starts with
 REMEMBER_EVERY = 10.0  # seconds between two writes of the file while decoding (`Memory.remember`)
 MAX_BYTES = 1 << 20  # a larger file is not ours (a saved state is a few kB)
+SPREAD_KEY = "halves"  # an option's entry's measure of how far its requests differ (`Option.between`)
 
 
 ENV = "GLIMMER_MLX_AUTO_LEARNED"
@@ -70,8 +73,8 @@ def option_fingerprint(drafter_fp: str, opt) -> str:
 
 
 def snapshot(chooser: AutoChooser, fingerprints: dict[str, str]) -> dict:
-    """{option: {"fingerprint", "stats": {key: {"acc", "tried", "shrink"}}[, "between": {regime: [n, σ², q]}]}} of
-    every option with a fingerprint ("between": how far its requests were measured to differ, `Option.here_weight`)."""
+    """{option: {"fingerprint", "stats": {key: {"acc", "tried", "shrink"}}[, "halves": {regime: [n, σ², q]}]}} of
+    every option with a fingerprint ("halves": how far its requests were measured to differ, `Option.here_weight`)."""
     out = {}
     for name, opt in chooser.options.items():
         fp = fingerprints.get(name)
@@ -80,23 +83,24 @@ def snapshot(chooser: AutoChooser, fingerprints: dict[str, str]) -> dict:
         out[name] = {"fingerprint": fp, "stats": {key: {"acc": list(s.acc), "tried": list(s.tried), "shrink": s.shrink}
                                                   for key, s in sorted(opt.stats.items())}}
         if opt.between:
-            out[name]["between"] = {r: list(v) for r, v in sorted(opt.between.items())}
+            out[name][SPREAD_KEY] = {r: list(v) for r, v in sorted(opt.between.items())}
     return out
 
 
 def parse_between(raw, chooser: AutoChooser, fingerprints: dict[str, str]) -> dict[tuple[str, str], tuple]:
-    """{(option, regime): (requests counted, σ², q)} of the file's "between" entries that fit the chooser's options
-    (`parse` checked the rest of the file); raises LearnedError naming the first field that is not one."""
+    """{(option, regime): (requests counted, σ², q)} of the file's "halves" entries that fit the chooser's options
+    (`parse` checked the rest of the file; an entry's "between", an earlier version's measure, is not read); raises
+    LearnedError naming the first field that is not one."""
     out = {}
     for name, entry in raw["options"].items():
         opt = chooser.options.get(name)
-        if opt is None or entry.get("fingerprint") != fingerprints.get(name) or "between" not in entry:
+        if opt is None or entry.get("fingerprint") != fingerprints.get(name) or SPREAD_KEY not in entry:
             continue
-        between = entry["between"]
+        between = entry[SPREAD_KEY]
         if not isinstance(between, dict):
-            raise LearnedError(f"options.{name}.between: not an object")
+            raise LearnedError(f"options.{name}.{SPREAD_KEY}: not an object")
         for regime, v in between.items():
-            where = f"options.{name}.between.{regime}"
+            where = f"options.{name}.{SPREAD_KEY}.{regime}"
             if regime not in ("greedy", "sampling"):
                 raise LearnedError(f"{where}: not a regime (greedy or sampling)")
             if not isinstance(v, list) or len(v) != 3 or any(

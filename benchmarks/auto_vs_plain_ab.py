@@ -59,8 +59,7 @@ of their own, as before the thirty-seventh session, not `chooser.MODEL_DECAY`); 
 learn from what each round's uniforms decided, as before the forty-eighth session, not from what its drafts are
 accepted on average: `verify.expected_acceptance`); wholeratio (auto whose ρ's weight is measured from each finished
 request's whole acceptance ratio squared less its sampling part, as before the fiftieth session, not from what its
-odd and even rounds share: `chooser.Option.close_here`; that measure is kept from sitting to sitting in a file of
-its own beside AB_OUT, FILE.wholeratio.json, as the learned file kept it then).
+odd and even rounds share: `chooser.Option.close_here`).
 
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
     AB_OUT=FILE ...   also appends the sitting to FILE as one JSON line (every run, each auto's summary)
@@ -361,13 +360,8 @@ def bare(auto):
 def whole_ratio(auto):
     """auto whose options measure how far requests differ as before the fiftieth session (`Option.close_here`): each
     finished request's (accepted / expected − 1)² less its sampling part, weighed by the share of its ratio that was
-    its own rounds'. Its measure starts from, and is written back to, FILE.wholeratio.json beside AB_OUT (the
-    learned file, which the other autos of the sitting share, keeps the current measure)."""
-    import json
-
+    its own rounds'."""
     from glimmer_mlx.speculative.auto.chooser import HERE_REQUESTS
-
-    path = os.environ.get("AB_OUT", "") + ".wholeratio.json" if os.environ.get("AB_OUT") else None
 
     def close_here(opt):
         def close(here=None):
@@ -384,17 +378,8 @@ def whole_ratio(auto):
                 opt.here = {}
         return close
 
-    kept = json.loads(open(path).read()) if path and os.path.exists(path) else {}
-    for name, opt in auto.chooser.options.items():
+    for opt in auto.chooser.options.values():
         opt.close_here = close_here(opt)
-        opt.between = {r: tuple(v) for r, v in kept.get(name, {}).items()}
-    auto.memory = None  # (it neither reads nor writes the learned file's measure)
-    if path:
-        import atexit
-
-        atexit.register(lambda: open(path, "w").write(json.dumps(
-            {n: {r: list(v) for r, v in o.between.items()} for n, o in auto.chooser.options.items() if o.between})))
-    auto.chooser.rescore()
     return auto
 
 

@@ -1695,6 +1695,8 @@ class AutoChooser:
                            for n, o in self.options.items()},
             "this_request": {n: {reg: round(o.rho(reg), 3) for reg in o.here}
                              for n, o in self.options.items() if o.here},
+            "here_weight": {n: {reg: round(o.here_weight(reg), 1) for reg in sorted(o.between)}
+                            for n, o in self.options.items() if o.between},
             "draft_cost_ms": {n: {f"k={k}": round(1000 * self.scale * o.cost(k), 3) for k in sorted({1, o.max_k})}
                               for n, o in self.options.items() if o.cost.unit is not None},
         }

@@ -59,7 +59,8 @@ of their own, as before the thirty-seventh session, not `chooser.MODEL_DECAY`); 
 learn from what each round's uniforms decided, as before the forty-eighth session, not from what its drafts are
 accepted on average: `verify.expected_acceptance`); wholeratio (auto whose ρ's weight is measured from each finished
 request's whole acceptance ratio squared less its sampling part, as before the fiftieth session, not from what its
-odd and even rounds share: `chooser.Option.close_here`).
+odd and even rounds share: `chooser.Option.close_here`); here64 (auto whose ρ starts from a weight of 64 expected
+drafts before how far requests differ is measured, not `chooser.HERE_WEIGHT`'s 16).
 
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
     AB_OUT=FILE ...   also appends the sitting to FILE as one JSON line (every run, each auto's summary)
@@ -383,6 +384,18 @@ def whole_ratio(auto):
     return auto
 
 
+def here_prior(auto, weight):
+    """auto whose model drafters' ρ starts from a weight of `weight` expected drafts (how far requests differ, before
+    any is measured: `chooser.HERE_WEIGHT`, 16), counted as `chooser.HERE_PRIOR_REQUESTS` requests."""
+    from glimmer_mlx.speculative.auto.chooser import HERE_PRIOR_REQUESTS, HERE_Q
+
+    for opt in auto.chooser.options.values():
+        if not opt.shadowed:
+            opt.between = {r: (HERE_PRIOR_REQUESTS, HERE_Q / weight, HERE_Q) for r in ("greedy", "sampling")}
+    auto.chooser.rescore()
+    return auto
+
+
 def coins(auto):
     """auto whose estimates and ledger learn from what each round's coins decided, as before the forty-eighth session,
     not from what its drafts are accepted on average (`verify.expected_acceptance`)."""
@@ -399,6 +412,7 @@ def coins(auto):
 make = {
     "coins": lambda: coins(second_auto()),
     "wholeratio": lambda: whole_ratio(second_auto()),
+    "here64": lambda: here_prior(second_auto(), 64.0),
     "bare": lambda: bare(second_auto()),
     "noquiet": lambda: no_quiet(second_auto()),
     "nocatchup": lambda: no_catch_up(second_auto()),

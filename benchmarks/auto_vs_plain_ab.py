@@ -60,7 +60,8 @@ learn from what each round's uniforms decided, as before the forty-eighth sessio
 accepted on average: `verify.expected_acceptance`); wholeratio (auto whose ρ's weight is measured from each finished
 request's whole acceptance ratio squared less its sampling part, as before the fiftieth session, not from what its
 odd and even rounds share: `chooser.Option.close_here`); here64 (auto whose ρ starts from a weight of 64 expected
-drafts before how far requests differ is measured, not `chooser.HERE_WEIGHT`'s 16).
+drafts before how far requests differ is measured, not `chooser.HERE_WEIGHT`'s 16); widest (auto whose DFlash
+chain rounds draft all the block offers whenever it chooses that chain, not the width the cost curve makes best).
 
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
     AB_OUT=FILE ...   also appends the sitting to FILE as one JSON line (every run, each auto's summary)
@@ -396,6 +397,22 @@ def here_prior(auto, weight):
     return auto
 
 
+def widest(auto):
+    """auto whose DFlash chain rounds draft as many as the drafter offers (k = block size − 1) whenever it chooses
+    DFlash's chain, whatever width the cost curve made best (a DFlash draft costs the same at any k)."""
+    ch = auto.chooser
+    choose = ch.choose
+
+    def choose_widest(available, regime="greedy", remaining=None, picked=None):
+        name, k = choose(available, regime, remaining, picked)
+        if name == "dflash":
+            k = min(available.get(name, k), ch.options[name].max_k)
+        return name, k
+
+    ch.choose = choose_widest
+    return auto
+
+
 def coins(auto):
     """auto whose estimates and ledger learn from what each round's coins decided, as before the forty-eighth session,
     not from what its drafts are accepted on average (`verify.expected_acceptance`)."""
@@ -413,6 +430,7 @@ make = {
     "coins": lambda: coins(second_auto()),
     "wholeratio": lambda: whole_ratio(second_auto()),
     "here64": lambda: here_prior(second_auto(), 64.0),
+    "widest": lambda: widest(second_auto()),
     "bare": lambda: bare(second_auto()),
     "noquiet": lambda: no_quiet(second_auto()),
     "nocatchup": lambda: no_catch_up(second_auto()),

@@ -403,9 +403,10 @@ HERE_WEIGHT = 16.0
 # its share of what it measured (`Option.close_here`): chance moves the halves apart, only what the request carries
 # throughout moves them together. (Measured as the request's whole ratio squared less its sampling part, as before
 # the fiftieth session, σ² was biased up by auto itself: a request whose opening rounds accepted little went plain
-# and ended its measure there, its ratio kept at a low swing. On the trained tiny set at T = 1 a request's first
-# half of DFlash rounds predicted nothing of its second — correlation −0.003 over 140 requests, drafting every
-# round — yet auto measured W 49 against 164-180 drafting every round, and ~30 % of its rounds went plain on ρ.)
+# and ended its measure there, its ratio kept at a low swing. Simulated — α as estimated, each request stopped once
+# its own ρ falls below 0.95 — the former measure settled at W 31-36 (256 with no request stopped), this one at
+# 93-206; on the trained tiny set at T = 1 a request's first half of DFlash rounds predicted nothing of its second,
+# correlation −0.003 over 140 requests.)
 # Where requests accept alike σ² falls and ρ stays near 1; where they differ (prompts a drafter copies well against
 # ones it does not) ρ follows the request within a round or two. (`benchmarks/here_weight_replay.py`: on the
 # embedded model's 20 shipped prompts DFlash's requests differ little beyond chance, W stays 16-32.) From

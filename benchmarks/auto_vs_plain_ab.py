@@ -363,7 +363,7 @@ def whole_ratio(auto):
     """auto whose options measure how far requests differ as before the fiftieth session (`Option.close_here`): each
     finished request's (accepted / expected − 1)² less its sampling part, weighed by the share of its ratio that was
     its own rounds'."""
-    from glimmer_mlx.speculative.auto.chooser import HERE_REQUESTS
+    from glimmer_mlx.speculative.auto.chooser import HERE_PRIOR_REQUESTS, HERE_Q, HERE_REQUESTS
 
     def close_here(opt):
         def close(here=None):
@@ -371,7 +371,7 @@ def whole_ratio(auto):
                 if h[1] <= 0.0:
                     continue
                 w = h[1] / (h[1] + opt.here_weight(regime))
-                n, s2, q = opt._between(regime)
+                n, s2, q = opt.between.get(regime, (HERE_PRIOR_REQUESTS, HERE_Q / HERE_WEIGHT, HERE_Q))
                 n = min(n + w, HERE_REQUESTS)
                 s2 += w * ((h[0] / h[1] - 1.0) ** 2 - h[2] / h[1] ** 2 - s2) / n
                 q += w * (h[2] / h[1] - q) / n

@@ -61,7 +61,8 @@ accepted on average: `verify.expected_acceptance`); wholeratio (auto whose ρ's 
 request's whole acceptance ratio squared less its sampling part, as before the fiftieth session, not from what its
 odd and even rounds share: `chooser.Option.close_here`); here64 (auto whose ρ starts from a weight of 64 expected
 drafts before how far requests differ is measured, not `chooser.HERE_WEIGHT`'s 16); widest (auto whose DFlash
-chain rounds draft all the block offers whenever it chooses that chain, not the width the cost curve makes best).
+chain rounds draft all the block offers whenever it chooses that chain, not the width the cost curve makes best);
+straight (auto whose cached cost curve is straightened to C(1) + b · (L − 1), b its least-squares slope).
 
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
     AB_OUT=FILE ...   also appends the sitting to FILE as one JSON line (every run, each auto's summary)
@@ -413,6 +414,20 @@ def widest(auto):
     return auto
 
 
+def straight_curve(auto):
+    """auto whose verify cost curve is its cached one straightened: C(L) = C(1) + b · (L − 1), b the least-squares
+    slope through every measured width (the curve's shape between widths without its steps; level, plain token and
+    the tree option's shape as measured)."""
+    ch = auto.chooser
+    c1 = ch.costs[1]
+    xs = [L - 1 for L in ch.costs if L > 1]
+    b = sum(x * (ch.costs[x + 1] - c1) for x in xs) / sum(x * x for x in xs)
+    for L in ch.costs:
+        ch.costs[L] = c1 + max(0.0, b) * (L - 1)
+    ch.rescore()
+    return auto
+
+
 def coins(auto):
     """auto whose estimates and ledger learn from what each round's coins decided, as before the forty-eighth session,
     not from what its drafts are accepted on average (`verify.expected_acceptance`)."""
@@ -431,6 +446,7 @@ make = {
     "wholeratio": lambda: whole_ratio(second_auto()),
     "here64": lambda: here_prior(second_auto(), 64.0),
     "widest": lambda: widest(second_auto()),
+    "straight": lambda: straight_curve(second_auto()),
     "bare": lambda: bare(second_auto()),
     "noquiet": lambda: no_quiet(second_auto()),
     "nocatchup": lambda: no_catch_up(second_auto()),

@@ -96,7 +96,8 @@ def test_a_new_auto_starts_where_the_last_one_left_off(tiny, tmp_path):
     old = _auto(tiny, tmp_path, log=said.append)
     assert old.chooser.options["dflash"].between == {}
     assert old.chooser.options["dflash"].here_weight("greedy") == HERE_WEIGHT
-    assert old.memory.restored == third.memory.restored > 0 and not any("not used" in x for x in said)
+    assert old.memory.restored == third.memory.restored > 0
+    assert not any(str(old.memory.path) in x and "not used" in x for x in said)  # (a cost curve's may be: load)
 
 
 def test_what_a_process_did_not_touch_is_written_back_as_the_file_had_it(tiny, tmp_path):

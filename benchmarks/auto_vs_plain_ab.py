@@ -364,7 +364,7 @@ def whole_ratio(auto):
     """auto whose options measure how far requests differ as before the fiftieth session (`Option.close_here`): each
     finished request's (accepted / expected − 1)² less its sampling part, weighed by the share of its ratio that was
     its own rounds'."""
-    from glimmer_mlx.speculative.auto.chooser import HERE_PRIOR_REQUESTS, HERE_Q, HERE_REQUESTS
+    from glimmer_mlx.speculative.auto.chooser import HERE_REQUESTS, prior_between
 
     def close_here(opt):
         def close(here=None):
@@ -372,7 +372,7 @@ def whole_ratio(auto):
                 if h[1] <= 0.0:
                     continue
                 w = h[1] / (h[1] + opt.here_weight(regime))
-                n, s2, q = opt.between.get(regime, (HERE_PRIOR_REQUESTS, HERE_Q / HERE_WEIGHT, HERE_Q))
+                n, s2, q = opt.between.get(regime) or prior_between()
                 n = min(n + w, HERE_REQUESTS)
                 s2 += w * ((h[0] / h[1] - 1.0) ** 2 - h[2] / h[1] ** 2 - s2) / n
                 q += w * (h[2] / h[1] - q) / n
@@ -389,11 +389,11 @@ def whole_ratio(auto):
 def here_prior(auto, weight):
     """auto whose model drafters' ρ starts from a weight of `weight` expected drafts (how far requests differ, before
     any is measured: `chooser.HERE_WEIGHT`, 16), counted as `chooser.HERE_PRIOR_REQUESTS` requests."""
-    from glimmer_mlx.speculative.auto.chooser import HERE_PRIOR_REQUESTS, HERE_Q
+    from glimmer_mlx.speculative.auto.chooser import prior_between
 
     for opt in auto.chooser.options.values():
         if not opt.shadowed:
-            opt.between = {r: (HERE_PRIOR_REQUESTS, HERE_Q / weight, HERE_Q) for r in ("greedy", "sampling")}
+            opt.between = {r: prior_between(weight) for r in ("greedy", "sampling")}
     auto.chooser.rescore()
     return auto
 

@@ -418,6 +418,12 @@ HERE_WEIGHT_MIN, HERE_WEIGHT_MAX = 2.0, 256.0
 HERE_Q = 0.4
 
 
+def prior_between(weight: float = HERE_WEIGHT) -> tuple[float, float, float]:
+    """(requests counted, σ², q) that an option's measure of how far requests differ starts from (`Option.between`):
+    ρ's weight `weight`, counted as HERE_PRIOR_REQUESTS requests."""
+    return HERE_PRIOR_REQUESTS, HERE_Q / weight, HERE_Q
+
+
 def scaled_alphas(alphas: list[float], rho: float | None) -> list[float]:
     """Acceptance estimates as a request's rounds measure them (`Option.rho`, None: not measured): each × ρ, at most
     0.99 where that raises it."""
@@ -618,7 +624,7 @@ class Option:
         h[5] += 1
 
     def _between(self, regime: str) -> tuple[float, float, float]:
-        return self.between.get(regime, (HERE_PRIOR_REQUESTS, HERE_Q / HERE_WEIGHT, HERE_Q))
+        return self.between.get(regime) or prior_between()
 
     def here_weight(self, regime: str) -> float:
         """ρ's weight in `regime`: q / σ² (`HERE_WEIGHT`), the expected drafts a request's rounds must have tried to

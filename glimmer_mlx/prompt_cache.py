@@ -60,8 +60,12 @@ def prefix_length(a: Sequence, b: Sequence) -> int:
 
 
 def _copy_layer(c: KVCache, offset: int | None = None) -> KVCache:
-    """A new KVCache with c's settings and positions, holding new arrays with c's valid rows (those at positions
-    < `offset`, default c.offset: a copy already rewound to `offset`, which the caller has checked is possible)."""
+    """A new KVCache with c's settings and positions whose keys/values are new array objects holding c's valid rows
+    (those at positions < `offset`, default c.offset: a copy already rewound to `offset`, which the caller has
+    checked is possible). They are slices of c's buffers, not copies of their data: an MLX array is never written in
+    place while another array shares its buffer (a slice assignment on either cache makes a new array, and writes in
+    place only into a buffer nothing else holds), so neither cache ever sees the other's writes; the rows are copied
+    once, when the copy first grows or is written into the batch's buffer, instead of twice."""
     offset = c.offset if offset is None else offset
     out = KVCache(window=c.window, max_rewind=c.max_rewind, first_position=c.origin)
     out.start, out.offset = c.start, offset
@@ -69,24 +73,22 @@ def _copy_layer(c: KVCache, offset: int | None = None) -> KVCache:
         out.step = c.step
     if c.keys is not None:
         rows = offset - c.start
-        # mx.array(...) of a slice is a new array object; eval now so the copy does not keep c's buffers alive
-        # through a lazy graph (slice assignment on either cache then never touches the other)
-        out.keys = mx.contiguous(mx.array(c.keys[..., :rows, :]))
-        out.values = mx.contiguous(mx.array(c.values[..., :rows, :]))
+        out.keys, out.values = c.keys[..., :rows, :], c.values[..., :rows, :]
     return out
 
 
 def copy_cache(cache: list[KVCache], offset: int | None = None) -> list[KVCache]:
     """An independent copy of `cache`: new KVCache objects (same window, max_rewind, origin, start and offset)
-    whose keys/values are new, evaluated arrays holding only the valid rows, so appending to or rewinding the copy
-    never changes the original, nor the other way round. offset: copy as if rewound to that position first (only
-    the rows below it are copied); raises CacheRewindError (changing nothing) if that rewind is impossible."""
+    whose keys/values are new arrays holding only the valid rows (`_copy_layer`: slices sharing the original's
+    buffers, which MLX never writes in place while shared), so appending to or rewinding the copy never changes the
+    original, nor the other way round. Nothing is computed: a prompt-cache hit on a long conversation no longer
+    copies its K/V on the model thread before the row's prefill copies them again. offset: copy as if rewound to
+    that position first (only the rows below it are kept); raises CacheRewindError (changing nothing) if that rewind
+    is impossible."""
     if offset is not None:
         for c in cache:
             c.check_rewind(c.offset - offset)
-    out = [_copy_layer(c, offset) for c in cache]
-    mx.eval([a for c in out for a in c.state])
-    return out
+    return [_copy_layer(c, offset) for c in cache]
 
 
 def min_keep(cache: list[KVCache]) -> int:

@@ -62,7 +62,9 @@ request's whole acceptance ratio squared less its sampling part, as before the f
 odd and even rounds share: `chooser.Option.close_here`); here64 (auto whose ρ starts from a weight of 64 expected
 drafts before how far requests differ is measured, not `chooser.HERE_WEIGHT`'s 16); widest (auto whose DFlash
 chain rounds draft all the block offers whenever it chooses that chain, not the width the cost curve makes best);
-straight (auto whose cached cost curve is straightened to C(1) + b · (L − 1), b its least-squares slope).
+straight (auto whose cached cost curve is straightened to C(1) + b · (L − 1), b its least-squares slope); readfirst
+(auto whose sampled chain rounds read what their drafts are accepted on average before the verify, as before the
+fifty-first session: `engine.AutoDecoder.sampled`).
 
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
     AB_OUT=FILE ...   also appends the sitting to FILE as one JSON line (every run, each auto's summary)
@@ -84,6 +86,8 @@ from ab_setup import args, never_models, session_and_prompts
 from glimmer_mlx.bench.runner import task_order
 from glimmer_mlx.speculative.auto import make_auto
 from glimmer_mlx.speculative.auto.chooser import HERE_WEIGHT, LEDGER_FLOOR, SWITCH_HORIZON
+from glimmer_mlx.speculative.engine import AutoDecoder
+from glimmer_mlx.speculative.verify import expected_acceptance
 
 T, reps, maxt = args()
 modes = sys.argv[4].split(",") if len(sys.argv) > 4 else ["ar", "auto"]
@@ -441,8 +445,30 @@ def coins(auto):
     return auto
 
 
+def read_first(auto):
+    """auto whose sampled chain rounds read what their drafts are accepted on average before the verify, as before the
+    fifty-first session (p's evaluation a wait of its own), not after it from p and q evaluated with it
+    (`engine.AutoDecoder.sampled`)."""
+    auto.read_first = True
+    return auto
+
+
+_sampled = AutoDecoder.sampled
+
+
+def sampled(self, p, q, drafts):
+    if getattr(self.drafter, "read_first", False):
+        self.drafter.expected = expected_acceptance(p, q, drafts)
+    else:
+        _sampled(self, p, q, drafts)
+
+
+AutoDecoder.sampled = sampled
+
+
 make = {
     "coins": lambda: coins(second_auto()),
+    "readfirst": lambda: read_first(second_auto()),
     "wholeratio": lambda: whole_ratio(second_auto()),
     "here64": lambda: here_prior(second_auto(), 64.0),
     "widest": lambda: widest(second_auto()),

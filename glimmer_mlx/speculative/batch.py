@@ -266,9 +266,11 @@ class Row:
                 n, nxt = verify_greedy(logits, self.drafts, self.sampler, self.history)
             else:
                 pd = target_distribution(logits, self.sampler, self.history, self.drafts)
-                if self.options is not None:  # (before the verify: it then reads the evaluated p)
-                    self.expected = expected_acceptance(pd, self.q, self.drafts)
+                if self.options is not None:  # p and q evaluated with the verify, read after it (`AutoDecoder.sampled`)
+                    mx.async_eval(pd) if self.q is None else mx.async_eval(pd, self.q)
                 n, nxt = verify_sampling(pd, self.q, self.drafts, self.sampler)
+                if self.options is not None:
+                    self.expected = expected_acceptance(pd, self.q, self.drafts)
             new = self.drafts[:n] + [nxt]
         self.history.extend(new)
         if drafters:

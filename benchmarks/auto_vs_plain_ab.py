@@ -639,8 +639,12 @@ if out:  # every run's seconds per token and each auto's summary, appended as on
                "seconds_per_token": seconds,
                "auto": {mo: dr.chooser.summary() for mo, dr in drafter.items() if hasattr(dr, "chooser")},
                "requests": requests,
-               # what each auto measured as it was built (its draft and catch-up priors, in the calibration's seconds)
-               "built": {mo: {"draft_costs": dr.draft_costs, "catch_up": dr.catch_up}
+               # what each auto measured as it was built (its draft and catch-up priors, in the calibration's seconds;
+               # whether its cost curve was the cached one, or why that was measured again)
+               "built": {mo: {"draft_costs": dr.draft_costs, "catch_up": dr.catch_up,
+                              "calibration": {k: v for k, v in dr.calibration.items()
+                                              if k in ("cached", "replaced", "checked_plain_token_s",
+                                                       "checked_shape")}}
                          for mo, dr in drafter.items() if hasattr(dr, "draft_costs")}}
     with open(out, "a") as f:
         f.write(json.dumps(sitting) + "\n")

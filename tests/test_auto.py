@@ -911,6 +911,9 @@ def test_a_stale_cached_calibration_is_measured_again(tiny, tmp_path, monkeypatc
     monkeypatch.setattr(cal, "check_plain_token", lambda m, cache=None: plain / 2.5)
     _, info2 = load_or_calibrate(model, (1,), 4)
     assert not info2["cached"] and calls == [1]
+    # why, kept with the curve measured instead (a bench's JSON carries it)
+    assert "plain token" in info2["replaced"] and info2["checked_plain_token_s"] == plain / 2.5
+    assert "replaced" not in load_or_calibrate(model, (1,), 4, recalibrate=True)[1]
 
 
 def test_a_cached_calibration_with_the_wrong_shape_is_measured_again(tiny, tmp_path, monkeypatch):

@@ -186,12 +186,17 @@ def load_or_calibrate(model, taps, max_len: int, *, directory=None, recalibrate:
     """The verify cost curve for this machine and model, from the cache file or measured now (then cached).
 
     Returns ({L: seconds}, info) with info = {"path", "cached", "machine", "model", "context", "plain_token_s"}
-    (plain_token_s: seconds per token of pipelined plain decoding, measured with the curve)."""
+    (plain_token_s: seconds per token of pipelined plain decoding, measured with the curve) and, where a cached curve
+    was measured again, "replaced": why it was not used (with the checks measured: `cached_problem`). On the 2-core
+    VM here a process's check replaced the cached curve twice in one session with no other load, unlogged; the
+    curves measured then differed from each other by more than their checks would (`glimmer bench` keeps this
+    info in its JSON)."""
     d = Path(directory) if directory is not None else cache_dir()
     machine, mod = machine_fingerprint(), model_fingerprint(model)
     taps = sorted(int(t) for t in taps)
     path = d / f"costs-{machine}-{mod}-taps{'_'.join(map(str, taps)) or 'none'}.json"
     info = {"path": str(path), "machine": machine, "model": mod, "context": CALIBRATION_CONTEXT}
+    replaced = {}  # why a cached curve was not used, and what was measured: kept with what is measured instead
     if path.exists() and not recalibrate:
         try:
             raw = json.loads(path.read_text())
@@ -206,6 +211,7 @@ def load_or_calibrate(model, taps, max_len: int, *, directory=None, recalibrate:
                 if problem is None:
                     return costs, {**info, "cached": True, "plain_token_s": plain, "wide_forward_s": wide,
                                    **measured}
+                replaced = {"replaced": problem, **measured}
                 if log:  # measured while the machine was busy (or on other hardware): the whole curve is suspect
                     log(f"the cached calibration is not used: {problem}; measuring it again")
         except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
@@ -219,7 +225,7 @@ def load_or_calibrate(model, taps, max_len: int, *, directory=None, recalibrate:
                                    "costs_s": {str(L): c for L, c in costs.items()}, "plain_token_s": plain,
                                    "plain_taps": False, "wide_forward_s": wide},
                                   indent=2))
-    return costs, {**info, "cached": False, "plain_token_s": plain, "wide_forward_s": wide}
+    return costs, {**info, "cached": False, "plain_token_s": plain, "wide_forward_s": wide, **replaced}
 
 
 

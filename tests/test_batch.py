@@ -1680,11 +1680,11 @@ def test_a_new_auto_row_carries_the_drafters_the_batch_s_choice_could_take(ba):
 
 
 def test_a_carries_answer_holds_a_few_steps_while_its_estimates_stand(ba, monkeypatch):
-    """`BatchAuto.carries` (asked per model drafter at every auto row's join) keeps its answer for `EXPLORE_EVERY`
+    """`BatchAuto.carries` (asked per model drafter at every auto row's join) keeps its answer for `CARRIES_HOLD`
     steps while the drafter's estimates, the batch's size, the row's budget and ρ stand: the rows of a burst join on
     the same question. Catches: no memo (every join scores the phases' scenarios again), a memo that ignores an
     estimate change (a drafter pinned to nothing stays carried) or the batch's size, one that never expires."""
-    from glimmer_mlx.speculative.auto.batch import EXPLORE_EVERY
+    from glimmer_mlx.speculative.auto.batch import CARRIES_HOLD
 
     ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # flat: verification is free
     ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}
@@ -1701,9 +1701,12 @@ def test_a_carries_answer_holds_a_few_steps_while_its_estimates_stand(ba, monkey
     assert not ba.carries("dflash", "greedy", 4, 64) and len(asked) == 4
     ba.curve = {n: 0.01 * n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}  # the step costs alone moved ...
     pin(ba, "dflash", "greedy", 0.0)
-    assert not ba.carries("dflash", "greedy", 4, 64) and len(asked) == 4  # ... held until EXPLORE_EVERY steps
-    for _ in range(EXPLORE_EVERY):
+    assert not ba.carries("dflash", "greedy", 4, 64) and len(asked) == 4  # ... held until CARRIES_HOLD steps
+    for _ in range(CARRIES_HOLD - 1):
         ba.elapse(0.01)
+    ba.carries("dflash", "greedy", 4, 64)
+    assert len(asked) == 4
+    ba.elapse(0.01)
     ba.carries("dflash", "greedy", 4, 64)
     assert len(asked) == 5
 

@@ -296,7 +296,8 @@ class AutoDecoder(SpeculativeDecoder):
         Read before the verify, as it was until the fifty-first session, p's evaluation was a wait of its own on
         the model's forward, the verify's arithmetic queued only after it: auto's 7-draft DFlash rounds on the trained
         tiny set at T = 1 verified in 5.05-5.45 ms against 4.90 for the fixed DFlash mode's, 4.91-4.94 this way
-        (medians, one process, /tmp script)."""
+        (medians, one process, /tmp script); throughput level over 16 A/B sittings (`readfirst`): the wait moved out
+        of the verify window, which prices the option's verify factor, rather than out of the round."""
         mx.async_eval(p) if q is None else mx.async_eval(p, q)
         self._expect = (p, q, drafts)
 

@@ -64,7 +64,8 @@ drafts before how far requests differ is measured, not `chooser.HERE_WEIGHT`'s 1
 chain rounds draft all the block offers whenever it chooses that chain, not the width the cost curve makes best);
 straight (auto whose cached cost curve is straightened to C(1) + b · (L − 1), b its least-squares slope); readfirst
 (auto whose sampled chain rounds read what their drafts are accepted on average before the verify, as before the
-fifty-first session: `engine.AutoDecoder.sampled`).
+fifty-first session: `engine.AutoDecoder.sampled`); medcost (auto whose verify and drafting factors are the medians
+of their latest 16 rounds' measures, not EMAs).
 
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
     AB_OUT=FILE ...   also appends the sitting to FILE as one JSON line (every run, each auto's summary)
@@ -445,6 +446,51 @@ def coins(auto):
     return auto
 
 
+def median_costs(auto, window: int = 16):
+    """auto whose verify factors and drafting factors are the medians of their latest `window` rounds' measures (the
+    value they started from counting as one until the window is full), not EMAs: a few rounds in a slow moment of
+    the machine no longer move them, as the speed scale (a median of plain tokens) is not moved by a few slow
+    plain tokens."""
+    from collections import deque
+    ch = auto.chooser
+    wins = {}
+
+    def med(key, start, x):
+        st, w = wins.setdefault(key, (start, deque(maxlen=window)))
+        w.append(x)
+        return statistics.median(list(w) + ([st] if len(w) < window else []))
+
+    observe_round = ch._observe_round
+
+    def observe(name, k, n_accepted, regime, draft_time, verify_time, expected=None):
+        opt = ch.options.get(name) if name is not None else None
+        shared = ch.verify_factor.get(regime, 1.0)
+        own = None if opt is None else opt.verify_factor.get(regime, shared)
+        observe_round(name, k, n_accepted, regime, draft_time, verify_time, expected)
+        if verify_time is None or name is None or k == 0:
+            return
+        L = k + 1 if opt is None else opt.verify_rows(k)
+        if ch.costs.get(L, 0.0) <= 0:
+            return
+        x = verify_time / (ch.scale * ch.costs[L])
+        if opt is None or opt.rows is None:
+            ch.verify_factor[regime] = med(("shared", regime), shared, x)
+        if opt is not None:
+            opt.verify_factor[regime] = med((name, regime), own, x)
+
+    ch._observe_round = observe
+    for name, opt in ch.options.items():
+        for which, dc in (("greedy", opt.cost), ("sampling", opt.sampling_cost)):
+            if dc is None or not dc._shaped():
+                continue
+
+            def draft_observe(k, seconds, dc=dc, key=(name, which, "draft")):
+                dc.unit = med(key, 1.0 if dc.unit is None else dc.unit, seconds / (dc.fixed + dc.per_draft * k))
+
+            dc.observe = draft_observe
+    return auto
+
+
 def read_first(auto):
     """auto whose sampled chain rounds read what their drafts are accepted on average before the verify, as before the
     fifty-first session (p's evaluation a wait of its own), not after it from p and q evaluated with it
@@ -469,6 +515,7 @@ AutoDecoder.sampled = sampled
 make = {
     "coins": lambda: coins(second_auto()),
     "readfirst": lambda: read_first(second_auto()),
+    "medcost": lambda: median_costs(second_auto()),
     "wholeratio": lambda: whole_ratio(second_auto()),
     "here64": lambda: here_prior(second_auto(), 64.0),
     "widest": lambda: widest(second_auto()),

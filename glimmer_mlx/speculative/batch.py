@@ -267,7 +267,7 @@ class Row:
             else:
                 pd = target_distribution(logits, self.sampler, self.history, self.drafts)
                 if self.options is not None:  # p and q evaluated with the verify, read after it (`AutoDecoder.sampled`)
-                    mx.async_eval(pd) if self.q is None else mx.async_eval(pd, self.q)
+                    mx.async_eval([a for a in (pd, self.q) if a is not None])
                 n, nxt = verify_sampling(pd, self.q, self.drafts, self.sampler)
                 if self.options is not None:
                     self.expected = expected_acceptance(pd, self.q, self.drafts)

@@ -89,7 +89,7 @@ class MTPDrafter:
         row that continues it while the entry keeps its own)."""
         d = copy.copy(self)
         if self.caches is not None:
-            d.caches = [copy_cache([c])[0] for c in self.caches]  # depths hold different positions
+            d.caches = copy_cache(self.caches)  # (each depth copied at its own position)
             d.saved, d.tokens = list(self.saved), list(self.tokens)
         return d  # main (its pieces: a tuple of arrays, never written in place) is shared
 

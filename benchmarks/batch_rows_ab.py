@@ -19,7 +19,9 @@ every model drafter: what carrying costs); stale (auto as before the twenty-eigh
 `STALE_ROUNDS` steps whatever the margin a stretch was chosen by, `BatchAuto.stale_after`, and no credit re-priced by a
 check, `BatchAuto._confirm`); warm (auto started from what another auto learned over AB_LEARN runs, default 16, of
 the same rows before the A/B — as a process does from what the last one kept, `speculative.auto.learned`); warmfull
-(the same at the whole weight of what the teacher measured, not half). Every other
+(the same at the whole weight of what the teacher measured, not half); uncapped (auto whose plain step of B rows is
+priced by B rows' own steps alone, as before the fifty-second session, not at most a larger row count's price:
+`BatchAuto.plain_price`). Every other
 auto starts cold (`ab_setup`).
 With AB_SET=DIR the trained tiny set (`bench_tiny_set.py`: its target, DFlash drafter and MTP layers; the prompts
 byte-encoded as `glimmer bench` does, no EOS: every row runs its 64 tokens) instead of the embedded model.
@@ -123,6 +125,9 @@ auto_batch.BatchAuto.carries = lambda self, *a, **k: (
     False if self.variant in ("ngauto", "plainngauto") else True if self.variant == "plaincarry"
     else carries(self, *a, **k))
 asks, pick = auto_batch.BatchAuto.asks, auto_batch.BatchAuto._pick
+plain_price = auto_batch.BatchAuto.plain_price
+auto_batch.BatchAuto.plain_price = lambda self, rows: (
+    self.plain_by_rows.get(rows) if self.variant == "uncapped" else plain_price(self, rows))
 auto_batch.BatchAuto._pick = lambda self, rows, *a: (
     (0, [(None, 0)] * len(rows)) if self.variant == "quietplain" else pick(self, rows, *a))
 auto_batch.BatchAuto.asks = lambda self: True if self.variant == "eager" else asks(self)

@@ -835,6 +835,36 @@ def test_a_speculative_step_is_priced_in_plain_steps_of_its_rows(ba):
     assert ba.relative[1][9] == pytest.approx(2.4, rel=1e-3)  # (kept in plain steps of its rows)
 
 
+def test_a_plain_step_of_fewer_rows_is_never_priced_above_one_of_more(ba):
+    """A row count's first plain steps may be slow ones (the step after a row left, a stretch's wake), and a stretch
+    prices no plain step after them: on the embedded model at N = 2 the 1-row plain step was priced 7.0 ms beside the
+    2-row one's 5.9, its steps taking ~4.4, and the lone row drafted DFlash at a loss on that price. A plain step of
+    fewer rows is priced at most a larger row count's (`BatchAuto.plain_price`), and what its speculative shapes cost
+    is kept in plain steps of that price (`relative`); a price below the larger one's is its own. Catches: each row
+    count's own price alone, and the 1-row DFlash step that then looks like a win."""
+    from glimmer_mlx.speculative.auto.batch import StepChoice
+    from glimmer_mlx.speculative.auto.chooser import ENTER_GAIN
+
+    ba.curve = {n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+    ba.measured, ba.ratio, ba.plain_by_rows = {}, None, {}
+    pin(ba, "dflash", "greedy", 0.5)  # ~2 tokens a round at any width
+    for _ in range(40):
+        ba.observe(2, 0.0059, spec=False, rows=2)
+    for _ in range(3):  # a lone row's first plain steps, slow ones
+        ba.observe(1, 0.0070, spec=False, rows=1)
+    assert ba.plain_by_rows[1] == pytest.approx(0.0070)
+    assert ba.step_cost(1, rows=1) == pytest.approx(0.0059) and ba.plain_price(2) == pytest.approx(0.0059)
+    for _ in range(40):  # its verifies of 2-9 positions: 12.4 ms, 2.1 plain steps at the cap's price (1.8 at 7.0)
+        for L in range(2, 10):
+            ba.observe(L, 0.0124, spec=True, rows=1)
+    assert ba.relative[1][9] == pytest.approx(0.0124 / 0.0059, rel=1e-3)
+    step = StepChoice(ba, [("greedy", 100, {"dflash": 8})], 0, 1, 0.0, 8)
+    assert not step.best()[1] > step.plain_rate * (1 + ENTER_GAIN)  # ~2 tokens for 2.1 plain steps: plain
+    for _ in range(40):  # its own price, once below the larger one's, is its own
+        ba.observe(1, 0.0044, spec=False, rows=1)
+    assert ba.step_cost(1, rows=1) == pytest.approx(0.0044)
+
+
 def test_a_row_counts_first_speculative_steps_are_priced_by_the_nearest_row_counts_shapes(ba):
     """A speculative shape (rows, L) not run yet is priced by the same width's cost in plain steps at the nearest row
     count that ran it (`BatchAuto._relative_prior`), times this row count's plain price — not by the solo

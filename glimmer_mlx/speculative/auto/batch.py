@@ -297,7 +297,7 @@ class BatchAuto:
         positions each), from the steps measured with as many rows (`plain_by_rows`) once a plain one is among them."""
         m = self.measured
         if rows:
-            price = self.plain_by_rows.get(rows)
+            price = self.plain_price(rows)
             if price is not None:
                 if n == rows:  # a plain step of rows already priced: its price (what the rest gives, at a fraction of
                     return price  # the work; asked every step of a batch, `speculative.batch._observe`)
@@ -308,6 +308,18 @@ class BatchAuto:
                 return self._unpriced_plain(rows)
         floor = max((t for k, t in m.items() if k < n), default=0.0)  # more positions never cost less
         return max(floor, self._interpolated(n, m, plain=rows if rows and price is not None else None))
+
+    def plain_price(self, rows: int) -> float | None:
+        """The price of a plain step of `rows` rows (`observe`; None: none priced yet), at most that of any larger row
+        count's: a step of fewer rows never costs more. A row count's first plain steps may be slow ones — the step
+        after a row left the batch, a stretch's wake — and its price, the median of the few it has, stays there while
+        a stretch prices no plain step: on the embedded model at N = 2 the 1-row plain step was priced 7.0 ms (the
+        2-row one 5.9) where 1-row plain steps took ~4.4, and the lone row drafted DFlash at a loss on that price
+        (`benchmarks/batch_rows_ab.py`, `uncapped`)."""
+        own = self.plain_by_rows.get(rows)
+        if own is None:
+            return own
+        return min([own] + [p for b, p in self.plain_by_rows.items() if b > rows])
 
     def _relative_prior(self, rows: int) -> dict[int, float]:
         """{L: a speculative shape's cost in plain steps} measured at the nearest other row count, for the widths
@@ -388,7 +400,7 @@ class BatchAuto:
             if spec or n != rows:
                 if rows in self.plain_by_rows:  # in plain steps of these rows: what `step_cost` multiplies them by
                     rel = self.relative.setdefault(rows, {})
-                    rel[n // rows] = robust_ema(rel.get(n // rows), seconds / self.plain_by_rows[rows], EMA)
+                    rel[n // rows] = robust_ema(rel.get(n // rows), seconds / self.plain_price(rows), EMA)
                 # (before one is priced, a step measured against the stand-in price, `_unpriced_plain` — the
                 # calibration at the solo chooser's scale, 0.55-0.7 of what a fresh server's first plain steps then
                 # took — went on being read against the real price once one came: a 1-row 2-position step costing
@@ -432,7 +444,7 @@ class BatchAuto:
             del self._unconfirmed[rows]
         elif fresh >= CHECK_SAMPLES:
             del self._unconfirmed[rows]
-            extra = u[0] - u[1] * self.plain_by_rows[rows]
+            extra = u[0] - u[1] * self.plain_price(rows)
             if extra > 0.0:
                 self.saved -= extra
 

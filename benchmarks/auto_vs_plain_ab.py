@@ -65,7 +65,9 @@ chain rounds draft all the block offers whenever it chooses that chain, not the 
 straight (auto whose cached cost curve is straightened to C(1) + b · (L − 1), b its least-squares slope); readfirst
 (auto whose sampled chain rounds read what their drafts are accepted on average before the verify, as before the
 fifty-first session: `engine.AutoDecoder.sampled`); medcost (auto whose verify and drafting factors are the medians
-of their latest 16 rounds' measures, not EMAs).
+of their latest 16 rounds' measures, not EMAs); warmfree (auto whose plain forwards keep a model drafter's taps
+while its rate in step beats plain, not its rate with the catch-up it has now: `AutoChooser.paying`; tried in the
+fifty-second session, level).
 
     python benchmarks/auto_vs_plain_ab.py T REPS [MAX_TOKENS [MODES]]     e.g. 1 20 96 ar,ar2,forced,auto
     AB_OUT=FILE ...   also appends the sitting to FILE as one JSON line (every run, each auto's summary)
@@ -86,7 +88,7 @@ import ab_setup
 from ab_setup import args, never_models, session_and_prompts
 from glimmer_mlx.bench.runner import task_order
 from glimmer_mlx.speculative.auto import make_auto
-from glimmer_mlx.speculative.auto.chooser import HERE_WEIGHT, LEDGER_FLOOR, SWITCH_HORIZON
+from glimmer_mlx.speculative.auto.chooser import ENTER_GAIN, HERE_WEIGHT, LEDGER_FLOOR, SWITCH_HORIZON
 from glimmer_mlx.speculative.engine import AutoDecoder
 from glimmer_mlx.speculative.verify import expected_acceptance
 
@@ -491,6 +493,21 @@ def median_costs(auto, window: int = 16):
     return auto
 
 
+def warm_free(auto):
+    """auto whose plain forwards keep a model drafter's taps while its rate in step (no switch, no catch-up) beats
+    plain by `chooser.ENTER_GAIN`, not its rate with the catch-up it has now (`AutoChooser.paying`)."""
+    ch = auto.chooser
+
+    def paying(regime="greedy", remaining=None, among=None):
+        ch.set_horizon(remaining)
+        bar = (1 + ENTER_GAIN) / ch.plain_cal
+        return frozenset(n for n in ch.options if (among is None or n in among) and ch.entry(n) not in ch.barred
+                         and ch._leaders(n, regime, True)[-1][1] > bar)
+
+    ch.paying = paying
+    return auto
+
+
 def read_first(auto):
     """auto whose sampled chain rounds read what their drafts are accepted on average before the verify, as before the
     fifty-first session (p's evaluation a wait of its own), not after it from p and q evaluated with it
@@ -516,6 +533,7 @@ make = {
     "coins": lambda: coins(second_auto()),
     "readfirst": lambda: read_first(second_auto()),
     "medcost": lambda: median_costs(second_auto()),
+    "warmfree": lambda: warm_free(second_auto()),
     "wholeratio": lambda: whole_ratio(second_auto()),
     "here64": lambda: here_prior(second_auto(), 64.0),
     "widest": lambda: widest(second_auto()),

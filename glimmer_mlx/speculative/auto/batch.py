@@ -318,7 +318,7 @@ class BatchAuto:
         (`benchmarks/batch_rows_ab.py`, `uncapped`)."""
         own = self.plain_by_rows.get(rows)
         if own is None:
-            return own
+            return None
         return min([own] + [p for b, p in self.plain_by_rows.items() if b > rows])
 
     def _relative_prior(self, rows: int) -> dict[int, float]:

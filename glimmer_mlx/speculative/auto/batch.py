@@ -341,7 +341,7 @@ class BatchAuto:
         like a win, and with no plain step ever priced no check came (`check_due`)."""
         if self.plain_by_rows:
             b = nearest(rows, list(self.plain_by_rows))
-            return self.plain_by_rows[b] * self.calibrated(rows) / self.calibrated(b)
+            return self.plain_price(b) * self.calibrated(rows) / self.calibrated(b)
         return self.calibrated(rows) * self.chooser.scale
 
     def _interpolated(self, n: int, m: dict[int, float], plain: int | None = None) -> float:
